@@ -1,0 +1,39 @@
+# phalanx: `make demo` and `make test` each create .venv if missing and install the project.
+PYTHON ?= python3
+VENV ?= .venv
+TORCH ?= torch==2.13.0
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.phalanx-installed
+
+.PHONY: demo test lint format bench clean install
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet "$(TORCH)"
+	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/phalanx train configs/digits_cnn.toml --nproc 2
+
+test: $(STAMP)
+	$(BIN)/ruff check src tests examples
+	$(BIN)/ruff format --check src tests examples
+	$(BIN)/python -m pytest -q tests
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests examples
+	$(BIN)/ruff format --check src tests examples
+
+format: $(STAMP)
+	$(BIN)/ruff format src tests examples
+	$(BIN)/ruff check --fix src tests examples
+
+bench: $(STAMP)
+	$(BIN)/phalanx bench exchange --nproc 2
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .ruff_cache

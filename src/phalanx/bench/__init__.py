@@ -1,0 +1,1 @@
+"""``phalanx bench`` targets: each runs phalanx and the PyTorch baseline in one invocation."""

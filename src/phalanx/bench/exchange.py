@@ -1,0 +1,7 @@
+"""placeholder"""
+
+import argparse
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    pass

@@ -1,0 +1,169 @@
+"""The ``phalanx`` command: ``train``, ``bench``.
+
+User mistakes print one line and exit with code 2 (``--debug`` shows the traceback); a failed
+worker exits 1 with the rank and its error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from phalanx.errors import PhalanxError, WorkerError
+
+PROG = "phalanx"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not hasattr(args, "handler"):
+        parser.print_help()
+        sys.exit(2)
+    sys.exit(_run_guarded(args.handler, args))
+
+
+def _run_guarded(handler: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
+    in_worker = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    try:
+        return handler(args)
+    except (PhalanxError, ValueError) as e:
+        if args.debug:
+            raise
+        _report(e, in_worker)
+        return 1 if isinstance(e, WorkerError) else 2
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:
+        if args.debug or not in_worker:
+            raise
+        _report(e, in_worker)
+        return 1
+
+
+def _report(error: BaseException, in_worker: bool) -> None:
+    message = str(error) if isinstance(error, PhalanxError) else f"{type(error).__name__}: {error}"
+    if in_worker:  # the launcher reads this file to name the rank and the error
+        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+        ErrorHandler().record_exception(error)
+        print(f"{PROG}: rank {os.environ['RANK']}: {message}", file=sys.stderr)
+    else:
+        print(f"{PROG}: error: {message}", file=sys.stderr)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+    parser.add_argument("--debug", action="store_true", help="show tracebacks")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _add_train(commands)
+    _add_bench(commands)
+    return parser
+
+
+def _add_launch_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--nproc", type=int, default=1, help="worker processes on this node")
+    p.add_argument("--nnodes", type=int, default=1, help="number of machines")
+    p.add_argument("--node-rank", type=int, default=0, help="this machine's index")
+    p.add_argument("--master-addr", default="127.0.0.1", help="address of node 0")
+    p.add_argument("--master-port", type=int, default=0, help="port on node 0 (0: pick one)")
+
+
+def _add_train(commands: argparse._SubParsersAction) -> None:
+    p = commands.add_parser("train", help="train a model from a TOML config")
+    p.add_argument("config", nargs="?", help="TOML config (optional with --resume)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR")
+    p.add_argument("--run-dir", help="run directory (default: runs/<config>-<time>)")
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
+    _add_launch_flags(p)
+    p.set_defaults(handler=cmd_train)
+
+
+def _add_bench(commands: argparse._SubParsersAction) -> None:
+    p = commands.add_parser("bench", help="benchmarks against the PyTorch baseline")
+    targets = p.add_subparsers(dest="target", metavar="TARGET", required=True)
+    from phalanx.bench import exchange
+
+    exchange.add_arguments(targets.add_parser("exchange", help="phalanx Engine vs torch DDP"))
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from phalanx import checkpoint
+    from phalanx.config import config_from_data, load_config
+
+    if args.config is None and args.resume is None:
+        raise PhalanxError("train needs a CONFIG file or --resume RUN_DIR")
+    if args.config is not None:
+        config = load_config(args.config, args.set)
+    else:
+        config = config_from_data(_saved_config(Path(args.resume)), args.set)
+    run_dir = Path(args.resume or args.run_dir or config.train.run_dir or _default_run_dir(args))
+    in_worker = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if args.resume and not in_worker:
+        checkpoint.load(run_dir / "checkpoints")  # fail early, before any worker starts
+    if in_worker or (args.nproc == 1 and args.nnodes == 1):
+        return _train_here(config, run_dir, bool(args.resume), quiet=in_worker and _launched())
+    return _train_launched(args, run_dir)
+
+
+def _train_here(config: object, run_dir: Path, resume: bool, quiet: bool) -> int:
+    from phalanx.trainer import Trainer
+
+    trainer = Trainer(config, run_dir, resume=resume)  # type: ignore[arg-type]
+    summary = trainer.run()
+    if trainer.ctx.is_main and not quiet:
+        _print_summary(summary)
+    return 0
+
+
+def _train_launched(args: argparse.Namespace, run_dir: Path) -> int:
+    from phalanx.runtime.launch import LaunchSpec, launch
+
+    spec = LaunchSpec(
+        nproc=args.nproc,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
+        debug=args.debug,
+    )
+    worker_args = ["train"] + ([args.config] if args.config else [])
+    for item in args.set:
+        worker_args += ["--set", item]
+    worker_args += ["--resume", str(run_dir)] if args.resume else ["--run-dir", str(run_dir)]
+    os.environ["PHALANX_LAUNCHED"] = "1"
+    launch(spec, worker_args)
+    if args.node_rank == 0:
+        _print_summary(json.loads((run_dir / "summary.json").read_text(encoding="utf-8")))
+    return 0
+
+
+def _launched() -> bool:
+    return os.environ.get("PHALANX_LAUNCHED") == "1"
+
+
+def _saved_config(run_dir: Path) -> dict:
+    path = run_dir / "config.json"
+    if not path.is_file():
+        raise PhalanxError(f"--resume {run_dir}: no config.json there (not a run directory)")
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def _default_run_dir(args: argparse.Namespace) -> str:
+    stem = Path(args.config).stem if args.config else "run"
+    return str(Path("runs") / f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}")
+
+
+def _print_summary(summary: dict) -> None:
+    print(
+        f"final validation accuracy {summary['val_accuracy']:.4f} | "
+        f"{summary['samples_per_s']:,.0f} samples/s on {summary['world_size']} process(es) | "
+        f"{summary['steps']} steps | run directory {summary['run_dir']}"
+    )

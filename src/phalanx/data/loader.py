@@ -1,0 +1,74 @@
+"""Disjoint per-rank batches of an in-memory training set, deterministic per epoch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from phalanx.errors import DataError
+
+
+@dataclass
+class Position:
+    """Where the loader is: the epoch and the next step within it."""
+
+    epoch: int = 0
+    step: int = 0
+
+
+class ShardedBatches:
+    """Each step draws one global batch (batch_size x world_size samples) from the epoch's
+    permutation; rank r takes the r-th contiguous slice, so ranks are disjoint and together
+    see exactly what one process with the global batch would see. Incomplete global batches at
+    the end of an epoch are dropped.
+
+    Yields x (batch_size, ...) and y (batch_size,) on the CPU.
+    """
+
+    def __init__(
+        self,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        batch_size: int,
+        rank: int,
+        world_size: int,
+        seed: int = 0,
+        shuffle: bool = True,
+    ) -> None:
+        self.x, self.y = x, y
+        self.batch_size = batch_size
+        self.rank, self.world_size = rank, world_size
+        self.seed, self.shuffle = seed, shuffle
+        self.global_batch = batch_size * world_size
+        self.steps_per_epoch = len(x) // self.global_batch
+        if self.steps_per_epoch == 0:
+            raise DataError(
+                f"data.batch_size: global batch {self.global_batch} ({batch_size} x "
+                f"{world_size} ranks) exceeds the {len(x)} training samples"
+            )
+        self.position = Position()
+        self._order = self._permutation(0)
+
+    def _permutation(self, epoch: int) -> torch.Tensor:
+        if not self.shuffle:
+            return torch.arange(len(self.x))
+        generator = torch.Generator().manual_seed(self.seed + epoch)
+        return torch.randperm(len(self.x), generator=generator)
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next batch of this rank; advances the position (and the epoch at its end)."""
+        if self.position.step >= self.steps_per_epoch:
+            self.position = Position(self.position.epoch + 1, 0)
+            self._order = self._permutation(self.position.epoch)
+        start = self.position.step * self.global_batch + self.rank * self.batch_size
+        index = self._order[start : start + self.batch_size]
+        self.position.step += 1
+        return self.x[index], self.y[index]
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.position.epoch, "step": self.position.step}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.position = Position(int(state["epoch"]), int(state["step"]))
+        self._order = self._permutation(self.position.epoch)

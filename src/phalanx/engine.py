@@ -1,0 +1,197 @@
+"""Engine: one synchronous data-parallel training step with exchange overlapped with backward."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from phalanx.errors import ConfigError
+from phalanx.exchange.base import OptimizerFactory, Strategy, make_strategy
+from phalanx.exchange.buckets import GradientBuckets
+from phalanx.metrics import PhaseTimer, StepStats
+from phalanx.runtime.context import Context, current_context
+
+LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
+
+
+class Engine:
+    """Wraps a model, a loss and an optimizer factory; ``step`` trains on one batch.
+
+    Phases of ``step(inputs, targets)`` (inputs: (B, ...) on any device; targets: (B, ...)):
+      Phase 1: zero the gradient buckets; split the batch into ``accumulate_steps`` micro-batches.
+      Phase 2: forward + backward per micro-batch; on the last one, backward hooks hand each full
+        bucket to the exchange strategy while backward continues (overlap, F8).
+      Phase 3: launch the buckets unused parameters held back; agree across ranks which
+        parameters got a gradient at all (globally unused ones keep ``grad = None``).
+      Phase 4: wait for the exchange (the exposed part is ``stats.exchange_s``).
+      Phase 5: update (the strategy applies the optimizer).
+    Parameters and buffers are broadcast from rank 0 at construction so all replicas start equal.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        loss_fn: LossFn,
+        optimizer: OptimizerFactory,
+        *,
+        exchange: str | Strategy = "allreduce",
+        bucket_mb: float = 25.0,
+        compress: str | None = None,
+        accumulate_steps: int = 1,
+        broadcast_buffers: bool = True,
+        context: Context | None = None,
+    ) -> None:
+        if compress not in (None, "none"):
+            raise ConfigError(f"compress: got {compress!r}; allowed: none")
+        if bucket_mb <= 0:
+            raise ConfigError(f"bucket_mb: must be > 0, got {bucket_mb}")
+        if accumulate_steps < 1:
+            raise ConfigError(f"accumulate_steps: must be >= 1, got {accumulate_steps}")
+        self.ctx = context or current_context()
+        self.module = model.to(self.ctx.device)
+        self.loss_fn = loss_fn
+        self.accumulate_steps = accumulate_steps
+        self.broadcast_buffers = broadcast_buffers and any(True for _ in model.buffers())
+        self.strategy = make_strategy(exchange)
+        self.stats = StepStats()
+        self.num_steps = 0
+        self._broadcast_state()
+        self.trainable = [p for p in self.module.parameters() if p.requires_grad]
+        self.buckets = GradientBuckets(
+            self.trainable, int(bucket_mb * 2**20), launch=self.strategy.launch
+        )
+        self.strategy.setup(self.ctx, self.buckets.buckets)
+        self.optimizer = self.strategy.build_optimizer(self.trainable, optimizer)
+        self._timer = PhaseTimer(self.ctx.device)
+
+    # -- the step -----------------------------------------------------------------------------
+    def step(self, inputs: Any, targets: torch.Tensor) -> torch.Tensor:
+        """Train on one batch; returns this rank's mean loss (a detached 0-dim tensor)."""
+        timer = self._timer
+        timer.start()
+        self.module.train()
+        # Phase 1: zero buckets; split into micro-batches.
+        self.buckets.zero()
+        self.strategy.begin_step()
+        micro = self._split(self._to_device(inputs), self._to_device(targets))
+        total_loss = torch.zeros((), device=self.ctx.device)
+        # Phase 2: forward/backward; only the last micro-step launches the exchange.
+        for i, (x, y) in enumerate(micro):
+            if self.broadcast_buffers and i == 0:
+                self._broadcast_buffers()
+            loss = self.loss_fn(self.module(x), y) / len(micro)
+            timer.mark("forward")
+            self.buckets.arm(launch=i == len(micro) - 1)
+            loss.backward()
+            timer.mark("backward")
+            total_loss += loss.detach()
+        # Phase 3: launch held-back buckets; agree on which parameters were used anywhere.
+        launched_in_backward = sum(b.launched for b in self.buckets.buckets)
+        self.buckets.flush()
+        used = self._global_usage()
+        # Phase 4: wait for the exchange.
+        self.strategy.finish()
+        self._detach_unused_grads(used)
+        timer.mark("exchange")
+        # Phase 5: update.
+        self.strategy.update(self.optimizer)
+        timer.mark("optimizer")
+        self._record(timer.read(), launched_in_backward)
+        self._maybe_rebuild_buckets()
+        self.num_steps += 1
+        return total_loss
+
+    def _split(self, inputs: Any, targets: torch.Tensor) -> list[tuple[Any, torch.Tensor]]:
+        k = self.accumulate_steps
+        if k == 1:
+            return [(inputs, targets)]
+        if targets.shape[0] % k:
+            raise ValueError(
+                f"batch of {targets.shape[0]} does not split into accumulate_steps={k} equal parts"
+            )
+        return list(zip(torch.chunk(inputs, k), torch.chunk(targets, k)))
+
+    def _to_device(self, x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.device != self.ctx.device:
+            return x.to(self.ctx.device, non_blocking=True)
+        return x
+
+    def _global_usage(self) -> torch.Tensor:
+        """Which parameters got a gradient on any rank: (num_params,) int32, summed over ranks.
+
+        Queued behind the buckets, so it costs one small message, not a round trip of its own.
+        """
+        used = self.buckets.used.to(self.ctx.device)
+        dist.all_reduce(used, group=self.ctx.group)
+        return used
+
+    def _detach_unused_grads(self, used: torch.Tensor) -> None:
+        if bool(used.all()):
+            return
+        for p, flag in zip(self.buckets.params, used.tolist()):
+            if not flag:  # no rank produced a gradient: leave it None, as one process would
+                p.grad = None
+
+    def _record(self, phases: dict[str, float], launched_in_backward: int) -> None:
+        self.stats = StepStats(
+            forward_s=phases.get("forward", 0.0),
+            backward_s=phases.get("backward", 0.0),
+            exchange_s=phases.get("exchange", 0.0),
+            optimizer_s=phases.get("optimizer", 0.0),
+            step_s=sum(phases.values()),
+            bytes_sent=self.strategy.bytes_sent,
+            bytes_received=self.strategy.bytes_received,
+            num_buckets=len(self.buckets.buckets),
+            buckets_launched_in_backward=launched_in_backward,
+        )
+
+    def _maybe_rebuild_buckets(self) -> None:
+        """After the first step, re-order buckets by the observed backward order (rank 0's).
+
+        Every rank takes part in the broadcast on step 0 whatever it observed, so ranks that
+        saw different unused parameters still agree on one layout.
+        """
+        if self.num_steps != 0:
+            return
+        seen = self.buckets.ready_order
+        seen_set = set(seen)
+        missing = [i for i in reversed(range(len(self.trainable))) if i not in seen_set]
+        order = torch.tensor(seen + missing, dtype=torch.int64, device=self.ctx.device)
+        dist.broadcast(order, src=0, group=self.ctx.group)
+        observed = order.tolist()
+        expected = list(reversed(range(len(self.trainable))))
+        if observed != expected:
+            self.buckets.build(observed)
+            self.strategy.setup(self.ctx, self.buckets.buckets)
+
+    # -- state --------------------------------------------------------------------------------
+    def _broadcast_state(self) -> None:
+        with torch.no_grad():
+            for tensor in [*self.module.parameters(), *self.module.buffers()]:
+                dist.broadcast(tensor.data, src=0, group=self.ctx.group)
+
+    def _broadcast_buffers(self) -> None:
+        with torch.no_grad():
+            for buffer in self.module.buffers():
+                dist.broadcast(buffer, src=0, group=self.ctx.group)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.module.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "strategy": self.strategy.state_dict(),
+            "num_steps": self.num_steps,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.strategy.load_state_dict(state.get("strategy", {}))
+        self.num_steps = int(state.get("num_steps", 0))
+
+    def close(self) -> None:
+        """Remove the backward hooks (the model can then be used without the Engine)."""
+        self.buckets.remove_hooks()

@@ -1,0 +1,27 @@
+"""Error types. User mistakes raise these (one-line messages); internal invariants use assert."""
+
+from __future__ import annotations
+
+
+class PhalanxError(Exception):
+    """Base class of every error phalanx raises for a user-facing problem."""
+
+
+class ConfigError(PhalanxError, ValueError):
+    """A config file, override or argument is wrong; the message names the key path."""
+
+
+class CheckpointError(PhalanxError):
+    """A checkpoint is missing, corrupted or does not match the run."""
+
+
+class DataError(PhalanxError, ValueError):
+    """A data source or data file is wrong."""
+
+
+class WorkerError(PhalanxError):
+    """A worker process (rank) failed; the message names the rank and the cause."""
+
+    def __init__(self, rank: int, message: str) -> None:
+        super().__init__(f"rank {rank} failed: {message}")
+        self.rank = rank

@@ -1,0 +1,14 @@
+"""Gradient exchange: buckets filled during backward, strategies registered by name."""
+
+from phalanx.exchange import allreduce  # noqa: F401  (registers "allreduce")
+from phalanx.exchange.base import STRATEGIES, ExchangeConfig, Strategy, make_strategy
+from phalanx.exchange.buckets import Bucket, GradientBuckets
+
+__all__ = [
+    "STRATEGIES",
+    "Bucket",
+    "ExchangeConfig",
+    "GradientBuckets",
+    "Strategy",
+    "make_strategy",
+]

@@ -1,0 +1,97 @@
+"""The Strategy protocol of gradient exchange, its registry and its Config.
+
+A Strategy receives full buckets during backward and makes every rank end the step with the
+same updated parameters. The Engine calls, per step:
+  Phase 1: ``launch(bucket)`` for each bucket, in bucket order, as backward fills them;
+  Phase 2: ``finish()`` once backward returned and every bucket was launched: afterwards each
+    bucket's ``flat`` holds the gradient averaged over ranks (strategies that update at shard
+    owners may instead leave it untouched and do the work in ``update``);
+  Phase 3: ``update(optimizer)``: apply the update (default: ``optimizer.step()``).
+Strategies never see model code; the Engine never branches on a strategy's name.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from phalanx.exchange.buckets import Bucket
+from phalanx.fields import option, require
+from phalanx.registry import Registry
+from phalanx.runtime.context import Context
+
+OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
+
+
+@dataclass(kw_only=True)
+class ExchangeConfig:
+    """How gradients travel between ranks."""
+
+    strategy: str = option("allreduce", "registered exchange strategy name")
+    bucket_mb: float = option(25.0, "fusion threshold in MiB: a bucket launches when this full")
+
+    def __post_init__(self) -> None:
+        import phalanx.exchange  # noqa: F401  (registers the built-in strategies)
+
+        require(
+            self.strategy in STRATEGIES,
+            "strategy",
+            f"unknown strategy {self.strategy!r}; known: {', '.join(STRATEGIES.names())}",
+        )
+        require(self.bucket_mb > 0, "bucket_mb", f"must be > 0, got {self.bucket_mb}")
+
+
+class Strategy(ABC):
+    """Base class of exchange strategies (see the module docstring for the phases)."""
+
+    def __init__(self) -> None:
+        self.ctx: Context | None = None
+        self.bytes_sent = 0  # this step, counted by the strategy
+        self.bytes_received = 0
+
+    def setup(self, ctx: Context, buckets: list[Bucket]) -> None:
+        """Called once the buckets exist, and again whenever they are rebuilt."""
+        self.ctx = ctx
+
+    def build_optimizer(
+        self, params: list[torch.nn.Parameter], factory: OptimizerFactory
+    ) -> torch.optim.Optimizer:
+        """The optimizer over ``params`` (sharded strategies build it on their shard)."""
+        return factory(params)
+
+    def begin_step(self) -> None:
+        """Reset per-step counters before the first launch of a step."""
+        self.bytes_sent = 0
+        self.bytes_received = 0
+
+    @abstractmethod
+    def launch(self, bucket: Bucket) -> None:
+        """Phase 1: start exchanging ``bucket.flat`` (do not block on the network)."""
+
+    @abstractmethod
+    def finish(self) -> None:
+        """Phase 2: wait for every launched exchange of this step."""
+
+    def update(self, optimizer: torch.optim.Optimizer) -> None:
+        """Phase 3: apply the update on every rank."""
+        optimizer.step()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        del state
+
+
+STRATEGIES: Registry[Strategy] = Registry("exchange strategy")
+
+
+def make_strategy(spec: str | Strategy) -> Strategy:
+    """A Strategy from a registry name or an instance (returned as is)."""
+    if isinstance(spec, Strategy):
+        return spec
+    return STRATEGIES.get(spec)()

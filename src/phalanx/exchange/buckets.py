@@ -1,0 +1,189 @@
+"""Fusion buckets filled by backward hooks (F8, F11).
+
+Gradients of trainable parameters live in flat per-bucket buffers (one dtype and device per
+bucket). Each parameter's ``.grad`` is a view into its bucket, so autograd accumulates straight
+into the buffer and no copy is needed after the first step.
+
+Phases of one step, as seen from here:
+  Phase 1 (arm): zero the buffers, clear the per-step flags.
+  Phase 2 (backward): a post-accumulate-grad hook marks the parameter ready; when a bucket's last
+    parameter is ready, it and every ready bucket after the last launched one are handed to the
+    exchange, strictly in bucket order so all ranks issue collectives in the same order.
+  Phase 3 (flush): after backward returns, buckets not yet launched (unused parameters) are
+    launched in order with zeros where gradients are missing.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+FIRST_BUCKET_BYTES = 1 << 20  # a small first bucket starts communication early, as DDP does
+
+
+@dataclass
+class Bucket:
+    """One fusion buffer. ``flat``: 1-D, the dtype and device of its parameters."""
+
+    index: int
+    params: list[torch.nn.Parameter]
+    flat: torch.Tensor
+    views: list[torch.Tensor]
+    offsets: list[int]
+    num_pending: int = 0
+    ready: bool = False
+    launched: bool = False
+    launch_time: float = 0.0
+    pending_grads_at_launch: int = 0  # parameters of the model still waiting for backward
+    extra: dict = field(default_factory=dict)  # strategy-owned per-bucket state
+
+    @property
+    def nbytes(self) -> int:
+        return self.flat.numel() * self.flat.element_size()
+
+
+def plan_buckets(
+    params: Sequence[torch.nn.Parameter], bucket_bytes: int, first_bucket_bytes: int
+) -> list[list[int]]:
+    """Split parameters (given in expected backward order) into buckets of about bucket_bytes.
+
+    Returns lists of indices into ``params``. A bucket holds one dtype and device; the first
+    bucket is capped at ``first_bucket_bytes`` so the first exchange starts early.
+    """
+    groups: list[list[int]] = []
+    size = 0
+    cap = min(first_bucket_bytes, bucket_bytes)
+    for i, p in enumerate(params):
+        nbytes = p.numel() * p.element_size()
+        same_kind = bool(groups) and _kind(params[groups[-1][0]]) == _kind(p)
+        if groups and same_kind and size + nbytes <= cap:
+            groups[-1].append(i)
+            size += nbytes
+            continue
+        if groups:
+            cap = bucket_bytes
+        groups.append([i])
+        size = nbytes
+    return groups
+
+
+def _kind(p: torch.Tensor) -> tuple[torch.dtype, torch.device]:
+    return (p.dtype, p.device)
+
+
+class GradientBuckets:
+    """Owns the buckets of a model's trainable parameters and the hooks that fill them."""
+
+    def __init__(
+        self,
+        params: Sequence[torch.nn.Parameter],
+        bucket_bytes: int,
+        launch: Callable[[Bucket], None],
+        first_bucket_bytes: int = FIRST_BUCKET_BYTES,
+    ) -> None:
+        # Hooks fire in backward order, which is roughly the reverse of registration order.
+        self.params = list(params)
+        self.bucket_bytes = bucket_bytes
+        self.first_bucket_bytes = first_bucket_bytes
+        self._launch = launch
+        self._position = {id(p): i for i, p in enumerate(self.params)}
+        self.used = torch.zeros(len(self.params), dtype=torch.int32)
+        self.ready_order: list[int] = []
+        self.launch_enabled = False
+        self._next_launch = 0
+        self._num_pending_total = 0
+        self.buckets: list[Bucket] = []
+        self._bucket_of: dict[int, tuple[int, int]] = {}
+        self.build(list(reversed(range(len(self.params)))))
+        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
+
+    # -- layout -------------------------------------------------------------------------------
+    def build(self, order: list[int]) -> None:
+        """(Re)build buckets with parameters in ``order`` (indices into self.params)."""
+        assert sorted(order) == list(range(len(self.params))), "order must be a permutation"
+        ordered = [self.params[i] for i in order]
+        self.buckets = []
+        self._bucket_of = {}
+        for b, group in enumerate(
+            plan_buckets(ordered, self.bucket_bytes, self.first_bucket_bytes)
+        ):
+            members = [ordered[i] for i in group]
+            self.buckets.append(self._make_bucket(b, members))
+            for slot, p in enumerate(members):
+                self._bucket_of[id(p)] = (b, slot)
+
+    def _make_bucket(self, index: int, members: list[torch.nn.Parameter]) -> Bucket:
+        total = sum(p.numel() for p in members)
+        flat = torch.zeros(total, dtype=members[0].dtype, device=members[0].device)
+        views, offsets, offset = [], [], 0
+        for p in members:
+            view = flat[offset : offset + p.numel()].view_as(p)
+            if p.grad is not None:  # keep gradients across a rebuild
+                view.copy_(p.grad)
+                p.grad = view
+            views.append(view)
+            offsets.append(offset)
+            offset += p.numel()
+        return Bucket(index=index, params=members, flat=flat, views=views, offsets=offsets)
+
+    # -- per step -----------------------------------------------------------------------------
+    def zero(self) -> None:
+        """Phase 1: zero gradient buffers and usage flags before the first micro-step."""
+        for bucket in self.buckets:
+            bucket.flat.zero_()
+            for p, view in zip(bucket.params, bucket.views):
+                p.grad = view
+        self.used.zero_()
+
+    def arm(self, launch: bool) -> None:
+        """Before a micro-step's backward: whether completed buckets launch their exchange."""
+        self.launch_enabled = launch
+        self.ready_order = []
+        self._next_launch = 0
+        self._num_pending_total = len(self.params)
+        for bucket in self.buckets:
+            bucket.num_pending = len(bucket.params)
+            bucket.ready = bucket.launched = False
+
+    def _on_grad(self, p: torch.nn.Parameter) -> None:
+        """Phase 2: runs inside backward, right after autograd accumulated ``p.grad``."""
+        b, slot = self._bucket_of[id(p)]
+        bucket = self.buckets[b]
+        view = bucket.views[slot]
+        if p.grad is not view:  # first accumulation after grad was None, or a user reset it
+            if p.grad.data_ptr() != view.data_ptr():
+                view.copy_(p.grad)
+            p.grad = view
+        position = self._position[id(p)]
+        self.used[position] = 1
+        self.ready_order.append(position)
+        self._num_pending_total -= 1
+        bucket.num_pending -= 1
+        if bucket.num_pending == 0:
+            bucket.ready = True
+            if self.launch_enabled:
+                self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        while self._next_launch < len(self.buckets) and self.buckets[self._next_launch].ready:
+            self._launch_bucket(self.buckets[self._next_launch])
+
+    def _launch_bucket(self, bucket: Bucket) -> None:
+        bucket.launched = True
+        bucket.launch_time = time.perf_counter()
+        bucket.pending_grads_at_launch = self._num_pending_total
+        self._next_launch += 1
+        self._launch(bucket)
+
+    def flush(self) -> None:
+        """Phase 3: after backward, launch the buckets that unused parameters held back."""
+        while self._next_launch < len(self.buckets):
+            self._launch_bucket(self.buckets[self._next_launch])
+
+    def remove_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []

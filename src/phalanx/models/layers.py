@@ -1,0 +1,138 @@
+"""Model config (F6, first half): a registry of layer types assembled in order into a network.
+
+A config lists layers as tables, each with a ``type`` and that torch layer's constructor
+arguments; arguments are checked against the constructor's signature when the config loads.
+
+    [[model.layers]]
+    type = "conv2d"
+    in_channels = 1
+    out_channels = 32
+    kernel_size = 3
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from phalanx.fields import ConfigValueError, option, require
+from phalanx.registry import Registry
+
+LAYERS: Registry[nn.Module] = Registry("layer type")
+
+
+class LSTMLayer(nn.LSTM):
+    """``nn.LSTM`` that returns only the output sequence (B, T, H), so layers can follow it."""
+
+    def __init__(self, input_size: int, hidden_size: int, **kwargs: Any) -> None:
+        kwargs.setdefault("batch_first", True)
+        super().__init__(input_size, hidden_size, **kwargs)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        output, _ = super().forward(x)
+        return output
+
+
+for _name, _cls in {
+    "linear": nn.Linear,
+    "conv1d": nn.Conv1d,
+    "conv2d": nn.Conv2d,
+    "relu": nn.ReLU,
+    "gelu": nn.GELU,
+    "tanh": nn.Tanh,
+    "sigmoid": nn.Sigmoid,
+    "maxpool2d": nn.MaxPool2d,
+    "avgpool2d": nn.AvgPool2d,
+    "adaptiveavgpool2d": nn.AdaptiveAvgPool2d,
+    "flatten": nn.Flatten,
+    "dropout": nn.Dropout,
+    "layernorm": nn.LayerNorm,
+    "batchnorm": nn.BatchNorm2d,
+    "batchnorm1d": nn.BatchNorm1d,
+    "batchnorm2d": nn.BatchNorm2d,
+    "embedding": nn.Embedding,
+    "lstm": LSTMLayer,
+    "identity": nn.Identity,
+}.items():
+    LAYERS.register(_name)(_cls)
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """The network: a built-in model by ``name`` (with ``options``), or a list of ``layers``."""
+
+    name: str = option("", "built-in model (see phalanx.models.MODELS); empty when layers given")
+    options: dict = option(factory=dict, doc="keyword arguments of the built-in model")
+    layers: list[dict] = option(factory=list, doc="layer tables: type + constructor arguments")
+
+    def __post_init__(self) -> None:
+        from phalanx.models.zoo import MODELS
+
+        require(
+            bool(self.name) != bool(self.layers),
+            "name",
+            "give exactly one of model.name or model.layers",
+        )
+        if self.name:
+            require(
+                self.name in MODELS,
+                "name",
+                f"unknown model {self.name!r}; known: {', '.join(MODELS.names())}",
+            )
+            _check_arguments(MODELS.get(self.name), self.options, "options")
+        for i, spec in enumerate(self.layers):
+            _check_layer(spec, f"layers[{i}]")
+
+
+def _check_layer(spec: dict, key: str) -> None:
+    layer_type = spec.get("type")
+    require(isinstance(layer_type, str), f"{key}.type", "missing layer type")
+    require(
+        layer_type in LAYERS,
+        f"{key}.type",
+        f"unknown layer type {layer_type!r}; known: {', '.join(LAYERS.names())}",
+    )
+    args = {k: v for k, v in spec.items() if k != "type"}
+    _check_arguments(LAYERS.get(layer_type), args, key)
+
+
+def _check_arguments(factory: Callable[..., Any], args: dict, key: str) -> None:
+    signature = inspect.signature(factory)
+    accepted = [
+        name
+        for name, p in signature.parameters.items()
+        if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and name not in ("device", "dtype")
+    ]
+    takes_kwargs = any(p.kind == p.VAR_KEYWORD for p in signature.parameters.values())
+    for name in args:
+        if name not in accepted and not takes_kwargs:
+            raise ConfigValueError(
+                f"{key}.{name}", f"unknown argument; allowed: {', '.join(accepted)}"
+            )
+    try:
+        signature.bind(**args)
+    except TypeError as e:
+        raise ConfigValueError(key, f"{e}; allowed arguments: {', '.join(accepted)}") from None
+
+
+def build_layers(layers: list[dict]) -> nn.Sequential:
+    """An ``nn.Sequential`` of the configured layers, in order."""
+    modules = []
+    for spec in layers:
+        args = {k: v for k, v in spec.items() if k != "type"}
+        modules.append(LAYERS.get(spec["type"])(**args))
+    return nn.Sequential(*modules)
+
+
+def build_model(config: ModelConfig) -> nn.Module:
+    """The nn.Module a ModelConfig describes."""
+    if config.layers:
+        return build_layers(config.layers)
+    from phalanx.models.zoo import MODELS
+
+    return MODELS.get(config.name)(**config.options)

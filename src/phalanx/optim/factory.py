@@ -1,0 +1,56 @@
+"""Optimizer factories from config: ``params -> torch.optim.Optimizer``, registered by name."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+
+from phalanx.fields import option, require
+from phalanx.registry import Registry
+
+Factory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
+OPTIMIZERS: Registry[torch.optim.Optimizer] = Registry("optimizer")
+
+
+@dataclass(kw_only=True)
+class OptimizerConfig:
+    """The optimizer and its hyper-parameters (unused ones are ignored by optimizers without)."""
+
+    name: str = option("sgd", "registered optimizer: sgd, adam, adamw")
+    lr: float = option(0.05, "learning rate")
+    momentum: float = option(0.9, "SGD momentum")
+    weight_decay: float = option(0.0, "L2 penalty (decoupled for adamw)")
+
+    def __post_init__(self) -> None:
+        require(
+            self.name in OPTIMIZERS,
+            "name",
+            f"unknown optimizer {self.name!r}; known: {', '.join(OPTIMIZERS.names())}",
+        )
+        require(self.lr > 0, "lr", f"must be > 0, got {self.lr}")
+        require(0 <= self.momentum < 1, "momentum", f"must be in [0, 1), got {self.momentum}")
+        require(self.weight_decay >= 0, "weight_decay", f"must be >= 0, got {self.weight_decay}")
+
+
+@OPTIMIZERS.register("sgd")
+def _sgd(config: OptimizerConfig) -> Factory:
+    return functools.partial(
+        torch.optim.SGD, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay
+    )
+
+
+@OPTIMIZERS.register("adam")
+def _adam(config: OptimizerConfig) -> Factory:
+    return functools.partial(torch.optim.Adam, lr=config.lr, weight_decay=config.weight_decay)
+
+
+@OPTIMIZERS.register("adamw")
+def _adamw(config: OptimizerConfig) -> Factory:
+    return functools.partial(torch.optim.AdamW, lr=config.lr, weight_decay=config.weight_decay)
+
+
+def make_optimizer_factory(config: OptimizerConfig) -> Factory:
+    return OPTIMIZERS.get(config.name)(config)

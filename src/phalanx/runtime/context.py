@@ -1,0 +1,157 @@
+"""``phalanx.init()``: join the process group, bind one device per process (F1), return a Context.
+
+One code path for every world size: a world of one is a real single-rank process group (on an
+in-memory store), so collectives, buckets and strategies run the same code everywhere.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import os
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+
+from phalanx.fields import option, require
+
+Backend = Literal["auto", "gloo", "nccl"]
+DeviceKind = Literal["auto", "cpu", "cuda"]
+
+
+@dataclass(kw_only=True)
+class RuntimeConfig:
+    """How a process joins the group and which device it drives."""
+
+    backend: Backend = option("auto", "collective backend; auto = nccl for CUDA, gloo for CPU")
+    device: DeviceKind = option("auto", "auto = cuda:LOCAL_RANK when CUDA is available, else cpu")
+    threads: int = option(1, "intra-op threads per CPU process (0 = leave torch's default)")
+    timeout_s: float = option(300.0, "collective timeout in seconds; a dead peer fails after it")
+
+    def __post_init__(self) -> None:
+        require(self.threads >= 0, "threads", f"must be >= 0, got {self.threads}")
+        require(self.timeout_s > 0, "timeout_s", f"must be > 0, got {self.timeout_s}")
+
+
+@dataclass(frozen=True)
+class Context:
+    """Where this process sits: its rank, the world, its device and the backend in use."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+    group: dist.ProcessGroup
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def barrier(self) -> None:
+        dist.barrier(group=self.group)
+
+    def shutdown(self) -> None:
+        shutdown()
+
+    def __enter__(self) -> Context:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        shutdown()
+
+
+_CONTEXT: Context | None = None
+
+
+def current_context() -> Context:
+    """The Context of ``init()``; calls ``init()`` with defaults if nothing joined yet."""
+    return _CONTEXT if _CONTEXT is not None else init()
+
+
+def init(
+    config: RuntimeConfig | None = None,
+    *,
+    init_method: str | None = None,
+    rank: int | None = None,
+    world_size: int | None = None,
+) -> Context:
+    """Join the process group and bind this process's device.
+
+    Reads RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT as set by ``phalanx train``,
+    ``torchrun`` or any launcher; without them (and without ``init_method``) runs as a world of
+    one. Calling it again returns the existing Context.
+    """
+    global _CONTEXT
+    if _CONTEXT is not None:
+        return _CONTEXT
+    config = config or RuntimeConfig()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = _pick_device(config.device, local_rank)
+    backend = _pick_backend(config.backend, device)
+    if device.type == "cpu" and config.threads > 0:
+        torch.set_num_threads(config.threads)
+    if not dist.is_initialized():
+        _join_group(backend, config.timeout_s, init_method, rank, world_size)
+    group = dist.group.WORLD
+    assert group is not None
+    _CONTEXT = Context(
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        local_rank=local_rank,
+        device=device,
+        backend=dist.get_backend(),
+        group=group,
+    )
+    atexit.register(shutdown)
+    return _CONTEXT
+
+
+def shutdown() -> None:
+    """Destroy the process group (idempotent); runs at exit and when a Context is closed."""
+    global _CONTEXT
+    _CONTEXT = None
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _pick_device(kind: str, local_rank: int) -> torch.device:
+    if kind == "cpu" or (kind == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RuntimeError("runtime.device = 'cuda' but CUDA is not available in this process")
+    if local_rank >= torch.cuda.device_count():
+        raise RuntimeError(
+            f"LOCAL_RANK {local_rank} has no GPU: only {torch.cuda.device_count()} visible"
+        )
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
+
+
+def _pick_backend(name: str, device: torch.device) -> str:
+    if name != "auto":
+        return name
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def _join_group(
+    backend: str,
+    timeout_s: float,
+    init_method: str | None,
+    rank: int | None,
+    world_size: int | None,
+) -> None:
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if init_method is not None:
+        assert rank is not None and world_size is not None, "init_method needs rank and world_size"
+        dist.init_process_group(
+            backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timeout
+        )
+    elif "WORLD_SIZE" in os.environ and "RANK" in os.environ:
+        dist.init_process_group(backend, init_method="env://", timeout=timeout)
+    else:  # a world of one: same code path, a store in memory
+        dist.init_process_group(
+            backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+        )

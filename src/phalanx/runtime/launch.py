@@ -1,0 +1,90 @@
+"""Start local workers through torch's elastic launcher (the engine behind ``torchrun``).
+
+Each worker runs ``python -m phalanx <args>`` with RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
+MASTER_PORT set, exactly as under ``torchrun``, so one entry point serves both. Several machines
+use the static rendezvous: every node gets the same ``--nnodes``, ``--master-addr`` and
+``--master-port`` and its own ``--node-rank``.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import sys
+import uuid
+from dataclasses import dataclass
+
+from phalanx.errors import WorkerError
+
+
+@dataclass(kw_only=True)
+class LaunchSpec:
+    """Where the workers of one run come from."""
+
+    nproc: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0  # 0: pick a free port (single node only)
+    threads: int = 1  # OMP_NUM_THREADS of each worker
+    debug: bool = False
+
+    def __post_init__(self) -> None:
+        if self.nproc < 1:
+            raise ValueError(f"--nproc must be >= 1, got {self.nproc}")
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"--node-rank must be in [0, {self.nnodes}), got {self.node_rank}")
+        if self.nnodes > 1 and self.master_port == 0:
+            raise ValueError("--master-port is required with --nnodes > 1")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def launch(spec: LaunchSpec, module_args: list[str]) -> None:
+    """Run ``python -m phalanx *module_args`` in spec.nproc workers on this node; wait for all.
+
+    Raises WorkerError naming the first failed rank and its error; the launcher stops the
+    remaining workers when one fails, so nothing waits for a dead peer.
+    """
+    import os
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    if not spec.debug:
+        logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    port = spec.master_port or free_port(spec.master_addr)
+    os.environ.setdefault("OMP_NUM_THREADS", str(spec.threads))
+    config = LaunchConfig(
+        min_nodes=spec.nnodes,
+        max_nodes=spec.nnodes,
+        nproc_per_node=spec.nproc,
+        run_id=f"phalanx-{port}" if spec.nnodes > 1 else uuid.uuid4().hex[:12],
+        rdzv_backend="static",
+        rdzv_endpoint=f"{spec.master_addr}:{port}",
+        rdzv_configs={"rank": spec.node_rank, "timeout": 120},
+        max_restarts=0,
+        monitor_interval=0.2,
+        start_method="spawn",
+    )
+    try:
+        elastic_launch(config, sys.executable)("-u", "-m", "phalanx", *module_args)
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        raise WorkerError(rank, _failure_message(failure)) from None
+
+
+def _failure_message(failure: object) -> str:
+    message = getattr(failure, "message", "") or ""
+    exitcode = getattr(failure, "exitcode", None)
+    if isinstance(message, dict):  # the error file's structure
+        message = message.get("message", "")
+    message = str(message).strip().splitlines()
+    first = message[0] if message else ""
+    if not first or first.startswith("To enable traceback"):
+        return f"exit code {exitcode}"
+    return f"{first} (exit code {exitcode})"
