@@ -139,7 +139,7 @@ def _train_launched(args: argparse.Namespace, run_dir: Path) -> int:
         worker_args += ["--set", item]
     worker_args += ["--resume", str(run_dir)] if args.resume else ["--run-dir", str(run_dir)]
     os.environ["PHALANX_LAUNCHED"] = "1"
-    launch(spec, worker_args)
+    launch(spec, ["-m", "phalanx", *worker_args])
     if args.node_rank == 0:
         _print_summary(json.loads((run_dir / "summary.json").read_text(encoding="utf-8")))
     return 0

@@ -44,8 +44,10 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def launch(spec: LaunchSpec, module_args: list[str]) -> None:
-    """Run ``python -m phalanx *module_args`` in spec.nproc workers on this node; wait for all.
+def launch(spec: LaunchSpec, python_args: list[str]) -> None:
+    """Run ``python -u *python_args`` in spec.nproc workers on this node; wait for all.
+
+    ``python_args`` is e.g. ``["-m", "phalanx", "train", "cfg.toml"]`` or a script and its args.
 
     Raises WorkerError naming the first failed rank and its error; the launcher stops the
     remaining workers when one fails, so nothing waits for a dead peer.
@@ -72,7 +74,7 @@ def launch(spec: LaunchSpec, module_args: list[str]) -> None:
         start_method="spawn",
     )
     try:
-        elastic_launch(config, sys.executable)("-u", "-m", "phalanx", *module_args)
+        elastic_launch(config, sys.executable)("-u", *python_args)
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
         raise WorkerError(rank, _failure_message(failure)) from None
