@@ -124,7 +124,7 @@ def _branch_checks(ctx: px.Context) -> dict:
     batches = _batches(ctx.world_size, seed=1)
     # Make the "sometimes" branch fire on rank 0 only: rank 0's first sample positive.
     for x, _ in batches:
-        x[0 :: LOCAL_BATCH, 0] = -1.0
+        x[0::LOCAL_BATCH, 0] = -1.0
         x[0, 0] = 1.0
     engine = _train(ctx, model, ADAM, batches, bucket_mb=0.0005)
     return {

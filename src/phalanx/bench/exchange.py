@@ -1,7 +1,520 @@
-"""placeholder"""
+"""``phalanx bench exchange``: one process vs torch DDP vs the phalanx Engine, in one run.
+
+Method (docs/benchmarks.md): ``nproc`` worker processes are spawned once (Gloo, one intra-op
+thread each). For each model every contender gets warm-up steps, then ``rounds`` rounds run the
+contenders one after another, each for ``steps`` steps on the same per-process batch:
+  - ``single``: rank 0 trains its own local copy (forward, backward, SGD step, no exchange) while
+    the other ranks wait at a barrier;
+  - ``ddp``: ``torch.nn.parallel.DistributedDataParallel`` with its defaults, on every rank;
+  - ``phalanx``: ``phalanx.Engine`` (exchange="allreduce", bucket_mb=25), on every rank.
+Each block is timed with ``perf_counter`` on rank 0 between two barriers. Per round, samples/s is
+``batch * steps / t`` for ``single`` and ``batch * nproc * steps / t`` for parallel contenders.
+Reported: medians over rounds, scaling efficiency ``sps(parallel) / (nproc * sps(single))``, the
+median of the per-round ratios to DDP, and the Engine's per-step stats (exposed exchange, bytes).
+
+Contenders are built by name from ``ContenderSpec``s (kind + options), so new axes (strategies,
+compression, bucket sizes) are more specs, not new code paths.
+"""
+
+from __future__ import annotations
 
 import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import queue
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from phalanx.errors import ConfigError, WorkerError
+from phalanx.runtime.context import Context
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+StepFn = Callable[[torch.Tensor, torch.Tensor], None]
+LR, MOMENTUM = 0.01, 0.9
+STAT_FIELDS = ("exchange_s", "forward_s", "backward_s", "optimizer_s", "step_s", "bytes_sent")
 
 
+# -- what is measured -------------------------------------------------------------------------
+@dataclass(frozen=True)
+class BenchModel:
+    """A zoo model with its synthetic input: x (B, *input_shape) float32, y (B,) int64."""
+
+    name: str
+    input_shape: tuple[int, ...]
+    num_classes: int
+    default_steps: int  # steps per round when --steps is not given
+
+
+BENCH_MODELS = {
+    m.name: m
+    for m in (
+        BenchModel("digits_cnn", (1, 8, 8), 10, default_steps=150),
+        BenchModel("mlp", (1024,), 10, default_steps=15),
+    )
+}
+
+
+@dataclass(frozen=True)
+class ContenderSpec:
+    """One column of the benchmark: ``kind`` picks the builder, ``options`` are its arguments."""
+
+    name: str
+    kind: str
+    options: tuple[tuple[str, Any], ...] = ()
+
+
+DEFAULT_CONTENDERS = (
+    ContenderSpec("single", "single"),
+    ContenderSpec("ddp", "ddp"),
+    ContenderSpec("phalanx", "phalanx", (("exchange", "allreduce"), ("bucket_mb", 25.0))),
+)
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """Everything one ``phalanx bench exchange`` run needs (picklable: sent to the workers)."""
+
+    nproc: int = 2
+    models: tuple[str, ...] = ("digits_cnn", "mlp")
+    steps: int | None = None  # None: each model's default_steps
+    rounds: int = 5
+    warmup: int = 5
+    batch_size: int = 32  # per process
+    seed: int = 0
+    contenders: tuple[ContenderSpec, ...] = DEFAULT_CONTENDERS
+    timeout_s: float = 120.0  # collective timeout: a stuck rank fails after this
+    debug: bool = False
+
+    def validate(self) -> None:
+        for key in ("nproc", "rounds", "batch_size"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"--{key.replace('_', '-')}: must be >= 1")
+        if self.steps is not None and self.steps < 1:
+            raise ConfigError("--steps: must be >= 1")
+        if self.warmup < 0:
+            raise ConfigError("--warmup: must be >= 0")
+        unknown = [m for m in self.models if m not in BENCH_MODELS]
+        if unknown or not self.models:
+            raise ConfigError(
+                f"--models: unknown model {unknown[0] if unknown else ''!r}; "
+                f"known: {', '.join(BENCH_MODELS)}"
+            )
+
+    def steps_for(self, model: BenchModel) -> int:
+        return self.steps if self.steps is not None else model.default_steps
+
+
+# -- contenders (run inside a worker) ---------------------------------------------------------
+@dataclass
+class Contender:
+    """A built contender. ``step(x, y)`` trains on one batch; ``parallel`` = runs on all ranks."""
+
+    spec: ContenderSpec
+    parallel: bool
+    step: StepFn
+    stats: Callable[[], dict[str, float]] | None = None  # the last step's stats
+    close: Callable[[], None] = lambda: None
+
+
+Builder = Callable[[ContenderSpec, nn.Module, Context], Contender]
+
+
+def _sgd(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=LR, momentum=MOMENTUM)
+
+
+def _local_step(module: nn.Module, optimizer: torch.optim.Optimizer) -> StepFn:
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        optimizer.zero_grad()
+        F.cross_entropy(module(x), y).backward()
+        optimizer.step()
+
+    return step
+
+
+def _build_single(spec: ContenderSpec, model: nn.Module, ctx: Context) -> Contender:
+    """Plain local training on rank 0 (no process group involved)."""
+    model = model.to(ctx.device)
+    return Contender(spec, False, _local_step(model, _sgd(model.parameters())))
+
+
+def _build_ddp(spec: ContenderSpec, model: nn.Module, ctx: Context) -> Contender:
+    """``DistributedDataParallel(model, **options)``: the PyTorch baseline (defaults: none)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    device_ids = [ctx.device] if ctx.device.type == "cuda" else None
+    ddp = DistributedDataParallel(model.to(ctx.device), device_ids=device_ids, **dict(spec.options))
+    return Contender(spec, True, _local_step(ddp, _sgd(ddp.parameters())))
+
+
+def _build_phalanx(spec: ContenderSpec, model: nn.Module, ctx: Context) -> Contender:
+    """``phalanx.Engine(model, ..., **options)`` (options: exchange, bucket_mb, compress...)."""
+    from phalanx.engine import Engine
+
+    engine = Engine(model, F.cross_entropy, optimizer=_sgd, context=ctx, **dict(spec.options))
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        engine.step(x, y)
+
+    def stats() -> dict[str, float]:
+        return {k: float(getattr(engine.stats, k)) for k in STAT_FIELDS}
+
+    return Contender(spec, True, step, stats=stats, close=engine.close)
+
+
+CONTENDER_KINDS: dict[str, Builder] = {
+    "single": _build_single,
+    "ddp": _build_ddp,
+    "phalanx": _build_phalanx,
+}
+
+
+def build_contenders(
+    specs: Sequence[ContenderSpec], make_model: Callable[[], nn.Module], ctx: Context
+) -> list[Contender]:
+    """One Contender per spec, each on a fresh model from ``make_model`` (same seed: same init)."""
+    out = []
+    for spec in specs:
+        if spec.kind not in CONTENDER_KINDS:
+            raise ConfigError(f"contender kind {spec.kind!r}; known: {', '.join(CONTENDER_KINDS)}")
+        out.append(CONTENDER_KINDS[spec.kind](spec, make_model(), ctx))
+    return out
+
+
+# -- the per-process benchmark ----------------------------------------------------------------
+def _make_model(model: BenchModel, seed: int) -> nn.Module:
+    from phalanx.models.zoo import MODELS
+
+    torch.manual_seed(seed)
+    return MODELS.get(model.name)()
+
+
+def synthetic_batch(model: BenchModel, batch_size: int, seed: int, rank: int) -> Batch:
+    """Fixed random batch of this rank: x (B, *input_shape) float32, y (B,) int64 in [0, C)."""
+    gen = torch.Generator().manual_seed(seed * 1000 + rank)
+    x = torch.randn((batch_size, *model.input_shape), generator=gen)
+    y = torch.randint(0, model.num_classes, (batch_size,), generator=gen)
+    return x, y
+
+
+def run_block(
+    ctx: Context, contender: Contender, batch: Batch, steps: int
+) -> tuple[float, list[dict[str, float]]]:
+    """Time ``steps`` steps between two barriers; returns (seconds, per-step stats)."""
+    x, y = batch
+    stats: list[dict[str, float]] = []
+    active = contender.parallel or ctx.rank == 0
+    ctx.barrier()
+    start = time.perf_counter()
+    for _ in range(steps if active else 0):
+        contender.step(x, y)
+        if contender.stats is not None:
+            stats.append(contender.stats())
+    ctx.barrier()
+    return time.perf_counter() - start, stats
+
+
+def _median_stats(stats: list[dict[str, float]]) -> dict[str, float]:
+    return {k: statistics.median(s[k] for s in stats) for k in stats[0]} if stats else {}
+
+
+def bench_model(ctx: Context, cfg: BenchConfig, model: BenchModel) -> dict[str, Any]:
+    """Warm-up then ``cfg.rounds`` alternating rounds; raw per-round numbers (same on all ranks).
+
+    Returns {"model", "params", "steps", "rounds": [{name: {"seconds", "stats"}}]}, where
+    "stats" holds the medians over the round's steps of the contender's per-step stats.
+    """
+    device_batch = tuple(
+        t.to(ctx.device) for t in synthetic_batch(model, cfg.batch_size, cfg.seed, ctx.rank)
+    )
+    contenders = build_contenders(cfg.contenders, lambda: _make_model(model, cfg.seed), ctx)
+    steps = cfg.steps_for(model)
+    for contender in contenders:
+        run_block(ctx, contender, device_batch, cfg.warmup)
+    rounds = []
+    for _ in range(cfg.rounds):
+        row = {}
+        for contender in contenders:
+            seconds, stats = run_block(ctx, contender, device_batch, steps)
+            row[contender.spec.name] = {"seconds": seconds, "stats": _median_stats(stats)}
+        rounds.append(row)
+    for contender in contenders:
+        contender.close()
+    params = sum(p.numel() for p in _make_model(model, cfg.seed).parameters())
+    return {"model": model.name, "params": params, "steps": steps, "rounds": rounds}
+
+
+def _worker(rank: int, cfg: BenchConfig, init_method: str, results: Any) -> None:
+    """Entry of a spawned rank: join the group, run every model, rank 0 sends the raw results."""
+    import phalanx
+    from phalanx.runtime.context import RuntimeConfig
+
+    try:
+        torch.set_num_threads(1)
+        ctx = phalanx.init(
+            RuntimeConfig(threads=1, timeout_s=cfg.timeout_s),
+            init_method=init_method,
+            rank=rank,
+            world_size=cfg.nproc,
+        )
+        raw = [bench_model(ctx, cfg, BENCH_MODELS[name]) for name in cfg.models]
+        env = {"backend": ctx.backend, "threads": torch.get_num_threads()}
+        if rank == 0:
+            results.put(("ok", rank, {"env": env, "models": raw}))
+    except BaseException as e:  # reported to the parent, which names the rank
+        results.put(("error", rank, f"{type(e).__name__}: {e}", traceback.format_exc()))
+        sys.exit(1)
+    finally:
+        phalanx.shutdown()
+
+
+# -- the parent: spawn, collect, summarise ----------------------------------------------------
+def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
+    """Spawn ``cfg.nproc`` ranks once, run every model, return the summarised results.
+
+    A rank's exception is raised here as WorkerError naming the rank; a rank that dies stops
+    the others, so the call never hangs on a dead peer.
+    """
+    import torch.multiprocessing as mp
+
+    cfg.validate()
+    spawn = mp.get_context("spawn")
+    results = spawn.Queue()
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="phalanx-bench-") as tmp:
+        init_method = f"file://{os.path.join(tmp, 'rendezvous')}"
+        procs = [
+            spawn.Process(target=_worker, args=(r, cfg, init_method, results), daemon=True)
+            for r in range(cfg.nproc)
+        ]
+        for p in procs:
+            p.start()
+        finished = False
+        try:
+            raw = _collect(procs, results, cfg.debug)
+            finished = True
+        finally:  # after a failure the others may sit in a collective: stop them at once
+            _stop(procs, timeout_s=30.0 if finished else 0.0)
+    meta = _meta(cfg, raw["env"], time.perf_counter() - started)
+    return {"meta": meta, "models": [summarize(m, cfg) for m in raw["models"]]}
+
+
+def _collect(procs: list[Any], results: Any, debug: bool) -> dict[str, Any]:
+    """Wait for rank 0's result, polling exit codes; raise WorkerError for a failed rank."""
+    while True:
+        try:
+            return _receive(results.get(timeout=0.2), debug)
+        except queue.Empty:
+            pass
+        for rank, p in enumerate(procs):
+            if p.exitcode is None or (p.exitcode == 0 and rank != 0):
+                continue
+            try:  # the rank may have sent its result or error just before exiting
+                return _receive(results.get(timeout=2.0), debug)
+            except queue.Empty:
+                reason = "without sending results" if p.exitcode == 0 else f"code {p.exitcode}"
+                raise WorkerError(rank, f"process exited with {reason}") from None
+
+
+def _receive(message: tuple, debug: bool) -> dict[str, Any]:
+    """Rank 0's results from an "ok" message; WorkerError from an "error" message."""
+    if message[0] == "ok":
+        return message[2]
+    _, rank, text, tb = message
+    raise WorkerError(rank, f"{text}\n{tb}" if debug else text)
+
+
+def _stop(procs: list[Any], timeout_s: float = 30.0) -> None:
+    """Join every rank (they exit on their own after a result); terminate stragglers."""
+    deadline = time.monotonic() + timeout_s
+    for p in procs:
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+            p.join(timeout=5.0)
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=5.0)
+
+
+def _meta(cfg: BenchConfig, env: dict[str, Any], wall_s: float) -> dict[str, Any]:
+    return {
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "backend": env["backend"],
+        "threads_per_process": env["threads"],
+        "wall_s": wall_s,
+        "config": asdict(cfg),
+    }
+
+
+def summarize(raw: dict[str, Any], cfg: BenchConfig) -> dict[str, Any]:
+    """Per-contender per-round samples/s, medians, efficiency and ratio to the baseline."""
+    steps, rounds = raw["steps"], raw["rounds"]
+    specs = {s.name: s for s in cfg.contenders}
+    out: dict[str, Any] = {}
+    for name, spec in specs.items():
+        world = 1 if spec.kind == "single" else cfg.nproc
+        sps = [cfg.batch_size * world * steps / r[name]["seconds"] for r in rounds]
+        out[name] = {
+            "kind": spec.kind,
+            "options": dict(spec.options),
+            "seconds": [r[name]["seconds"] for r in rounds],
+            "samples_per_s": sps,
+            "median_samples_per_s": statistics.median(sps),
+            "step_stats": [r[name]["stats"] for r in rounds],
+            "median_step_stats": _median_stats([r[name]["stats"] for r in rounds]),
+        }
+    _add_relative(out, cfg.nproc)
+    return {
+        "model": raw["model"],
+        "params": raw["params"],
+        "batch_size": cfg.batch_size,
+        "steps_per_round": steps,
+        "warmup_steps": cfg.warmup,
+        "rounds": len(rounds),
+        "contenders": out,
+    }
+
+
+def _add_relative(out: dict[str, Any], nproc: int) -> None:
+    """Efficiency vs ``nproc`` single processes and per-round ratio to DDP, where defined."""
+    single = next((c for c in out.values() if c["kind"] == "single"), None)
+    ddp = next((c for c in out.values() if c["kind"] == "ddp"), None)
+    for c in out.values():
+        if c["kind"] == "single":
+            continue
+        if single is not None:
+            c["efficiency"] = c["median_samples_per_s"] / (nproc * single["median_samples_per_s"])
+        if ddp is not None and c is not ddp:
+            ratios = [a / b for a, b in zip(c["samples_per_s"], ddp["samples_per_s"])]
+            c["vs_ddp"] = ratios
+            c["median_vs_ddp"] = statistics.median(ratios)
+
+
+# -- output -----------------------------------------------------------------------------------
+def header_line(result: dict[str, Any]) -> str:
+    m, c = result["meta"], result["meta"]["config"]
+    return (
+        f"phalanx bench exchange | {m['date']} | torch {m['torch']} | backend {m['backend']} | "
+        f"nproc {c['nproc']} | threads/process {m['threads_per_process']} | "
+        f"cpus {m['cpu_count']} | batch/process {c['batch_size']} | rounds {c['rounds']}"
+    )
+
+
+def _columns(result: dict[str, Any]) -> list[tuple[str, Callable[[dict[str, Any]], str]]]:
+    """Table columns for the contenders present: name, then a formatter of one model's entry."""
+    first = result["models"][0]["contenders"]
+    cols: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
+        ("model", lambda m: m["model"]),
+        ("params", lambda m: _si(m["params"])),
+    ]
+    for n in first:
+        cols.append((f"{n} samples/s", _fmt(n, "median_samples_per_s", "{:,.0f}")))
+    for n, c in first.items():
+        if "efficiency" in c:
+            cols.append((f"{n} eff", _fmt(n, "efficiency", "{:.0%}")))
+    for n, c in first.items():
+        if "median_vs_ddp" in c:
+            cols.append((f"{n}/ddp", _fmt(n, "median_vs_ddp", "{:.2f}x")))
+        if "exchange_s" in c["median_step_stats"]:
+            cols.append((f"{n} exch ms/step", _stat(n, "exchange_s", 1e3, "{:.2f}")))
+            cols.append((f"{n} MB sent/step", _stat(n, "bytes_sent", 1 / 2**20, "{:.2f}")))
+    return cols
+
+
+def _fmt(name: str, key: str, spec: str) -> Callable[[dict[str, Any]], str]:
+    return lambda m: spec.format(m["contenders"][name][key])
+
+
+def _stat(name: str, key: str, scale: float, spec: str) -> Callable[[dict[str, Any]], str]:
+    return lambda m: spec.format(m["contenders"][name]["median_step_stats"][key] * scale)
+
+
+def _si(n: int) -> str:
+    return f"{n / 1e6:.2f}M" if n >= 1e6 else f"{n / 1e3:.0f}k"
+
+
+def format_table(result: dict[str, Any]) -> str:
+    """The header line and one row per model, columns aligned."""
+    cols = _columns(result)
+    rows = [[name for name, _ in cols]] + [[f(m) for _, f in cols] for m in result["models"]]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(cols))]
+    lines = ["  ".join(cell.rjust(w) for cell, w in zip(r, widths)) for r in rows]
+    return "\n".join([header_line(result), *lines])
+
+
+def _check_finite(result: dict[str, Any]) -> None:
+    for m in result["models"]:
+        for name, c in m["contenders"].items():
+            if not all(math.isfinite(v) and v > 0 for v in c["samples_per_s"]):
+                raise WorkerError(0, f"{m['model']}/{name}: non-finite or zero samples/s")
+
+
+# -- command line -----------------------------------------------------------------------------
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    pass
+    """Flags of ``phalanx bench exchange``; sets ``handler``."""
+    p.add_argument("--nproc", type=int, default=2, help="worker processes (default 2)")
+    p.add_argument("--json", metavar="PATH", help="write every number (per round too) here")
+    p.add_argument("--steps", type=int, help="steps per round and contender (default: per model)")
+    p.add_argument("--rounds", type=int, default=5, help="alternating rounds (default 5)")
+    p.add_argument("--warmup", type=int, default=5, help="warm-up steps per contender")
+    p.add_argument(
+        "--models", default="digits_cnn,mlp", help=f"comma list of: {', '.join(BENCH_MODELS)}"
+    )
+    p.add_argument("--batch-size", type=int, default=32, help="per-process batch (default 32)")
+    p.add_argument("--seed", type=int, default=0, help="seed of weights and synthetic data")
+    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="tracebacks")
+    p.set_defaults(handler=cmd_exchange)
+
+
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    return BenchConfig(
+        nproc=args.nproc,
+        models=tuple(m.strip() for m in args.models.split(",") if m.strip()),
+        steps=args.steps,
+        rounds=args.rounds,
+        warmup=args.warmup,
+        batch_size=args.batch_size,
+        seed=args.seed,
+        debug=getattr(args, "debug", False),
+    )
+
+
+def cmd_exchange(args: argparse.Namespace) -> int:
+    cfg = config_from_args(args)
+    cfg.validate()
+    cpus = os.cpu_count() or 1
+    if cfg.nproc > cpus:
+        print(f"note: {cfg.nproc} processes on {cpus} CPUs are oversubscribed", file=sys.stderr)
+    result = run_benchmark(cfg)
+    _check_finite(result)
+    print(format_table(result))
+    print(f"wall time {result['meta']['wall_s']:.1f} s")
+    if args.json:
+        write_json(Path(args.json), result)
+    return 0
+
+
+def write_json(path: Path, result: dict[str, Any]) -> None:
+    from phalanx.checkpoint import atomic_write_text
+
+    atomic_write_text(path, json.dumps(result, indent=2) + "\n")
