@@ -20,17 +20,17 @@ demo: $(STAMP)
 	$(BIN)/phalanx train configs/digits_cnn.toml --nproc 2
 
 test: $(STAMP)
-	$(BIN)/ruff check src tests examples
-	$(BIN)/ruff format --check src tests examples
+	$(BIN)/ruff check src tests examples tools
+	$(BIN)/ruff format --check src tests examples tools
 	$(BIN)/python -m pytest -q tests
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests examples
-	$(BIN)/ruff format --check src tests examples
+	$(BIN)/ruff check src tests examples tools
+	$(BIN)/ruff format --check src tests examples tools
 
 format: $(STAMP)
-	$(BIN)/ruff format src tests examples
-	$(BIN)/ruff check --fix src tests examples
+	$(BIN)/ruff format src tests examples tools
+	$(BIN)/ruff check --fix src tests examples tools
 
 bench: $(STAMP)
 	$(BIN)/phalanx bench exchange --nproc 2

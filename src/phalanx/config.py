@@ -164,3 +164,20 @@ def _type_name(value: Any) -> str:
 
 def _join(path: str, key: str) -> str:
     return f"{path}.{key}" if path else key
+
+
+def describe(config: Any = None, prefix: str = "") -> list[tuple[str, str, str, str]]:
+    """(key path, type, default, doc) of every config key, for docs and help text."""
+    config = RunConfig() if config is None else config
+    rows = []
+    hints = typing.get_type_hints(type(config))
+    for f in dataclasses.fields(config):
+        key = _join(prefix, f.name)
+        value = getattr(config, f.name)
+        if dataclasses.is_dataclass(value):
+            rows.extend(describe(value, key))
+            continue
+        hint = hints[f.name]
+        type_name = getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
+        rows.append((key, type_name, repr(value), f.metadata.get("doc", "")))
+    return rows
