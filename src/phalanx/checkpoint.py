@@ -11,6 +11,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,9 +65,24 @@ def save(directory: Path, step: int, payload: dict[str, Any], keep: int = 2) -> 
     atomic_write_bytes(path, data)
     record = {"file": path.name, "step": step, "sha256": hashlib.sha256(data).hexdigest()}
     atomic_write_text(directory / LATEST, json.dumps(record, indent=2) + "\n")
-    for old in sorted(directory.glob("step-*.pt"))[:-keep]:
-        old.unlink(missing_ok=True)
+    _prune(directory, step, keep)
     return path
+
+
+def _prune(directory: Path, step: int, keep: int) -> None:
+    """Keep ``step`` and the keep-1 newest earlier checkpoints; later ones are stale (an old
+    run in the same directory) and go too."""
+    found = []
+    for candidate in directory.glob("step-*.pt"):
+        match = re.fullmatch(r"step-(\d+)\.pt", candidate.name)
+        if match and int(match.group(1)) != step:
+            found.append((int(match.group(1)), candidate))
+    earlier = sorted((s, p) for s, p in found if s < step)
+    stale = [p for s, p in found if s > step] + [
+        p for _, p in earlier[: max(0, len(earlier) - keep + 1)]
+    ]
+    for old in stale:
+        old.unlink(missing_ok=True)
 
 
 def load(directory: Path) -> dict[str, Any]:

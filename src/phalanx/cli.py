@@ -81,7 +81,9 @@ def _add_train(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR")
     p.add_argument("--run-dir", help="run directory (default: runs/<config>-<time>)")
-    p.add_argument("--debug", action="store_true", help="show tracebacks")
+    p.add_argument(
+        "--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks"
+    )
     _add_launch_flags(p)
     p.set_defaults(handler=cmd_train)
 

@@ -233,7 +233,7 @@ def _median_stats(stats: list[dict[str, float]]) -> dict[str, float]:
 
 
 def bench_model(ctx: Context, cfg: BenchConfig, model: BenchModel) -> dict[str, Any]:
-    """Warm-up then ``cfg.rounds`` alternating rounds; raw per-round numbers (same on all ranks).
+    """Warm-up then ``cfg.rounds`` alternating rounds; this rank's raw numbers (rank 0 reports).
 
     Returns {"model", "params", "steps", "rounds": [{name: {"seconds", "stats"}}]}, where
     "stats" holds the medians over the round's steps of the contender's per-step stats.
@@ -317,24 +317,33 @@ def _collect(procs: list[Any], results: Any, debug: bool) -> dict[str, Any]:
     """Wait for rank 0's result, polling exit codes; raise WorkerError for a failed rank."""
     while True:
         try:
-            return _receive(results.get(timeout=0.2), debug)
+            return _receive(results.get(timeout=0.2), procs, debug)
         except queue.Empty:
             pass
         for rank, p in enumerate(procs):
             if p.exitcode is None or (p.exitcode == 0 and rank != 0):
                 continue
             try:  # the rank may have sent its result or error just before exiting
-                return _receive(results.get(timeout=2.0), debug)
+                return _receive(results.get(timeout=2.0), procs, debug)
             except queue.Empty:
                 reason = "without sending results" if p.exitcode == 0 else f"code {p.exitcode}"
                 raise WorkerError(rank, f"process exited with {reason}") from None
 
 
-def _receive(message: tuple, debug: bool) -> dict[str, Any]:
-    """Rank 0's results from an "ok" message; WorkerError from an "error" message."""
+def _receive(message: tuple, procs: list[Any], debug: bool) -> dict[str, Any]:
+    """Rank 0's results from an "ok" message; WorkerError from an "error" message.
+
+    A peer's error is often only the echo of a rank killed by a signal (connection reset):
+    then the killed rank is named as the cause.
+    """
     if message[0] == "ok":
         return message[2]
     _, rank, text, tb = message
+    time.sleep(0.1)  # let a killed peer's exit code show
+    killed = [r for r, p in enumerate(procs) if p.exitcode is not None and p.exitcode < 0]
+    if killed and killed[0] != rank:
+        text = f"killed by signal {-procs[killed[0]].exitcode} (rank {rank} saw: {text})"
+        rank = killed[0]
     raise WorkerError(rank, f"{text}\n{tb}" if debug else text)
 
 

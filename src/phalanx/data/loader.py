@@ -67,8 +67,12 @@ class ShardedBatches:
         return self.x[index], self.y[index]
 
     def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.position.epoch, "step": self.position.step}
+        """The position as samples consumed in the epoch, so any world size can resume it."""
+        samples = self.position.step * self.global_batch
+        return {"epoch": self.position.epoch, "step": self.position.step, "samples": samples}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        self.position = Position(int(state["epoch"]), int(state["step"]))
+        samples = int(state.get("samples", int(state["step"]) * self.global_batch))
+        step = -(-samples // self.global_batch)  # a partial global batch is skipped, not repeated
+        self.position = Position(int(state["epoch"]), step)
         self._order = self._permutation(self.position.epoch)

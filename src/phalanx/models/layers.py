@@ -29,9 +29,27 @@ LAYERS: Registry[nn.Module] = Registry("layer type")
 class LSTMLayer(nn.LSTM):
     """``nn.LSTM`` that returns only the output sequence (B, T, H), so layers can follow it."""
 
-    def __init__(self, input_size: int, hidden_size: int, **kwargs: Any) -> None:
-        kwargs.setdefault("batch_first", True)
-        super().__init__(input_size, hidden_size, **kwargs)
+    def __init__(
+        self,
+        input_size: int,
+        hidden_size: int,
+        num_layers: int = 1,
+        bias: bool = True,
+        batch_first: bool = True,
+        dropout: float = 0.0,
+        bidirectional: bool = False,
+        proj_size: int = 0,
+    ) -> None:
+        super().__init__(
+            input_size,
+            hidden_size,
+            num_layers=num_layers,
+            bias=bias,
+            batch_first=batch_first,
+            dropout=dropout,
+            bidirectional=bidirectional,
+            proj_size=proj_size,
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         output, _ = super().forward(x)
@@ -85,6 +103,7 @@ class ModelConfig:
                 f"unknown model {self.name!r}; known: {', '.join(MODELS.names())}",
             )
             _check_arguments(MODELS.get(self.name), self.options, "options")
+        require(not (self.layers and self.options), "options", "only used with model.name")
         for i, spec in enumerate(self.layers):
             _check_layer(spec, f"layers[{i}]")
 
@@ -118,6 +137,19 @@ def _check_arguments(factory: Callable[..., Any], args: dict, key: str) -> None:
         signature.bind(**args)
     except TypeError as e:
         raise ConfigValueError(key, f"{e}; allowed arguments: {', '.join(accepted)}") from None
+    if isinstance(factory, type):
+        _try_build(factory, args, key)
+
+
+def _try_build(cls: type, args: dict, key: str) -> None:
+    """Construct the layer on the meta device (no memory): wrong types and values fail here,
+    at config load, instead of in the middle of building the model."""
+    try:
+        with torch.device("meta"):
+            cls(**args)
+    except (TypeError, ValueError, RuntimeError) as e:
+        reason = " ".join(str(e).split())
+        raise ConfigValueError(key, f"invalid arguments for {cls.__name__}: {reason}") from None
 
 
 def build_layers(layers: list[dict]) -> nn.Sequential:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -30,7 +31,7 @@ class OptimizerConfig:
             "name",
             f"unknown optimizer {self.name!r}; known: {', '.join(OPTIMIZERS.names())}",
         )
-        require(self.lr > 0, "lr", f"must be > 0, got {self.lr}")
+        require(0 < self.lr < math.inf, "lr", f"must be finite and > 0, got {self.lr}")
         require(0 <= self.momentum < 1, "momentum", f"must be in [0, 1), got {self.momentum}")
         require(self.weight_decay >= 0, "weight_decay", f"must be >= 0, got {self.weight_decay}")
 

@@ -1,0 +1,272 @@
+"""The ``phalanx`` command: one-line errors with exit code 2, --debug tracebacks, a real tiny run
+and resuming it. Most runs are in-process (``phalanx.cli.main``); three are real subprocesses."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from phalanx import checkpoint
+from phalanx.cli import main
+from phalanx.config import config_from_data, load_config
+from phalanx.errors import ConfigError
+from phalanx.runtime.context import shutdown
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = str(ROOT / "configs" / "digits_cnn.toml")
+PHALANX = Path(sys.executable).parent / "phalanx"
+STEP_KEYS = {"loss", "forward_s", "backward_s", "exchange_s", "optimizer_s", "bytes_sent"}
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "PHALANX_LAUNCHED")
+
+
+@pytest.fixture(autouse=True)
+def not_in_a_worker(monkeypatch):
+    for name in LAUNCH_VARS:
+        monkeypatch.delenv(name, raising=False)
+
+
+@contextlib.contextmanager
+def own_process_group():
+    """Destroy the world-of-one group a run in this process creates (only if it created it)."""
+    existed = dist.is_initialized()
+    try:
+        yield
+    finally:
+        if not existed:
+            shutdown()
+
+
+def run_main(argv: list[str]) -> int:
+    """``phalanx ARGV`` in this process; its exit code."""
+    with own_process_group(), pytest.raises(SystemExit) as info:
+        main(argv)
+    return info.value.code
+
+
+def assert_one_line_error(err: str, *fragments: str) -> str:
+    assert "Traceback" not in err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1, f"expected one line on stderr, got {err!r}"
+    assert lines[0].startswith("phalanx: error: ")
+    for fragment in fragments:
+        assert fragment in lines[0]
+    return lines[0]
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def flip_bytes(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    for i in range(len(data) // 3, len(data) // 3 + 8):
+        data[i] ^= 0x5A
+    path.write_bytes(bytes(data))
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """A real 4-step, 1-process run of the example config (in-process); (run_dir, stdout)."""
+    run_dir = tmp_path_factory.mktemp("tiny") / "run"
+    argv = ["train", EXAMPLE, "--set", "train.steps=4", "--run-dir", str(run_dir)]
+    out, err = io.StringIO(), io.StringIO()
+    saved = {name: os.environ.pop(name) for name in LAUNCH_VARS if name in os.environ}
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = run_main(argv)
+    finally:
+        os.environ.update(saved)
+    assert code == 0, err.getvalue()
+    return run_dir, out.getvalue()
+
+
+@pytest.fixture
+def run_copy(tiny_run, tmp_path):
+    """A private copy of the tiny run's directory, free to damage or extend."""
+    return Path(shutil.copytree(tiny_run[0], tmp_path / "run"))
+
+
+# -- a real run ----------------------------------------------------------------------------------
+
+
+def test_tiny_run_writes_config_json(tiny_run):
+    run_dir, _ = tiny_run
+    saved = json.loads((run_dir / "config.json").read_text())
+    config = config_from_data(saved)
+    assert config.train.steps == 4
+    assert config == load_config(EXAMPLE, ["train.steps=4"])
+
+
+def test_tiny_run_writes_one_metrics_record_per_step(tiny_run):
+    records = metrics(tiny_run[0])
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    for record in records:
+        assert STEP_KEYS <= record.keys()
+        assert math.isfinite(record["loss"]) and record["loss"] > 0
+        for key in ("forward_s", "backward_s", "exchange_s", "optimizer_s"):
+            assert isinstance(record[key], float) and record[key] >= 0
+        assert isinstance(record["bytes_sent"], int) and record["bytes_sent"] >= 0
+    assert 0.0 <= records[-1]["val_accuracy"] <= 1.0  # validated at the last step
+
+
+def test_tiny_run_writes_summary_and_prints_it(tiny_run):
+    run_dir, stdout = tiny_run
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 4 and summary["world_size"] == 1
+    assert summary["global_batch"] == 32
+    assert summary["run_dir"] == str(run_dir)
+    assert 0.0 <= summary["val_accuracy"] <= 1.0 and summary["samples_per_s"] > 0
+    assert "final validation accuracy" in stdout and "4 steps" in stdout
+
+
+def test_tiny_run_writes_a_loadable_checkpoint(tiny_run):
+    directory = tiny_run[0] / "checkpoints"
+    assert [p.name for p in directory.glob("step-*.pt")] == ["step-0000004.pt"]
+    payload = checkpoint.load(directory)
+    assert payload["step"] == 4 and payload["world_size"] == 1
+    assert payload["data"] == {"epoch": 0, "step": 4, "samples": 128}
+    assert {"engine", "rng"} <= payload.keys()
+
+
+def test_resume_continues_the_run(run_copy, capsys):
+    code = run_main(["train", "--resume", str(run_copy), "--set", "train.steps=6"])
+    assert code == 0, capsys.readouterr().err
+    assert [r["step"] for r in metrics(run_copy)] == [1, 2, 3, 4, 5, 6]
+    assert checkpoint.load(run_copy / "checkpoints")["step"] == 6
+    names = sorted(p.name for p in (run_copy / "checkpoints").glob("step-*.pt"))
+    assert names == ["step-0000004.pt", "step-0000006.pt"]  # keep = 2
+    assert json.loads((run_copy / "summary.json").read_text())["steps"] == 6
+
+
+def test_resume_with_a_corrupted_checkpoint_exits_2_naming_the_file(run_copy, capsys):
+    (path,) = (run_copy / "checkpoints").glob("step-*.pt")
+    flip_bytes(path)
+    code = run_main(["train", "--resume", str(run_copy)])
+    captured = capsys.readouterr()
+    assert code == 2
+    assert_one_line_error(captured.err, str(path), "corrupted")
+    assert captured.out == ""
+
+
+# -- user mistakes: exit 2, one line, no traceback ------------------------------------------------
+
+
+def test_missing_config_exits_2(tmp_path, capsys):
+    missing = tmp_path / "missing.toml"
+    assert run_main(["train", str(missing)]) == 2
+    assert_one_line_error(capsys.readouterr().err, "not found", str(missing))
+
+
+def test_unknown_set_key_exits_2(capsys):
+    assert run_main(["train", EXAMPLE, "--set", "train.lr=0.1"]) == 2
+    assert_one_line_error(capsys.readouterr().err, "train.lr: unknown key", "allowed:")
+
+
+@pytest.mark.parametrize(
+    ("items", "fragment"),
+    [
+        (["train.steps=0", "train.epochs=0"], "train.steps"),
+        (["exchange.strategy=nope"], "unknown strategy 'nope'"),
+        (["optimizer.lr=-1"], "optimizer.lr: must be finite and > 0"),
+        (["notakey"], "--set 'notakey'"),
+    ],
+)
+def test_bad_overrides_exit_2(items, fragment, capsys):
+    argv = ["train", EXAMPLE]
+    for item in items:
+        argv += ["--set", item]
+    assert run_main(argv) == 2
+    assert_one_line_error(capsys.readouterr().err, fragment)
+
+
+def test_invalid_toml_exits_2(tmp_path, capsys):
+    path = tmp_path / "bad.toml"
+    path.write_text("[train]\nsteps = = 3\n")
+    assert run_main(["train", str(path)]) == 2
+    assert_one_line_error(capsys.readouterr().err, str(path), "invalid TOML")
+
+
+def test_train_without_config_or_resume_exits_2(capsys):
+    assert run_main(["train"]) == 2
+    assert_one_line_error(capsys.readouterr().err, "--resume")
+
+
+def test_resume_of_a_non_run_directory_exits_2(tmp_path, capsys):
+    assert run_main(["train", "--resume", str(tmp_path)]) == 2
+    assert_one_line_error(capsys.readouterr().err, "config.json", str(tmp_path))
+
+
+def test_resume_without_a_checkpoint_exits_2(tmp_path, capsys):
+    config = load_config(EXAMPLE, ["train.steps=2"])
+    (tmp_path / "config.json").write_text(json.dumps(config.to_dict()))
+    assert run_main(["train", "--resume", str(tmp_path)]) == 2
+    assert_one_line_error(capsys.readouterr().err, "no checkpoint", str(tmp_path / "checkpoints"))
+
+
+def test_no_command_prints_help_and_exits_2(capsys):
+    assert run_main([]) == 2
+    assert "train" in capsys.readouterr().out
+
+
+def test_debug_after_train_shows_the_exception(tmp_path):
+    with own_process_group(), pytest.raises(ConfigError, match="not found"):
+        main(["train", str(tmp_path / "missing.toml"), "--debug"])
+
+
+def test_top_level_debug_shows_the_exception(tmp_path):
+    with own_process_group(), pytest.raises(ConfigError, match="not found"):
+        main(["--debug", "train", str(tmp_path / "missing.toml")])
+
+
+def test_wrongly_typed_layer_argument_exits_2(tmp_path, capsys):
+    path = tmp_path / "typed.toml"
+    path.write_text(
+        "[model]\n"
+        'layers = [{ type = "flatten" }, { type = "linear", in_features = "64", '
+        "out_features = 10 }]\n"
+        "[train]\nsteps = 1\nprogress = false\n"
+    )
+    code = run_main(["train", str(path), "--run-dir", str(tmp_path / "run")])
+    assert code == 2
+    assert_one_line_error(capsys.readouterr().err, "model.layers[1]")
+
+
+# -- real subprocesses: the installed script ---------------------------------------------------
+
+
+def run_phalanx(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+    return subprocess.run(
+        [str(PHALANX), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_script_missing_config_exits_2_without_traceback(tmp_path):
+    result = run_phalanx("train", "missing.toml", cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr == "phalanx: error: config file not found: missing.toml\n"
+    assert result.stdout == ""
+
+
+def test_script_unknown_set_key_exits_2_without_traceback(tmp_path):
+    result = run_phalanx("train", EXAMPLE, "--set", "train.lr=0.1", cwd=tmp_path)
+    assert result.returncode == 2
+    assert_one_line_error(result.stderr, "train.lr: unknown key")
+    assert not (tmp_path / "runs").exists()  # failed before creating a run directory
+
+
+def test_script_debug_shows_the_traceback(tmp_path):
+    result = run_phalanx("train", "missing.toml", "--debug", cwd=tmp_path)
+    assert result.returncode != 0
+    assert "Traceback (most recent call last)" in result.stderr
+    assert "ConfigError: config file not found: missing.toml" in result.stderr
