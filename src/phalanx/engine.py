@@ -22,8 +22,9 @@ class Engine:
 
     Phases of ``step(inputs, targets)`` (inputs: (B, ...) on any device; targets: (B, ...)):
       Phase 1: zero the gradient buckets; split the batch into ``accumulate_steps`` micro-batches.
-      Phase 2: forward + backward per micro-batch; on the last one, backward hooks hand each full
-        bucket to the exchange strategy while backward continues (overlap, F8).
+      Phase 2: forward + backward per micro-batch (the loss scaled by the strategy's 1/p, so
+        exchanged sums are means); on the last one, backward hooks hand each full bucket to
+        the exchange strategy while backward continues (overlap, F8).
       Phase 3: launch the buckets unused parameters held back; agree across ranks which
         parameters got a gradient at all (globally unused ones keep ``grad = None``).
       Phase 4: wait for the exchange (the exposed part is ``stats.exchange_s``).
@@ -78,16 +79,18 @@ class Engine:
         self.strategy.begin_step()
         micro = self._split(self._to_device(inputs), self._to_device(targets))
         total_loss = torch.zeros((), device=self.ctx.device)
+        # Folding 1/p into the loss makes the exchanged sums means without a pass over buckets.
+        scale = self.strategy.gradient_scale() / len(micro)
         # Phase 2: forward/backward; only the last micro-step launches the exchange.
         for i, (x, y) in enumerate(micro):
             if self.broadcast_buffers and i == 0:
                 self._broadcast_buffers()
-            loss = self.loss_fn(self.module(x), y) / len(micro)
+            loss = self.loss_fn(self.module(x), y)
             timer.mark("forward")
             self.buckets.arm(launch=i == len(micro) - 1)
-            loss.backward()
+            (loss * scale).backward()
             timer.mark("backward")
-            total_loss += loss.detach()
+            total_loss += loss.detach() / len(micro)
         # Phase 3: launch held-back buckets; agree on which parameters were used anywhere.
         launched_in_backward = sum(b.launched for b in self.buckets.buckets)
         self.buckets.flush()

@@ -24,8 +24,7 @@ class AllReduce(Strategy):
     def launch(self, bucket: Bucket) -> None:
         assert self.ctx is not None, "setup() first"
         world = self.ctx.world_size
-        # Pre-divide so the sum is the mean: one pass over the bucket, no overflow in fp16.
-        bucket.flat.div_(world)
+        # Gradients arrive pre-divided by p (the Engine scales the loss), so the sum is the mean.
         self._works.append(dist.all_reduce(bucket.flat, group=self.ctx.group, async_op=True))
         volume = 2 * (world - 1) * bucket.nbytes // world
         self.bytes_sent += volume

@@ -63,6 +63,11 @@ class Strategy(ABC):
         """The optimizer over ``params`` (sharded strategies build it on their shard)."""
         return factory(params)
 
+    def gradient_scale(self) -> float:
+        """Factor the Engine folds into the loss so the exchanged sums are means (1/p)."""
+        assert self.ctx is not None, "setup() first"
+        return 1.0 / self.ctx.world_size
+
     def begin_step(self) -> None:
         """Reset per-step counters before the first launch of a step."""
         self.bytes_sent = 0
