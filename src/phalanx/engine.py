@@ -25,9 +25,9 @@ class Engine:
       Phase 2: forward + backward per micro-batch (the loss scaled by the strategy's 1/p, so
         exchanged sums are means); on the last one, backward hooks hand each full bucket to
         the exchange strategy while backward continues (overlap, F8).
-      Phase 3: launch the buckets unused parameters held back; agree across ranks which
-        parameters got a gradient at all (globally unused ones keep ``grad = None``).
-      Phase 4: wait for the exchange (the exposed part is ``stats.exchange_s``).
+      Phase 3: launch the buckets unused parameters held back (zeros in their place).
+      Phase 4: wait for the exchange (the exposed part is ``stats.exchange_s``); parameters no
+        rank used (per the buckets' summed usage flags) keep ``grad = None``.
       Phase 5: update (the strategy applies the optimizer).
     Parameters and buffers are broadcast from rank 0 at construction so all replicas start equal.
     """
@@ -91,13 +91,12 @@ class Engine:
             (loss * scale).backward()
             timer.mark("backward")
             total_loss += loss.detach() / len(micro)
-        # Phase 3: launch held-back buckets; agree on which parameters were used anywhere.
+        # Phase 3: launch the buckets unused parameters held back.
         launched_in_backward = sum(b.launched for b in self.buckets.buckets)
         self.buckets.flush()
-        used = self._global_usage()
-        # Phase 4: wait for the exchange.
+        # Phase 4: wait for the exchange; parameters no rank used get no gradient.
         self.strategy.finish()
-        self._detach_unused_grads(used)
+        self._detach_unused_grads()
         timer.mark("exchange")
         # Phase 5: update.
         self.strategy.update(self.optimizer)
@@ -122,21 +121,18 @@ class Engine:
             return x.to(self.ctx.device, non_blocking=True)
         return x
 
-    def _global_usage(self) -> torch.Tensor:
-        """Which parameters got a gradient on any rank: (num_params,) int32, summed over ranks.
+    def _detach_unused_grads(self) -> None:
+        """Parameters no rank produced a gradient for keep ``grad = None``, as in one process.
 
-        Queued behind the buckets, so it costs one small message, not a round trip of its own.
+        The buckets' summed flags say which were used anywhere; no extra message is needed.
         """
-        used = self.buckets.used.to(self.ctx.device)
-        dist.all_reduce(used, group=self.ctx.group)
-        return used
-
-    def _detach_unused_grads(self, used: torch.Tensor) -> None:
-        if bool(used.all()):
+        flags = torch.cat([b.flags for b in self.buckets.buckets])
+        if bool((flags > 0.5).all()):
             return
-        for p, flag in zip(self.buckets.params, used.tolist()):
-            if not flag:  # no rank produced a gradient: leave it None, as one process would
-                p.grad = None
+        for bucket in self.buckets.buckets:
+            for p, flag in zip(bucket.params, bucket.flags.tolist()):
+                if flag < 0.5:
+                    p.grad = None
 
     def _record(self, phases: dict[str, float], launched_in_backward: int) -> None:
         self.stats = StepStats(

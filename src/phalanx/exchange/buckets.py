@@ -26,11 +26,17 @@ FIRST_BUCKET_BYTES = 1 << 20  # a small first bucket starts communication early,
 
 @dataclass
 class Bucket:
-    """One fusion buffer. ``flat``: 1-D, the dtype and device of its parameters."""
+    """One fusion buffer: ``flat`` (1-D, the dtype and device of its parameters) is what the
+    strategy exchanges. Its head, ``grads``, holds the parameters' gradients (``views`` are
+    their shapes); its tail, ``flags`` (one element per parameter), holds 1 where this rank
+    produced that gradient, so summing buckets also tells which parameters any rank used.
+    """
 
     index: int
     params: list[torch.nn.Parameter]
     flat: torch.Tensor
+    grads: torch.Tensor
+    flags: torch.Tensor
     views: list[torch.Tensor]
     offsets: list[int]
     num_pending: int = 0
@@ -90,13 +96,13 @@ class GradientBuckets:
         self.first_bucket_bytes = first_bucket_bytes
         self._launch = launch
         self._position = {id(p): i for i, p in enumerate(self.params)}
-        self.used = torch.zeros(len(self.params), dtype=torch.int32)
+        self.used = bytearray(len(self.params))
         self.ready_order: list[int] = []
         self.launch_enabled = False
         self._next_launch = 0
         self._num_pending_total = 0
         self.buckets: list[Bucket] = []
-        self._bucket_of: dict[int, tuple[int, int]] = {}
+        self._bucket_of: dict[int, tuple[int, int, int]] = {}
         self.build(list(reversed(range(len(self.params)))))
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
 
@@ -113,11 +119,11 @@ class GradientBuckets:
             members = [ordered[i] for i in group]
             self.buckets.append(self._make_bucket(b, members))
             for slot, p in enumerate(members):
-                self._bucket_of[id(p)] = (b, slot)
+                self._bucket_of[id(p)] = (b, slot, self._position[id(p)])
 
     def _make_bucket(self, index: int, members: list[torch.nn.Parameter]) -> Bucket:
         total = sum(p.numel() for p in members)
-        flat = torch.zeros(total, dtype=members[0].dtype, device=members[0].device)
+        flat = torch.zeros(total + len(members), dtype=members[0].dtype, device=members[0].device)
         views, offsets, offset = [], [], 0
         for p in members:
             view = flat[offset : offset + p.numel()].view_as(p)
@@ -127,7 +133,15 @@ class GradientBuckets:
             views.append(view)
             offsets.append(offset)
             offset += p.numel()
-        return Bucket(index=index, params=members, flat=flat, views=views, offsets=offsets)
+        return Bucket(
+            index=index,
+            params=members,
+            flat=flat,
+            grads=flat[:total],
+            flags=flat[total:],
+            views=views,
+            offsets=offsets,
+        )
 
     # -- per step -----------------------------------------------------------------------------
     def zero(self) -> None:
@@ -135,8 +149,9 @@ class GradientBuckets:
         for bucket in self.buckets:
             bucket.flat.zero_()
             for p, view in zip(bucket.params, bucket.views):
-                p.grad = view
-        self.used.zero_()
+                if p.grad is not view:
+                    p.grad = view
+        self.used = bytearray(len(self.params))
 
     def arm(self, launch: bool) -> None:
         """Before a micro-step's backward: whether completed buckets launch their exchange."""
@@ -150,14 +165,14 @@ class GradientBuckets:
 
     def _on_grad(self, p: torch.nn.Parameter) -> None:
         """Phase 2: runs inside backward, right after autograd accumulated ``p.grad``."""
-        b, slot = self._bucket_of[id(p)]
+        b, slot, position = self._bucket_of[id(p)]
         bucket = self.buckets[b]
         view = bucket.views[slot]
-        if p.grad is not view:  # first accumulation after grad was None, or a user reset it
-            if p.grad.data_ptr() != view.data_ptr():
-                view.copy_(p.grad)
+        grad = p.grad
+        if grad is not view:  # first accumulation after grad was None, or a user reset it
+            if grad.data_ptr() != view.data_ptr():
+                view.copy_(grad)
             p.grad = view
-        position = self._position[id(p)]
         self.used[position] = 1
         self.ready_order.append(position)
         self._num_pending_total -= 1
@@ -173,6 +188,11 @@ class GradientBuckets:
 
     def _launch_bucket(self, bucket: Bucket) -> None:
         bucket.launched = True
+        if bucket.num_pending == 0:
+            bucket.flags.fill_(1)
+        else:  # flushed with unused parameters: flag only those that got a gradient
+            used = [float(self.used[self._bucket_of[id(p)][2]]) for p in bucket.params]
+            bucket.flags.copy_(torch.tensor(used, dtype=bucket.flags.dtype))
         bucket.launch_time = time.perf_counter()
         bucket.pending_grads_at_launch = self._num_pending_total
         self._next_launch += 1
