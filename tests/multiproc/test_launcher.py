@@ -96,3 +96,15 @@ def test_resume_continues_exactly(tmp_path: Path) -> None:
     assert resumed.returncode == 0, resumed.stderr
     assert len(_losses(part)) == 12
     assert _losses(part) == _losses(full)  # exact, not approximate
+
+
+def test_demo_config_reaches_95_percent_on_two_workers(tmp_path: Path) -> None:
+    """What `make demo` runs: configs/digits_cnn.toml on 2 workers, >= 95% validation."""
+    run_dir = tmp_path / "demo"
+    done = _run([*PHALANX, "train", str(ROOT / "configs" / "digits_cnn.toml"), "--nproc", "2",
+                 "--run-dir", str(run_dir)])  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["world_size"] == 2
+    assert summary["val_accuracy"] >= 0.95
+    assert f"run directory {run_dir}" in done.stdout
