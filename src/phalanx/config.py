@@ -10,17 +10,16 @@ from __future__ import annotations
 import copy
 import dataclasses
 import sys
-import types
 import typing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Any
 
 from phalanx.checkpoint import CheckpointConfig
 from phalanx.data.sources import DataConfig
 from phalanx.errors import ConfigError
 from phalanx.exchange.base import ExchangeConfig
-from phalanx.fields import ConfigValueError, option
+from phalanx.fields import from_dict, join_key, option
 from phalanx.models.layers import ModelConfig
 from phalanx.optim.factory import OptimizerConfig
 from phalanx.runtime.context import RuntimeConfig
@@ -98,83 +97,13 @@ def _apply_override(data: dict[str, Any], item: str) -> None:
     node[parts[-1]] = value
 
 
-def from_dict(cls: type, data: Any, path: str) -> Any:
-    """Build dataclass ``cls`` from a TOML table, checking keys and types at ``path``."""
-    where = path or "config"
-    if not isinstance(data, dict):
-        raise ConfigError(f"{where}: expected a table, got {_type_name(data)}")
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
-    unknown = sorted(set(data) - set(fields))
-    if unknown:
-        key = _join(path, unknown[0])
-        raise ConfigError(f"{key}: unknown key; allowed: {', '.join(sorted(fields))}")
-    kwargs = {name: _convert(hints[name], value, _join(path, name)) for name, value in data.items()}
-    try:
-        return cls(**kwargs)
-    except ConfigValueError as e:
-        raise ConfigError(f"{_join(path, e.key)}: {e.reason}") from None
-
-
-def _convert(hint: Any, value: Any, key: str) -> Any:
-    origin = typing.get_origin(hint)
-    if dataclasses.is_dataclass(hint):
-        return from_dict(hint, value, key)
-    if origin is Literal:
-        allowed = typing.get_args(hint)
-        if value not in allowed:
-            raise ConfigError(f"{key}: got {value!r}; allowed: {', '.join(map(repr, allowed))}")
-        return value
-    if origin in (Union, types.UnionType):
-        errors = []
-        for option_hint in typing.get_args(hint):
-            try:
-                return _convert(option_hint, value, key)
-            except ConfigError as e:
-                errors.append(str(e).split(": ", 1)[1])
-        raise ConfigError(f"{key}: {'; or '.join(errors)}")
-    if origin in (list, tuple):
-        if not isinstance(value, list):
-            raise ConfigError(f"{key}: expected a list, got {_type_name(value)}")
-        (item_hint, *_) = typing.get_args(hint) or (Any,)
-        items = [_convert(item_hint, v, f"{key}[{i}]") for i, v in enumerate(value)]
-        return tuple(items) if origin is tuple else items
-    if origin is dict or hint is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"{key}: expected a table, got {_type_name(value)}")
-        return value
-    return _convert_scalar(hint, value, key)
-
-
-def _convert_scalar(hint: Any, value: Any, key: str) -> Any:
-    if hint is Any:
-        return value
-    if hint is type(None):
-        if value is not None:
-            raise ConfigError(f"{key}: expected nothing, got {_type_name(value)}")
-        return None
-    if hint is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if hint is int and isinstance(value, bool) or not isinstance(value, hint):
-        raise ConfigError(f"{key}: expected {hint.__name__}, got {_type_name(value)} {value!r}")
-    return value
-
-
-def _type_name(value: Any) -> str:
-    return {dict: "table", list: "list", str: "string"}.get(type(value), type(value).__name__)
-
-
-def _join(path: str, key: str) -> str:
-    return f"{path}.{key}" if path else key
-
-
 def describe(config: Any = None, prefix: str = "") -> list[tuple[str, str, str, str]]:
     """(key path, type, default, doc) of every config key, for docs and help text."""
     config = RunConfig() if config is None else config
     rows = []
     hints = typing.get_type_hints(type(config))
     for f in dataclasses.fields(config):
-        key = _join(prefix, f.name)
+        key = join_key(prefix, f.name)
         value = getattr(config, f.name)
         if dataclasses.is_dataclass(value):
             rows.extend(describe(value, key))

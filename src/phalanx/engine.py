@@ -62,10 +62,14 @@ class Engine:
         self._broadcast_state()
         self.trainable = [p for p in self.module.parameters() if p.requires_grad]
         self.buckets = GradientBuckets(
-            self.trainable, int(bucket_mb * 2**20), launch=self.strategy.launch
+            self.trainable,
+            int(bucket_mb * 2**20),
+            launch=self.strategy.launch,
+            align=self.strategy.bucket_alignment(self.ctx.world_size),
         )
         self.strategy.setup(self.ctx, self.buckets.buckets)
         self.optimizer = self.strategy.build_optimizer(self.trainable, optimizer)
+        self.strategy.register_module(self.module)
         self._timer = PhaseTimer(self.ctx.device)
 
     # -- the step -----------------------------------------------------------------------------
@@ -96,7 +100,6 @@ class Engine:
         self.buckets.flush()
         # Phase 4: wait for the exchange; parameters no rank used get no gradient.
         self.strategy.finish()
-        self._detach_unused_grads()
         timer.mark("exchange")
         # Phase 5: update.
         self.strategy.update(self.optimizer)
@@ -121,19 +124,6 @@ class Engine:
             return x.to(self.ctx.device, non_blocking=True)
         return x
 
-    def _detach_unused_grads(self) -> None:
-        """Parameters no rank produced a gradient for keep ``grad = None``, as in one process.
-
-        The buckets' summed flags say which were used anywhere; no extra message is needed.
-        """
-        flags = torch.cat([b.flags for b in self.buckets.buckets])
-        if bool((flags > 0.5).all()):
-            return
-        for bucket in self.buckets.buckets:
-            for p, flag in zip(bucket.params, bucket.flags.tolist()):
-                if flag < 0.5:
-                    p.grad = None
-
     def _record(self, phases: dict[str, float], launched_in_backward: int) -> None:
         self.stats = StepStats(
             forward_s=phases.get("forward", 0.0),
@@ -153,7 +143,7 @@ class Engine:
         Every rank takes part in the broadcast on step 0 whatever it observed, so ranks that
         saw different unused parameters still agree on one layout.
         """
-        if self.num_steps != 0:
+        if self.num_steps != 0 or not self.strategy.rebuilds_buckets():
             return
         seen = self.buckets.ready_order
         seen_set = set(seen)
@@ -178,19 +168,41 @@ class Engine:
                 dist.broadcast(buffer, src=0, group=self.ctx.group)
 
     def state_dict(self) -> dict[str, Any]:
+        """Model, optimizer (per-parameter format whatever the strategy) and step count.
+        Collective for sharded strategies: call it on every rank."""
+        self.strategy.sync()
         return {
             "model": self.module.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "strategy": self.strategy.state_dict(),
+            "optimizer": self.strategy.optimizer_state_dict(self.optimizer, self.trainable),
             "num_steps": self.num_steps,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.module.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.strategy.load_state_dict(state.get("strategy", {}))
+        self.strategy.sync()
+        with torch.no_grad():  # in place: parameters may be views of strategy buffers
+            for name, value in state["model"].items():
+                self._state_tensor(name).copy_(value)
+        self.strategy.load_optimizer_state_dict(self.optimizer, self.trainable, state["optimizer"])
         self.num_steps = int(state.get("num_steps", 0))
 
+    def _state_tensor(self, name: str) -> torch.Tensor:
+        tensors = dict(self.module.state_dict(keep_vars=True))
+        if name not in tensors:
+            raise KeyError(f"checkpoint has {name!r}, which the model does not")
+        return (
+            tensors[name].data if isinstance(tensors[name], torch.nn.Parameter) else tensors[name]
+        )
+
+    def sync(self) -> None:
+        """Wait until every parameter holds its updated value. Forward waits by itself (layer
+        by layer); call this before reading parameters directly after a step."""
+        self.strategy.sync()
+
+    def optimizer_bytes(self) -> int:
+        """Bytes of optimizer state on this rank."""
+        return self.strategy.optimizer_bytes(self.optimizer)
+
     def close(self) -> None:
-        """Remove the backward hooks (the model can then be used without the Engine)."""
+        """Remove hooks and stop background work (the model then works without the Engine)."""
+        self.strategy.close()
         self.buckets.remove_hooks()

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+import types
+import typing
 from dataclasses import MISSING, field
-from typing import Any
+from typing import Any, Literal, Union
 
 from phalanx.errors import ConfigError
 
@@ -34,3 +37,75 @@ def require_choice(value: object, key: str, choices: list[str] | tuple[str, ...]
     """Raise unless ``value`` is one of ``choices`` (the message lists them)."""
     if value not in choices:
         raise ConfigValueError(key, f"got {value!r}; allowed: {', '.join(map(str, choices))}")
+
+
+def from_dict(cls: type, data: Any, path: str) -> Any:
+    """Build dataclass ``cls`` from a TOML table, checking keys and types at ``path``."""
+    where = path or "config"
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected a table, got {_type_name(data)}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        key = join_key(path, unknown[0])
+        raise ConfigError(f"{key}: unknown key; allowed: {', '.join(sorted(fields))}")
+    kwargs = {
+        name: _convert(hints[name], value, join_key(path, name)) for name, value in data.items()
+    }
+    try:
+        return cls(**kwargs)
+    except ConfigValueError as e:
+        raise ConfigError(f"{join_key(path, e.key)}: {e.reason}") from None
+
+
+def _convert(hint: Any, value: Any, key: str) -> Any:
+    origin = typing.get_origin(hint)
+    if dataclasses.is_dataclass(hint):
+        return from_dict(hint, value, key)
+    if origin is Literal:
+        allowed = typing.get_args(hint)
+        if value not in allowed:
+            raise ConfigError(f"{key}: got {value!r}; allowed: {', '.join(map(repr, allowed))}")
+        return value
+    if origin in (Union, types.UnionType):
+        errors = []
+        for option_hint in typing.get_args(hint):
+            try:
+                return _convert(option_hint, value, key)
+            except ConfigError as e:
+                errors.append(str(e).split(": ", 1)[1])
+        raise ConfigError(f"{key}: {'; or '.join(errors)}")
+    if origin in (list, tuple):
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list, got {_type_name(value)}")
+        (item_hint, *_) = typing.get_args(hint) or (Any,)
+        items = [_convert(item_hint, v, f"{key}[{i}]") for i, v in enumerate(value)]
+        return tuple(items) if origin is tuple else items
+    if origin is dict or hint is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a table, got {_type_name(value)}")
+        return value
+    return _convert_scalar(hint, value, key)
+
+
+def _convert_scalar(hint: Any, value: Any, key: str) -> Any:
+    if hint is Any:
+        return value
+    if hint is type(None):
+        if value is not None:
+            raise ConfigError(f"{key}: expected nothing, got {_type_name(value)}")
+        return None
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint is int and isinstance(value, bool) or not isinstance(value, hint):
+        raise ConfigError(f"{key}: expected {hint.__name__}, got {_type_name(value)} {value!r}")
+    return value
+
+
+def _type_name(value: Any) -> str:
+    return {dict: "table", list: "list", str: "string"}.get(type(value), type(value).__name__)
+
+
+def join_key(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key

@@ -1,6 +1,6 @@
 """Gradient exchange: buckets filled during backward, strategies registered by name."""
 
-from phalanx.exchange import allreduce  # noqa: F401  (registers "allreduce")
+from phalanx.exchange import allreduce, partitioned  # noqa: F401  (register strategies)
 from phalanx.exchange.base import STRATEGIES, ExchangeConfig, Strategy, make_strategy
 from phalanx.exchange.buckets import Bucket, GradientBuckets
 

@@ -50,12 +50,28 @@ class Strategy(ABC):
 
     def __init__(self) -> None:
         self.ctx: Context | None = None
+        self.buckets: list[Bucket] = []
         self.bytes_sent = 0  # this step, counted by the strategy
         self.bytes_received = 0
+
+    # -- layout -------------------------------------------------------------------------------
+    def bucket_alignment(self, world_size: int) -> int:
+        """Each bucket's flat length is padded to a multiple of this (e.g. p for scatters)."""
+        del world_size
+        return 1
+
+    def rebuilds_buckets(self) -> bool:
+        """Whether the Engine may re-order buckets after step 1 (by observed backward order)."""
+        return True
 
     def setup(self, ctx: Context, buckets: list[Bucket]) -> None:
         """Called once the buckets exist, and again whenever they are rebuilt."""
         self.ctx = ctx
+        self.buckets = buckets
+
+    def register_module(self, module: torch.nn.Module) -> None:
+        """Hook into the model if the strategy needs to (e.g. wait for parameters in forward)."""
+        del module
 
     def build_optimizer(
         self, params: list[torch.nn.Parameter], factory: OptimizerFactory
@@ -82,21 +98,64 @@ class Strategy(ABC):
         """Phase 2: wait for every launched exchange of this step."""
 
     def update(self, optimizer: torch.optim.Optimizer) -> None:
-        """Phase 3: apply the update on every rank."""
+        """Phase 3: apply the update on every rank (buckets hold mean gradients)."""
+        self.detach_unused_grads()
         optimizer.step()
 
-    def state_dict(self) -> dict[str, Any]:
-        return {}
+    def detach_unused_grads(self) -> None:
+        """Parameters no rank produced a gradient for keep ``grad = None``, as in one process.
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        del state
+        The buckets' summed usage flags say which were used anywhere; no extra message needed.
+        """
+        flags = torch.cat([b.flags for b in self.buckets])
+        if bool((flags > 0.5).all()):
+            return
+        for bucket in self.buckets:
+            for p, flag in zip(bucket.params, bucket.flags.tolist()):
+                if flag < 0.5:
+                    p.grad = None
+
+    def sync(self) -> None:
+        """Wait for any background work (e.g. parameters still arriving)."""
+        return None
+
+    # -- state --------------------------------------------------------------------------------
+    def optimizer_state_dict(
+        self, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter]
+    ) -> dict[str, Any]:
+        """Optimizer state in the per-parameter format of an optimizer over ``params``
+        (collective for sharded strategies; every rank gets the same dict)."""
+        del params
+        return optimizer.state_dict()
+
+    def load_optimizer_state_dict(
+        self,
+        optimizer: torch.optim.Optimizer,
+        params: list[torch.nn.Parameter],
+        state: dict[str, Any],
+    ) -> None:
+        del params
+        optimizer.load_state_dict(state)
+
+    def optimizer_bytes(self, optimizer: torch.optim.Optimizer) -> int:
+        """Bytes of optimizer state held by this rank."""
+        return sum(
+            t.numel() * t.element_size()
+            for s in optimizer.state.values()
+            for t in s.values()
+            if isinstance(t, torch.Tensor)
+        )
+
+    def close(self) -> None:
+        """Stop background work and remove hooks."""
+        return None
 
 
 STRATEGIES: Registry[Strategy] = Registry("exchange strategy")
 
 
-def make_strategy(spec: str | Strategy) -> Strategy:
-    """A Strategy from a registry name or an instance (returned as is)."""
+def make_strategy(spec: str | Strategy, options: dict[str, Any] | None = None) -> Strategy:
+    """A Strategy from a registry name (with its options) or an instance (returned as is)."""
     if isinstance(spec, Strategy):
         return spec
-    return STRATEGIES.get(spec)()
+    return STRATEGIES.get(spec)(**(options or {}))

@@ -89,11 +89,13 @@ class GradientBuckets:
         bucket_bytes: int,
         launch: Callable[[Bucket], None],
         first_bucket_bytes: int = FIRST_BUCKET_BYTES,
+        align: int = 1,
     ) -> None:
         # Hooks fire in backward order, which is roughly the reverse of registration order.
         self.params = list(params)
         self.bucket_bytes = bucket_bytes
         self.first_bucket_bytes = first_bucket_bytes
+        self.align = align
         self._launch = launch
         self._position = {id(p): i for i, p in enumerate(self.params)}
         self.used = bytearray(len(self.params))
@@ -123,7 +125,8 @@ class GradientBuckets:
 
     def _make_bucket(self, index: int, members: list[torch.nn.Parameter]) -> Bucket:
         total = sum(p.numel() for p in members)
-        flat = torch.zeros(total + len(members), dtype=members[0].dtype, device=members[0].device)
+        padded = -(-(total + len(members)) // self.align) * self.align
+        flat = torch.zeros(padded, dtype=members[0].dtype, device=members[0].device)
         views, offsets, offset = [], [], 0
         for p in members:
             view = flat[offset : offset + p.numel()].view_as(p)
@@ -138,7 +141,7 @@ class GradientBuckets:
             params=members,
             flat=flat,
             grads=flat[:total],
-            flags=flat[total:],
+            flags=flat[total : total + len(members)],
             views=views,
             offsets=offsets,
         )

@@ -20,10 +20,11 @@ OPTIMIZERS: Registry[torch.optim.Optimizer] = Registry("optimizer")
 class OptimizerConfig:
     """The optimizer and its hyper-parameters (unused ones are ignored by optimizers without)."""
 
-    name: str = option("sgd", "registered optimizer: sgd, adam, adamw")
+    name: str = option("sgd", "registered optimizer: sgd, adam, adamw, adagrad")
     lr: float = option(0.05, "learning rate")
     momentum: float = option(0.9, "SGD momentum")
     weight_decay: float = option(0.0, "L2 penalty (decoupled for adamw)")
+    rho: float = option(1e-8, "AdaGrad: lr_i = lr / sqrt(rho + sum of squared gradients_i)")
 
     def __post_init__(self) -> None:
         require(
@@ -33,6 +34,7 @@ class OptimizerConfig:
         )
         require(0 < self.lr < math.inf, "lr", f"must be finite and > 0, got {self.lr}")
         require(0 <= self.momentum < 1, "momentum", f"must be in [0, 1), got {self.momentum}")
+        require(self.rho > 0, "rho", f"must be > 0, got {self.rho}")
         require(self.weight_decay >= 0, "weight_decay", f"must be >= 0, got {self.weight_decay}")
 
 
@@ -46,6 +48,15 @@ def _sgd(config: OptimizerConfig) -> Factory:
 @OPTIMIZERS.register("adam")
 def _adam(config: OptimizerConfig) -> Factory:
     return functools.partial(torch.optim.Adam, lr=config.lr, weight_decay=config.weight_decay)
+
+
+@OPTIMIZERS.register("adagrad")
+def _adagrad(config: OptimizerConfig) -> Factory:
+    from phalanx.optim.adagrad import AdaGrad
+
+    return functools.partial(
+        AdaGrad, lr=config.lr, rho=config.rho, weight_decay=config.weight_decay
+    )
 
 
 @OPTIMIZERS.register("adamw")

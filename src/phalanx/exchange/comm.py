@@ -1,0 +1,77 @@
+"""A background communication thread with its own process group.
+
+Multi-round exchanges (tree, cyclic, parameter server) are chains of dependent point-to-point
+transfers; a thread runs them so the chain progresses while backward (or the next forward)
+continues on the main thread. The thread owns a dedicated process group, so its messages never
+interleave with collectives the main thread issues (e.g. a logged loss), and it runs jobs in
+submission order, which is the same on every rank.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+class CommThread:
+    """Runs submitted jobs one at a time, in order, on a daemon thread.
+
+    On CUDA each job runs on a side stream that first waits for the compute stream's work up
+    to the moment of submission (an event), so gradients are complete before they are sent.
+    """
+
+    def __init__(self, device: torch.device, name: str = "phalanx-comm") -> None:
+        self.group = dist.new_group(backend=dist.get_backend())
+        self.device = device
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Callable[[], Any]) -> Future:
+        future: Future = Future()
+        event = None
+        if self._stream is not None:
+            event = torch.cuda.Event()
+            event.record()
+        self._jobs.put((job, future, event))
+        return future
+
+    def _loop(self) -> None:
+        while True:
+            item = self._jobs.get()
+            if item is None:
+                return
+            job, future, event = item
+            try:
+                future.set_result(self._run(job, event))
+            except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
+                future.set_exception(e)
+
+    def _run(self, job: Callable[[], Any], event: Any) -> Any:
+        if self._stream is None:
+            return job()
+        with torch.cuda.stream(self._stream):
+            self._stream.wait_event(event)
+            result = job()
+        torch.cuda.current_stream(self.device).wait_stream(self._stream)
+        return result
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._jobs.put(None)
+            self._thread.join(timeout=5)
+
+
+def wait(handle: Any) -> None:
+    """Wait for a backend Work or a CommThread Future (its exception is re-raised here)."""
+    if isinstance(handle, Future):
+        handle.result()
+    else:
+        handle.wait()

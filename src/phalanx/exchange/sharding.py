@@ -1,0 +1,198 @@
+"""Owner-side updates over flat parameter shards (F4, F5, F19): the machinery that
+``partitioned`` and ``ps`` share.
+
+Each bucket gets a flat *parameter* buffer with the bucket's layout; the model's parameters
+become views of it (``p.data``), so updating a contiguous range of the buffer updates the
+parameters that overlap it. A partition is a contiguous range of the bucket; the rank that owns
+it keeps the only optimizer state for that range (``torch.nn.Parameter`` views of the buffer,
+handed to any elementwise optimizer). Checkpoints use a canonical per-parameter optimizer state
+(the format a plain optimizer over the full parameters would have), so a run saved with one
+world size and strategy resumes under another.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from phalanx.exchange.buckets import Bucket
+
+
+def bounds(length: int, num_parts: int) -> list[tuple[int, int]]:
+    """Split [0, length) into num_parts contiguous near-equal ranges (earlier ones longer)."""
+    base, extra = divmod(length, num_parts)
+    out, start = [], 0
+    for i in range(num_parts):
+        end = start + base + (1 if i < extra else 0)
+        out.append((start, end))
+        start = end
+    return out
+
+
+@dataclass
+class Shard:
+    """One owned range of one bucket: ``param`` views the parameter buffer, ``grad_source``
+    the reduced gradients of the same range (both 1-D, the bucket's dtype and device)."""
+
+    bucket: int
+    start: int
+    end: int
+    param: torch.nn.Parameter
+    grad_source: torch.Tensor | None = None
+
+
+class ShardedParameters:
+    """Flat parameter buffers for the buckets, partition ranges, and this rank's shards."""
+
+    def __init__(
+        self,
+        buckets: list[Bucket],
+        ranges: list[list[tuple[int, int]]],
+        owners: list[list[int]],
+        rank: int,
+    ) -> None:
+        assert len(buckets) == len(ranges) == len(owners)
+        self.buckets = buckets
+        self.ranges = ranges  # per bucket: partition -> [start, end) in the bucket's flat
+        self.owners = owners  # per bucket: partition -> owning rank
+        self.rank = rank
+        self.flats = [self._adopt(bucket) for bucket in buckets]
+        self.shards = self._make_shards()
+
+    @staticmethod
+    def _adopt(bucket: Bucket) -> torch.Tensor:
+        """A flat buffer holding the bucket's parameters; the parameters become its views."""
+        flat = torch.zeros_like(bucket.flat)
+        with torch.no_grad():
+            for p, offset in zip(bucket.params, bucket.offsets):
+                view = flat[offset : offset + p.numel()].view_as(p)
+                view.copy_(p.data)
+                p.data = view
+        return flat
+
+    def _make_shards(self) -> list[Shard]:
+        shards = []
+        for b, bucket in enumerate(self.buckets):
+            num_grads = bucket.grads.numel()
+            for (start, end), owner in zip(self.ranges[b], self.owners[b]):
+                end = min(end, num_grads)  # usage flags and padding are not parameters
+                if owner == self.rank and start < end:
+                    param = torch.nn.Parameter(self.flats[b][start:end])
+                    shards.append(Shard(b, start, end, param))
+        return shards
+
+    def shard_params(self) -> list[torch.nn.Parameter]:
+        """This rank's shard Parameters; a rank that owns nothing gets one empty placeholder,
+        so any torch optimizer can be built (and steps nothing)."""
+        return [s.param for s in self.shards] or [torch.nn.Parameter(torch.empty(0))]
+
+    def attach_grads(self, grads_of: dict[int, torch.Tensor], offset_of: dict[int, int]) -> None:
+        """Point each shard's ``.grad`` at its reduced gradients: ``grads_of[b]`` holds bucket b's
+        range starting at flat index ``offset_of[b]``."""
+        for shard in self.shards:
+            source = grads_of[shard.bucket]
+            lo = shard.start - offset_of[shard.bucket]
+            shard.param.grad = source[lo : lo + shard.end - shard.start]
+
+    def optimizer_bytes(self, optimizer: torch.optim.Optimizer) -> int:
+        return sum(
+            t.numel() * t.element_size()
+            for state in optimizer.state.values()
+            for t in state.values()
+            if isinstance(t, torch.Tensor)
+        )
+
+    # -- canonical optimizer state ------------------------------------------------------------
+    def canonical_state(
+        self, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], group: Any
+    ) -> dict[str, Any]:
+        """Gather every owner's shard state into per-parameter state keyed by index in
+        ``params`` (collective: every rank calls it and gets the same result)."""
+        local = {}
+        for shard in self.shards:
+            state = optimizer.state.get(shard.param, {})
+            local[(shard.bucket, shard.start)] = {k: _cpu(v) for k, v in state.items()}
+        gathered: list[dict] = [None] * dist.get_world_size(group)  # type: ignore[list-item]
+        dist.all_gather_object(gathered, local, group=group)
+        pieces = {key: value for part in gathered for key, value in part.items()}
+        index = {id(p): i for i, p in enumerate(params)}
+        state: dict[int, dict[str, Any]] = {}
+        for b, bucket in enumerate(self.buckets):
+            for p, offset in zip(bucket.params, bucket.offsets):
+                entry = _assemble(pieces, b, offset, p)
+                if entry:
+                    state[index[id(p)]] = entry
+        groups = [
+            {**{k: v for k, v in g.items() if k != "params"}, "params": list(range(len(params)))}
+            for g in optimizer.state_dict()["param_groups"][:1]
+        ]
+        return {"state": state, "param_groups": groups}
+
+    def load_canonical_state(
+        self,
+        optimizer: torch.optim.Optimizer,
+        params: list[torch.nn.Parameter],
+        canonical: dict[str, Any],
+    ) -> None:
+        """Load per-parameter state into this rank's shards."""
+        index = {id(p): i for i, p in enumerate(params)}
+        shard_state = {}
+        for n, shard in enumerate(self.shards):
+            bucket = self.buckets[shard.bucket]
+            entry = _slice_state(canonical["state"], bucket, index, shard.start, shard.end)
+            if entry:
+                shard_state[n] = entry
+        (group,) = canonical["param_groups"][:1] or [{}]
+        current = {k: v for k, v in optimizer.param_groups[0].items() if k != "params"}
+        hyper = {k: v for k, v in group.items() if k != "params"}
+        groups = [
+            {**current, **hyper, "params": list(range(len(optimizer.param_groups[0]["params"])))}
+        ]  # noqa: E501
+        optimizer.load_state_dict({"state": shard_state, "param_groups": groups})
+
+
+def _cpu(value: Any) -> Any:
+    return value.detach().cpu() if isinstance(value, torch.Tensor) else value
+
+
+def _assemble(pieces: dict, bucket: int, offset: int, p: torch.Tensor) -> dict[str, Any]:
+    """Per-parameter state for the parameter at ``offset`` in ``bucket`` from shard pieces."""
+    end = offset + p.numel()
+    parts = sorted((start, s) for (b, start), s in pieces.items() if b == bucket)
+    entry: dict[str, Any] = {}
+    for start, state in parts:
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and value.dim() == 1:
+                lo, hi = max(start, offset), min(start + value.numel(), end)
+                if lo < hi:
+                    full = entry.setdefault(key, torch.zeros(p.numel(), dtype=value.dtype))
+                    full[lo - offset : hi - offset] = value[lo - start : hi - start]
+            elif key not in entry:
+                entry[key] = value
+    return {k: (v.view(p.shape) if isinstance(v, torch.Tensor) and v.dim() == 1 else v)
+            for k, v in entry.items()}  # fmt: skip
+
+
+def _slice_state(
+    state: dict, bucket: Bucket, index: dict[int, int], start: int, end: int
+) -> dict[str, Any]:
+    """The flat range [start, end) of the bucket's per-parameter state, as one shard's state."""
+    entry: dict[str, Any] = {}
+    for p, offset in zip(bucket.params, bucket.offsets):
+        lo, hi = max(start, offset), min(end, offset + p.numel())
+        param_state = state.get(index[id(p)], state.get(str(index[id(p)]), {}))
+        if lo >= hi or not param_state:
+            continue
+        for key, value in param_state.items():
+            if isinstance(value, torch.Tensor) and value.numel() == p.numel() and value.dim() > 0:
+                device = bucket.flat.device
+                full = entry.setdefault(
+                    key, torch.zeros(end - start, dtype=value.dtype, device=device)
+                )  # noqa: E501
+                full[lo - start : hi - start] = value.reshape(-1)[lo - offset : hi - offset]
+            elif key not in entry:
+                entry[key] = value
+    return entry
