@@ -108,6 +108,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         config = config_from_data(_saved_config(Path(args.resume)), args.set)
     run_dir = Path(args.resume or args.run_dir or config.train.run_dir or _default_run_dir(args))
     in_worker = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    world_size = int(os.environ["WORLD_SIZE"]) if in_worker else args.nproc * args.nnodes
+    config.exchange.check_world(world_size)  # before any process group work
     if args.resume and not in_worker:
         checkpoint.load(run_dir / "checkpoints")  # fail early, before any worker starts
     if in_worker or (args.nproc == 1 and args.nnodes == 1):

@@ -81,14 +81,17 @@ class Engine:
         # Phase 1: zero buckets; split into micro-batches.
         self.buckets.zero()
         self.strategy.begin_step()
-        micro = self._split(self._to_device(inputs), self._to_device(targets))
+        micro = []
+        if self.strategy.is_trainer:  # a dedicated server has no batch, only its exchange part
+            micro = self._split(self._to_device(inputs), self._to_device(targets))
         total_loss = torch.zeros((), device=self.ctx.device)
         # Folding 1/p into the loss makes the exchanged sums means without a pass over buckets.
-        scale = self.strategy.gradient_scale() / len(micro)
+        scale = self.strategy.gradient_scale() / max(1, len(micro))
+        if self.broadcast_buffers:
+            self._broadcast_buffers()
+        self.buckets.arm(launch=True)
         # Phase 2: forward/backward; only the last micro-step launches the exchange.
         for i, (x, y) in enumerate(micro):
-            if self.broadcast_buffers and i == 0:
-                self._broadcast_buffers()
             loss = self.loss_fn(self.module(x), y)
             timer.mark("forward")
             self.buckets.arm(launch=i == len(micro) - 1)
@@ -108,6 +111,21 @@ class Engine:
         self._maybe_rebuild_buckets()
         self.num_steps += 1
         return total_loss
+
+    @property
+    def is_trainer(self) -> bool:
+        """False on a dedicated parameter-server rank (it trains on no data)."""
+        return self.strategy.is_trainer
+
+    @property
+    def data_rank(self) -> int:
+        """This rank's index among the ranks that train on data (for sharding the data)."""
+        return self.strategy.data_parallel()[0]
+
+    @property
+    def data_world_size(self) -> int:
+        """How many ranks train on data (the global batch is batch_size x this)."""
+        return self.strategy.data_parallel()[1]
 
     def _split(self, inputs: Any, targets: torch.Tensor) -> list[tuple[Any, torch.Tensor]]:
         k = self.accumulate_steps

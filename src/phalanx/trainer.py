@@ -21,6 +21,7 @@ from phalanx import checkpoint
 from phalanx.data.loader import ShardedBatches
 from phalanx.data.sources import Dataset, load_source
 from phalanx.engine import Engine
+from phalanx.exchange.base import make_strategy
 from phalanx.fields import option, require
 from phalanx.metrics import JsonlWriter, Progress
 from phalanx.models.layers import build_model
@@ -99,7 +100,7 @@ class Trainer:
             build_model(config.model),
             loss_fn,
             make_optimizer_factory(config.optimizer),
-            exchange=config.exchange.strategy,
+            exchange=make_strategy(config.exchange.strategy, config.exchange.options),
             bucket_mb=config.exchange.bucket_mb,
             accumulate_steps=config.train.accumulate_steps,
             context=self.ctx,
@@ -187,11 +188,12 @@ class Trainer:
     def _save(self) -> None:
         rng = [None] * self.ctx.world_size
         dist.all_gather_object(rng, _rng_state(), group=self.ctx.group)
+        engine_state = self.engine.state_dict()  # collective for sharded strategies
         if self.ctx.is_main:
             payload = {
                 "step": self.step,
                 "world_size": self.ctx.world_size,
-                "engine": self.engine.state_dict(),
+                "engine": engine_state,
                 "data": self.loader.state_dict(),
                 "rng": rng,
             }

@@ -1,6 +1,11 @@
 """Gradient exchange: buckets filled during backward, strategies registered by name."""
 
-from phalanx.exchange import allreduce, partitioned  # noqa: F401  (register strategies)
+from phalanx.exchange import (  # noqa: F401  (register the built-in strategies)
+    allreduce,
+    param_server,
+    partitioned,
+    tree,
+)
 from phalanx.exchange.base import STRATEGIES, ExchangeConfig, Strategy, make_strategy
 from phalanx.exchange.buckets import Bucket, GradientBuckets
 

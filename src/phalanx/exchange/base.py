@@ -19,8 +19,9 @@ from typing import Any
 
 import torch
 
+from phalanx.errors import ConfigError
 from phalanx.exchange.buckets import Bucket
-from phalanx.fields import option, require
+from phalanx.fields import ConfigValueError, option, require
 from phalanx.registry import Registry
 from phalanx.runtime.context import Context
 
@@ -33,6 +34,7 @@ class ExchangeConfig:
 
     strategy: str = option("allreduce", "registered exchange strategy name")
     bucket_mb: float = option(25.0, "fusion threshold in MiB: a bucket launches when this full")
+    options: dict = option(factory=dict, doc="the strategy's own options (see docs/exchange.md)")
 
     def __post_init__(self) -> None:
         import phalanx.exchange  # noqa: F401  (registers the built-in strategies)
@@ -43,6 +45,29 @@ class ExchangeConfig:
             f"unknown strategy {self.strategy!r}; known: {', '.join(STRATEGIES.names())}",
         )
         require(self.bucket_mb > 0, "bucket_mb", f"must be > 0, got {self.bucket_mb}")
+        strategy_config(self.strategy, self.options)
+
+    def check_world(self, world_size: int) -> None:
+        """Start-up check of options that depend on the world size (before any group work)."""
+        config = strategy_config(self.strategy, self.options)
+        check = getattr(config, "check_world", None)
+        if check is not None:
+            check(world_size)
+
+
+def strategy_config(name: str, options: dict[str, Any]) -> Any:
+    """The strategy's Config built from ``options`` (ConfigValueError naming options.KEY)."""
+    from phalanx.fields import from_dict
+
+    cls = getattr(STRATEGIES.get(name), "Config", None)
+    if cls is None:
+        require(not options, "options", f"strategy {name!r} takes no options")
+        return None
+    try:
+        return from_dict(cls, options, "options")
+    except ConfigError as e:
+        key, _, reason = str(e).partition(": ")
+        raise ConfigValueError(key, reason) from None
 
 
 class Strategy(ABC):
@@ -69,6 +94,16 @@ class Strategy(ABC):
         self.ctx = ctx
         self.buckets = buckets
 
+    @property
+    def is_trainer(self) -> bool:
+        """Whether this rank runs forward and backward (False on dedicated servers)."""
+        return True
+
+    def data_parallel(self) -> tuple[int, int]:
+        """(index, count) of this rank among the ranks that train on data."""
+        assert self.ctx is not None, "setup() first"
+        return self.ctx.rank, self.ctx.world_size
+
     def register_module(self, module: torch.nn.Module) -> None:
         """Hook into the model if the strategy needs to (e.g. wait for parameters in forward)."""
         del module
@@ -81,8 +116,7 @@ class Strategy(ABC):
 
     def gradient_scale(self) -> float:
         """Factor the Engine folds into the loss so the exchanged sums are means (1/p)."""
-        assert self.ctx is not None, "setup() first"
-        return 1.0 / self.ctx.world_size
+        return 1.0 / self.data_parallel()[1]
 
     def begin_step(self) -> None:
         """Reset per-step counters before the first launch of a step."""

@@ -53,12 +53,14 @@ class ShardedParameters:
         ranges: list[list[tuple[int, int]]],
         owners: list[list[int]],
         rank: int,
+        host_master: bool = False,
     ) -> None:
         assert len(buckets) == len(ranges) == len(owners)
         self.buckets = buckets
         self.ranges = ranges  # per bucket: partition -> [start, end) in the bucket's flat
         self.owners = owners  # per bucket: partition -> owning rank
         self.rank = rank
+        self.host_master = host_master  # keep owned ranges (and their state) in CPU memory
         self.flats = [self._adopt(bucket) for bucket in buckets]
         self.shards = self._make_shards()
 
@@ -80,9 +82,19 @@ class ShardedParameters:
             for (start, end), owner in zip(self.ranges[b], self.owners[b]):
                 end = min(end, num_grads)  # usage flags and padding are not parameters
                 if owner == self.rank and start < end:
-                    param = torch.nn.Parameter(self.flats[b][start:end])
+                    data = self.flats[b][start:end]
+                    if self.host_master and data.device.type != "cpu":
+                        data = data.detach().to("cpu", copy=True)
+                    param = torch.nn.Parameter(data)
                     shards.append(Shard(b, start, end, param))
         return shards
+
+    def write_back(self, shard: Shard) -> None:
+        """Copy a host master's values into the device buffer (no-op when it is a view)."""
+        target = self.flats[shard.bucket][shard.start : shard.end]
+        if shard.param.data_ptr() != target.data_ptr():
+            with torch.no_grad():
+                target.copy_(shard.param, non_blocking=True)
 
     def shard_params(self) -> list[torch.nn.Parameter]:
         """This rank's shard Parameters; a rank that owns nothing gets one empty placeholder,

@@ -1,0 +1,287 @@
+"""``ps``: a parameter server (F8, F9, F19 first half).
+
+Each bucket is split into one partition per server. ``servers = k`` makes the last k ranks
+dedicated servers (world = workers + servers); ``servers = 0`` makes every rank serve one
+partition. A server keeps the master copy of its partitions and their optimizer state in CPU
+memory.
+
+Phases per bucket (one job on the communication thread, started as soon as backward fills the
+bucket, so buckets are served layer by layer while backward continues, F8):
+  Phase 1 (push): every worker sends each partition to its server, either directly (``star``)
+    or summed pairwise up a binary tree rooted at the server (``tree``, F9).
+  Phase 2 (update): the server steps the optimizer on that partition only, as soon as every
+    worker's gradient for it has arrived.
+  Phase 3 (pull): the server sends the updated partition back to every worker (``star``) or down
+    the same tree. A layer's next forward waits only for its own bucket's pull.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+
+from phalanx.errors import ConfigError
+from phalanx.exchange.base import STRATEGIES, OptimizerFactory, Strategy
+from phalanx.exchange.buckets import Bucket
+from phalanx.exchange.comm import CommThread, wait
+from phalanx.exchange.sharding import ShardedParameters, bounds
+from phalanx.exchange.tree import tree_children, tree_parent
+from phalanx.fields import option, require
+
+
+@dataclass(kw_only=True)
+class ParamServerConfig:
+    """Options of the parameter server."""
+
+    servers: int = option(0, "dedicated server ranks (0: every rank serves a partition)")
+    reduce: Literal["star", "tree"] = option("star", "push gradients directly or up a tree")
+
+    def __post_init__(self) -> None:
+        require(self.servers >= 0, "servers", f"must be >= 0, got {self.servers}")
+
+    def check_world(self, world_size: int) -> None:
+        if self.servers >= world_size:
+            raise ConfigError(
+                f"exchange.options.servers: {self.servers} servers leave no worker in a world of "
+                f"{world_size}; use fewer than {world_size}"
+            )
+
+
+@STRATEGIES.register("ps")
+class ParameterServer(Strategy):
+    """Push, update at the server, pull, per bucket (see the module docstring)."""
+
+    Config = ParamServerConfig
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__()
+        self.config = ParamServerConfig(**options)
+        self.sharded: ShardedParameters | None = None
+        self.comm: CommThread | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self._pushed: list[tuple[threading.Event, Any]] = []
+        self._pending_params: dict[int, Any] = {}
+        self._hooks: list = []
+        self._lock = threading.Lock()
+
+    # -- roles --------------------------------------------------------------------------------
+    @property
+    def num_workers(self) -> int:
+        assert self.ctx is not None
+        return self.ctx.world_size - self.config.servers
+
+    @property
+    def is_trainer(self) -> bool:
+        assert self.ctx is not None
+        return self.ctx.rank < self.num_workers
+
+    def data_parallel(self) -> tuple[int, int]:
+        assert self.ctx is not None
+        return min(self.ctx.rank, self.num_workers - 1), self.num_workers
+
+    def _owners(self) -> list[int]:
+        assert self.ctx is not None
+        if self.config.servers == 0:
+            return list(range(self.ctx.world_size))
+        return list(range(self.num_workers, self.ctx.world_size))
+
+    # -- layout -------------------------------------------------------------------------------
+    def rebuilds_buckets(self) -> bool:
+        return False
+
+    def setup(self, ctx: Any, buckets: list[Bucket]) -> None:
+        super().setup(ctx, buckets)
+        self.config.check_world(ctx.world_size)
+        owners = self._owners()
+        self.ranges = [bounds(b.flat.numel(), len(owners)) for b in buckets]
+        self.sharded = ShardedParameters(
+            buckets, self.ranges, [owners] * len(buckets), ctx.rank, host_master=True
+        )
+        if self.comm is None:
+            self.comm = CommThread(ctx.device)
+
+    def build_optimizer(
+        self, params: list[torch.nn.Parameter], factory: OptimizerFactory
+    ) -> torch.optim.Optimizer:
+        assert self.sharded is not None
+        self.optimizer = factory(self.sharded.shard_params())
+        return self.optimizer
+
+    def register_module(self, module: torch.nn.Module) -> None:
+        assert self.sharded is not None
+        bucket_of = {id(p): b.index for b in self.sharded.buckets for p in b.params}
+        for sub in module.modules():
+            own = sub.parameters(recurse=False)
+            indices = sorted({bucket_of[id(p)] for p in own if id(p) in bucket_of})
+            if indices:
+                self._hooks.append(sub.register_forward_pre_hook(self._waiter(indices)))
+
+    def _waiter(self, indices: list[int]) -> Any:
+        def hook(module: torch.nn.Module, args: Any) -> None:
+            for b in indices:
+                self._wait_params(b)
+
+        return hook
+
+    def _wait_params(self, b: int) -> None:
+        pending = self._pending_params.pop(b, None)
+        if pending is not None:
+            wait(pending)
+
+    # -- the per-bucket job -------------------------------------------------------------------
+    def launch(self, bucket: Bucket) -> None:
+        assert self.comm is not None
+        self._wait_params(bucket.index)
+        pushed = threading.Event()
+        job = self.comm.submit(lambda: self._serve_bucket(bucket, pushed))
+        self._pushed.append((pushed, job))
+        self._pending_params[bucket.index] = job
+
+    def _serve_bucket(self, bucket: Bucket, pushed: threading.Event) -> None:
+        """Runs on the communication thread, partition by partition."""
+        assert self.ctx is not None and self.sharded is not None
+        owners = self._owners()
+        grads = self._host(bucket.flat)
+        summed: dict[int, torch.Tensor] = {}
+        for m, owner in enumerate(owners):  # Phase 1: push
+            lo, hi = self.ranges[bucket.index][m]
+            summed[m] = self._push(grads[lo:hi], owner)
+        pushed.set()  # the gradient buffer may be reused from here on
+        for m, owner in enumerate(owners):  # Phase 2: update; Phase 3: pull
+            if owner == self.ctx.rank:
+                self._update(bucket, m, summed[m])
+            lo, hi = self.ranges[bucket.index][m]
+            self._pull(self.sharded.flats[bucket.index], lo, hi, owner)
+
+    def _host(self, flat: torch.Tensor) -> torch.Tensor:
+        """Gradients as CPU tensors: servers keep everything in host memory."""
+        return flat if flat.device.type == "cpu" else flat.to("cpu")
+
+    def _participants(self, owner: int) -> list[int]:
+        """The owner first (the tree's root), then the workers."""
+        return [owner] + [w for w in range(self.num_workers) if w != owner]
+
+    def _push(self, chunk: torch.Tensor, owner: int) -> torch.Tensor:
+        """Sum of every worker's ``chunk`` at ``owner`` (returned there; others get their input)."""
+        assert self.ctx is not None and self.comm is not None
+        rank, group = self.ctx.rank, self.comm.group
+        ranks = self._participants(owner)
+        if rank not in ranks:
+            return chunk
+        if self.config.reduce == "star" and rank != owner:
+            dist.send(chunk, owner, group=group)
+            self._count(chunk.nbytes, 0)
+            return chunk
+        total = chunk.clone() if rank < self.num_workers else torch.zeros_like(chunk)
+        if self.config.reduce == "tree":
+            return self._tree_up(total, ranks)
+        incoming = torch.empty_like(total)
+        for src in ranks[1:]:
+            dist.recv(incoming, src, group=group)
+            total += incoming
+            self._count(0, incoming.nbytes)
+        return total
+
+    def _tree_up(self, total: torch.Tensor, ranks: list[int]) -> torch.Tensor:
+        assert self.ctx is not None and self.comm is not None
+        me, n, group = ranks.index(self.ctx.rank), len(ranks), self.comm.group
+        incoming = torch.empty_like(total)
+        for child in tree_children(me, n):
+            dist.recv(incoming, ranks[child], group=group)
+            total += incoming
+            self._count(0, incoming.nbytes)
+        parent = tree_parent(me)
+        if parent is not None:
+            dist.send(total, ranks[parent], group=group)
+            self._count(total.nbytes, 0)
+        return total
+
+    def _update(self, bucket: Bucket, m: int, summed: torch.Tensor) -> None:
+        """Step the optimizer on partition m of this bucket only (others have no gradient)."""
+        assert self.sharded is not None and self.optimizer is not None
+        lo, _ = self.ranges[bucket.index][m]
+        mine = [s for s in self.sharded.shards if s.bucket == bucket.index and s.start == lo]
+        for shard in self.sharded.shards:
+            shard.param.grad = None
+        for shard in mine:  # the reduced range may end with usage flags and padding: cut them
+            shard.param.grad = summed[: shard.end - shard.start].to(shard.param.device)
+        self.optimizer.step()
+        for shard in mine:  # a host master (CUDA runs): the replica gets the new values too
+            self.sharded.write_back(shard)
+
+    def _pull(self, flat: torch.Tensor, lo: int, hi: int, owner: int) -> None:
+        """The updated partition [lo, hi) travels from ``owner`` to every worker."""
+        assert self.ctx is not None and self.comm is not None
+        rank, group = self.ctx.rank, self.comm.group
+        ranks = self._participants(owner)
+        if rank not in ranks:
+            return
+        piece = self._host(flat[lo:hi])
+        if self.config.reduce == "tree":
+            me = ranks.index(rank)
+            parent = tree_parent(me)
+            if parent is not None:
+                dist.recv(piece, ranks[parent], group=group)
+                self._count(0, piece.nbytes)
+            for child in reversed(tree_children(me, len(ranks))):
+                dist.send(piece, ranks[child], group=group)
+                self._count(piece.nbytes, 0)
+        elif rank == owner:
+            for dst in ranks[1:]:
+                dist.send(piece, dst, group=group)
+                self._count(piece.nbytes, 0)
+        else:
+            dist.recv(piece, owner, group=group)
+            self._count(0, piece.nbytes)
+        if piece.data_ptr() != flat[lo:hi].data_ptr():
+            flat[lo:hi].copy_(piece)
+
+    # -- the Engine's phases ------------------------------------------------------------------
+    def finish(self) -> None:
+        """Wait until every bucket was pushed (the gradient buffers are free again)."""
+        for pushed, job in self._pushed:
+            while not pushed.wait(0.05):
+                if job.done():
+                    job.result()  # re-raises the job's error
+        self._pushed = []
+
+    def update(self, optimizer: torch.optim.Optimizer) -> None:
+        """Nothing left: servers update each bucket as it arrives; pulls finish in the
+        background and each layer's forward waits for its own."""
+        del optimizer
+
+    def sync(self) -> None:
+        for b in list(self._pending_params):
+            self._wait_params(b)
+
+    def _count(self, sent: int, received: int) -> None:
+        with self._lock:
+            self.bytes_sent += sent
+            self.bytes_received += received
+
+    # -- state --------------------------------------------------------------------------------
+    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer, params: list) -> dict:
+        assert self.sharded is not None and self.ctx is not None
+        self.sync()
+        return self.sharded.canonical_state(optimizer, params, self.ctx.group)
+
+    def load_optimizer_state_dict(
+        self, optimizer: torch.optim.Optimizer, params: list, state: dict
+    ) -> None:
+        assert self.sharded is not None
+        self.sharded.load_canonical_state(optimizer, params, state)
+
+    def optimizer_bytes(self, optimizer: torch.optim.Optimizer) -> int:
+        assert self.sharded is not None
+        return self.sharded.optimizer_bytes(optimizer)
+
+    def close(self) -> None:
+        self.sync()
+        for h in self._hooks:
+            h.remove()
+        if self.comm is not None:
+            self.comm.close()

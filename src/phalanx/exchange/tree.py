@@ -1,0 +1,95 @@
+"""``tree``: binary-tree reduction to rank 0 and back down the same tree (F9).
+
+Phases per bucket (a job on the communication thread, so it runs while backward continues):
+  Phase 1 (up): in round s (s = 0 .. ceil(log2 p) - 1), a rank whose lowest set bit is s sends
+    its partial sum to rank - 2^s and is done; a rank with bits 0..s clear receives from
+    rank + 2^s (if that rank exists) and adds. After ceil(log2 p) rounds rank 0 holds the sum.
+  Phase 2 (down): each rank receives the result from the rank it sent to, then forwards it to
+    the ranks it received from, farthest first.
+Any world size works: a missing partner is skipped. Each rank sends and receives the bucket at
+most 1 + (number of its children) times; rank 0 is the busiest (ceil(log2 p) sends down).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from phalanx.exchange.base import STRATEGIES, Strategy
+from phalanx.exchange.buckets import Bucket
+from phalanx.exchange.comm import CommThread, wait
+
+
+def tree_children(rank: int, world_size: int) -> list[int]:
+    """Ranks that send their partial sums to ``rank``, in round order (nearest first)."""
+    children = []
+    for s in range(max(1, math.ceil(math.log2(world_size))) if world_size > 1 else 0):
+        step = 1 << s
+        if rank & step:
+            break
+        if rank + step < world_size:
+            children.append(rank + step)
+    return children
+
+
+def tree_parent(rank: int) -> int | None:
+    """The rank ``rank`` sends its partial sum to (None for the root): clear its lowest bit."""
+    return None if rank == 0 else rank & (rank - 1)
+
+
+def tree_allreduce(flat: torch.Tensor, rank: int, world_size: int, group: Any) -> tuple[int, int]:
+    """Sum ``flat`` (1-D, any dtype/device) over the group in place; returns (sent, received)
+    bytes of this rank."""
+    sent = received = 0
+    incoming = torch.empty_like(flat)
+    children, parent = tree_children(rank, world_size), tree_parent(rank)
+    # Phase 1: up the tree.
+    for child in children:
+        dist.recv(incoming, child, group=group)
+        flat += incoming
+        received += flat.nbytes
+    if parent is not None:
+        dist.send(flat, parent, group=group)
+        sent += flat.nbytes
+        # Phase 2: down the tree.
+        dist.recv(flat, parent, group=group)
+        received += flat.nbytes
+    for child in reversed(children):
+        dist.send(flat, child, group=group)
+        sent += flat.nbytes
+    return sent, received
+
+
+@STRATEGIES.register("tree")
+class Tree(Strategy):
+    """Binary-tree reduce + broadcast per bucket over point-to-point messages."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.comm: CommThread | None = None
+        self._jobs: list[Any] = []
+
+    def setup(self, ctx: Any, buckets: list[Bucket]) -> None:
+        super().setup(ctx, buckets)
+        if self.comm is None:
+            self.comm = CommThread(ctx.device)
+
+    def launch(self, bucket: Bucket) -> None:
+        assert self.comm is not None and self.ctx is not None
+        rank, world, group = self.ctx.rank, self.ctx.world_size, self.comm.group
+        self._jobs.append(self.comm.submit(lambda: tree_allreduce(bucket.flat, rank, world, group)))
+
+    def finish(self) -> None:
+        for job in self._jobs:
+            wait(job)
+            sent, received = job.result()
+            self.bytes_sent += sent
+            self.bytes_received += received
+        self._jobs = []
+
+    def close(self) -> None:
+        if self.comm is not None:
+            self.comm.close()
