@@ -1,0 +1,150 @@
+"""Every exchange strategy gives the same parameters as ``allreduce`` (world sizes 2, 3, 4;
+SGD, Adam, AdaGrad), holds ~1/p of the optimizer state where it shards it, and its sharded
+checkpoint resumes under another world size and strategy."""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+from torch import nn
+
+import phalanx as px
+from phalanx.exchange import make_strategy
+from phalanx.optim import AdaGrad
+from tests.helpers.spawn import run_ranks
+from tests.multiproc.test_engine import LOCAL_BATCH, ReversedNet, _batches, _reference
+
+OPTIMIZERS = {
+    "sgd": functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9),
+    "adam": functools.partial(torch.optim.Adam, lr=0.01),
+    "adagrad": functools.partial(AdaGrad, lr=0.05),
+}
+STRATEGIES = [
+    ("tree", {}),
+    ("partitioned", {"schedule": "cyclic"}),
+    ("partitioned", {"schedule": "native"}),
+    ("ps", {"servers": 0, "reduce": "star"}),
+    ("ps", {"servers": 0, "reduce": "tree"}),
+    ("ps", {"servers": 1, "reduce": "star"}),
+    ("ps", {"servers": 1, "reduce": "tree"}),
+]
+
+
+def _engine(ctx: px.Context, model: nn.Module, factory, name: str, options: dict) -> px.Engine:
+    return px.Engine(
+        copy.deepcopy(model),
+        nn.functional.cross_entropy,
+        factory,
+        exchange=make_strategy(name, options),
+        bucket_mb=0.004,  # several buckets, so several partitions per step
+        context=ctx,
+    )
+
+
+def _train(engine: px.Engine, batches: list) -> None:
+    r = engine.data_rank
+    for x, y in batches:
+        engine.step(
+            x[r * LOCAL_BATCH : (r + 1) * LOCAL_BATCH], y[r * LOCAL_BATCH : (r + 1) * LOCAL_BATCH]
+        )
+    engine.sync()
+
+
+def _params(engine: px.Engine) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in engine.module.parameters()]
+
+
+def _compare_all(ctx: px.Context) -> dict:
+    torch.manual_seed(0)
+    model = ReversedNet()
+    batches = _batches(ctx.world_size)
+    out: dict = {"diffs": {}, "optimizer_bytes": {}}
+    for opt_name, factory in OPTIMIZERS.items():
+        for name, options in [("allreduce", {}), *STRATEGIES]:
+            engine = _engine(ctx, model, factory, name, options)
+            workers = engine.data_world_size
+            _train(
+                engine,
+                [(x[: LOCAL_BATCH * workers], y[: LOCAL_BATCH * workers]) for x, y in batches],
+            )
+            key = f"{name}{options}/{opt_name}"
+            if opt_name == "adam":
+                out["optimizer_bytes"][key] = engine.optimizer_bytes()
+            if engine.is_trainer:
+                # Compare with allreduce on the same global batch (ps servers shrink it).
+                ref = _reference(
+                    model,
+                    factory,
+                    [(x[: LOCAL_BATCH * workers], y[: LOCAL_BATCH * workers]) for x, y in batches],
+                )  # noqa: E501
+                diff = max(
+                    (a - b.detach()).abs().max().item()
+                    for a, b in zip(_params(engine), ref.parameters())
+                )  # noqa: E501
+                out["diffs"][key] = diff
+            out.setdefault("bytes", {})[key] = (
+                engine.stats.bytes_sent,
+                engine.stats.bytes_received,
+            )
+            engine.close()
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_strategies_equal_allreduce(world_size: int) -> None:
+    results = run_ranks(_compare_all, world_size, timeout=240)
+    for rank, r in enumerate(results):
+        for key, diff in r["diffs"].items():
+            assert diff < 2e-5, f"world {world_size} rank {rank} {key}: max diff {diff}"
+        expected = len(OPTIMIZERS) * (1 + len(STRATEGIES))
+        assert len(r["diffs"]) >= expected - len(OPTIMIZERS) * 2  # ps servers=1 ranks skip
+        for key, (sent, received) in r["bytes"].items():
+            if "servers': 1" not in key:
+                assert sent > 0 or received > 0 or world_size == 1, key
+    # Optimizer state: plain data parallel keeps it all on every rank; native partitioning
+    # keeps about 1/p on each rank, and the shards add up to the whole.
+    full = results[0]["optimizer_bytes"]["allreduce{}/adam"]
+    native = [r["optimizer_bytes"]["partitioned{'schedule': 'native'}/adam"] for r in results]
+    assert all(b <= full / world_size * 1.05 + 64 for b in native), (native, full)
+    assert abs(sum(native) - full) <= 64 * world_size, (native, full)
+
+
+def _save_partitioned(ctx: px.Context) -> dict:
+    torch.manual_seed(0)
+    engine = _engine(ctx, ReversedNet(), OPTIMIZERS["adam"], "partitioned", {"schedule": "native"})
+    _train(engine, _batches(ctx.world_size)[:3])
+    return engine.state_dict()  # collective: every rank takes part
+
+
+def _resume(ctx: px.Context, state: dict) -> list[torch.Tensor]:
+    torch.manual_seed(1)  # different initial weights: everything must come from the checkpoint
+    engine = _engine(ctx, ReversedNet(), OPTIMIZERS["adam"], "partitioned", {"schedule": "cyclic"})
+    engine.load_state_dict(state)
+    _train(engine, _batches(ctx.world_size, seed=7)[:3])
+    return _params(engine)
+
+
+def test_sharded_checkpoint_resumes_on_another_world_size() -> None:
+    state = run_ranks(_save_partitioned, 2)[0]
+    resumed = run_ranks(_resume, 3, state)
+    torch.manual_seed(0)
+    model = ReversedNet()
+    first, second = _batches(2)[:3], _batches(3, seed=7)[:3]
+    reference = _reference_continued(model, OPTIMIZERS["adam"], first, second)
+    for rank_params in resumed:
+        for a, b in zip(rank_params, reference.parameters()):
+            torch.testing.assert_close(a, b.detach(), rtol=1e-5, atol=2e-6)
+
+
+def _reference_continued(model: nn.Module, factory, first: list, second: list) -> nn.Module:
+    """One process: 3 steps on global batches of 16, then 3 on global batches of 24."""
+    model = copy.deepcopy(model)
+    opt = factory(model.parameters())
+    for x, y in first + second:
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    return model
