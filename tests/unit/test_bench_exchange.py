@@ -24,7 +24,7 @@ def test_two_ranks_digits_json(tmp_path, capsys):
         main([*argv, "--rounds", "2", "--warmup", "1", "--json", str(path)])
     assert exit_info.value.code == 0
     printed = capsys.readouterr().out
-    assert "digits_cnn" in printed and "phalanx/ddp" in printed and "torch" in printed
+    assert "digits_cnn" in printed and "vs ddp" in printed and "torch" in printed
 
     result = json.loads(path.read_text(encoding="utf-8"))
     assert result["meta"]["backend"] == "gloo" and result["meta"]["config"]["nproc"] == 2
@@ -79,7 +79,7 @@ def test_summarize_medians_efficiency_ratio():
          "models": [bench.summarize(raw, cfg)]}
     )  # fmt: skip
     row = table.splitlines()[-1].split()
-    assert row[:2] == ["mlp", "8.40M"] and row[-2:] == ["1.00", "1.00"]
+    assert row[:3] == ["mlp", "8.40M", "phalanx"] and row[5:7] == ["2.00x", "1.00-2.00"]
 
 
 def _meta() -> dict:
@@ -105,3 +105,28 @@ def test_bad_flags_exit_2_with_one_line(flags, message, capsys):
 def test_config_validation_direct():
     with pytest.raises(ConfigError, match="--rounds"):
         bench.BenchConfig(rounds=0).validate()
+
+
+def test_strategies_axis(tmp_path, capsys):
+    """--strategies adds one phalanx contender per strategy, each with its own counters."""
+    path = tmp_path / "bench.json"
+    argv = ["bench", "exchange", "--models", "digits_cnn", "--steps", "2", "--rounds", "1"]
+    argv += ["--warmup", "1", "--strategies", "tree,partitioned-native,ps-star"]
+    with pytest.raises(SystemExit) as exit_info:
+        main([*argv, "--json", str(path)])
+    assert exit_info.value.code == 0
+    contenders = json.loads(path.read_text())["models"][0]["contenders"]
+    names = ["phalanx-tree", "phalanx-partitioned-native", "phalanx-ps-star"]
+    assert list(contenders) == ["single", "ddp", *names]
+    ddp_state = contenders["ddp"]["median_step_stats"]["optimizer_bytes"]
+    native = contenders["phalanx-partitioned-native"]["median_step_stats"]
+    assert 0 < native["optimizer_bytes"] < 0.6 * ddp_state  # about half on 2 ranks
+    for name in names:
+        assert _positive(contenders[name]["median_step_stats"]["bytes_sent"])
+
+
+def test_unknown_strategy_flag_exits_2(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "exchange", "--strategies", "ring"])
+    assert exit_info.value.code == 2
+    assert "--strategies: unknown 'ring'; known: all, allreduce" in capsys.readouterr().err

@@ -45,7 +45,24 @@ from phalanx.runtime.context import Context
 Batch = tuple[torch.Tensor, torch.Tensor]
 StepFn = Callable[[torch.Tensor, torch.Tensor], None]
 LR, MOMENTUM = 0.01, 0.9
-STAT_FIELDS = ("exchange_s", "forward_s", "backward_s", "optimizer_s", "step_s", "bytes_sent")
+STAT_FIELDS = (
+    "exchange_s",
+    "forward_s",
+    "backward_s",
+    "optimizer_s",
+    "step_s",
+    "bytes_sent",
+    "bytes_received",
+)
+# ``--strategies`` names -> (registered strategy, its options).
+STRATEGY_CONTENDERS: dict[str, tuple[str, tuple[tuple[str, Any], ...]]] = {
+    "allreduce": ("allreduce", ()),
+    "tree": ("tree", ()),
+    "partitioned-cyclic": ("partitioned", (("schedule", "cyclic"),)),
+    "partitioned-native": ("partitioned", (("schedule", "native"),)),
+    "ps-star": ("ps", (("servers", 0), ("reduce", "star"))),
+    "ps-tree": ("ps", (("servers", 0), ("reduce", "tree"))),
+}
 
 
 # -- what is measured -------------------------------------------------------------------------
@@ -82,6 +99,22 @@ DEFAULT_CONTENDERS = (
     ContenderSpec("ddp", "ddp"),
     ContenderSpec("phalanx", "phalanx", (("exchange", "allreduce"), ("bucket_mb", 25.0))),
 )
+
+
+def strategy_contenders(names: Sequence[str]) -> tuple[ContenderSpec, ...]:
+    """single, ddp, then one phalanx contender per ``--strategies`` name."""
+    specs = [ContenderSpec("single", "single"), ContenderSpec("ddp", "ddp")]
+    for name in names:
+        strategy, options = STRATEGY_CONTENDERS[name]
+        label = "phalanx" if list(names) == ["allreduce"] else f"phalanx-{name}"
+        specs.append(
+            ContenderSpec(
+                label,
+                "phalanx",
+                (("exchange", strategy), ("exchange_options", options), ("bucket_mb", 25.0)),
+            )
+        )
+    return tuple(specs)
 
 
 @dataclass(frozen=True)
@@ -146,10 +179,23 @@ def _local_step(module: nn.Module, optimizer: torch.optim.Optimizer) -> StepFn:
     return step
 
 
+def _optimizer_bytes(optimizer: torch.optim.Optimizer) -> float:
+    return float(
+        sum(
+            t.numel() * t.element_size()
+            for state in optimizer.state.values()
+            for t in state.values()
+            if isinstance(t, torch.Tensor)
+        )
+    )
+
+
 def _build_single(spec: ContenderSpec, model: nn.Module, ctx: Context) -> Contender:
     """Plain local training on rank 0 (no process group involved)."""
     model = model.to(ctx.device)
-    return Contender(spec, False, _local_step(model, _sgd(model.parameters())))
+    optimizer = _sgd(model.parameters())
+    stats = lambda: {"optimizer_bytes": _optimizer_bytes(optimizer)}  # noqa: E731
+    return Contender(spec, False, _local_step(model, optimizer), stats=stats)
 
 
 def _build_ddp(spec: ContenderSpec, model: nn.Module, ctx: Context) -> Contender:
@@ -158,20 +204,31 @@ def _build_ddp(spec: ContenderSpec, model: nn.Module, ctx: Context) -> Contender
 
     device_ids = [ctx.device] if ctx.device.type == "cuda" else None
     ddp = DistributedDataParallel(model.to(ctx.device), device_ids=device_ids, **dict(spec.options))
-    return Contender(spec, True, _local_step(ddp, _sgd(ddp.parameters())))
+    optimizer = _sgd(ddp.parameters())
+    stats = lambda: {"optimizer_bytes": _optimizer_bytes(optimizer)}  # noqa: E731
+    return Contender(spec, True, _local_step(ddp, optimizer), stats=stats)
 
 
 def _build_phalanx(spec: ContenderSpec, model: nn.Module, ctx: Context) -> Contender:
     """``phalanx.Engine(model, ..., **options)`` (options: exchange, bucket_mb, compress...)."""
     from phalanx.engine import Engine
+    from phalanx.exchange.base import make_strategy
 
-    engine = Engine(model, F.cross_entropy, optimizer=_sgd, context=ctx, **dict(spec.options))
+    options = dict(spec.options)
+    strategy = make_strategy(
+        options.pop("exchange", "allreduce"), dict(options.pop("exchange_options", ()))
+    )  # noqa: E501
+    engine = Engine(
+        model, F.cross_entropy, optimizer=_sgd, context=ctx, exchange=strategy, **options
+    )
 
     def step(x: torch.Tensor, y: torch.Tensor) -> None:
         engine.step(x, y)
 
     def stats() -> dict[str, float]:
-        return {k: float(getattr(engine.stats, k)) for k in STAT_FIELDS}
+        engine.sync()
+        stats = {k: float(getattr(engine.stats, k)) for k in STAT_FIELDS}
+        return {**stats, "optimizer_bytes": float(engine.optimizer_bytes())}
 
     return Contender(spec, True, step, stats=stats, close=engine.close)
 
@@ -429,33 +486,31 @@ def header_line(result: dict[str, Any]) -> str:
     )
 
 
-def _columns(result: dict[str, Any]) -> list[tuple[str, Callable[[dict[str, Any]], str]]]:
-    """Table columns for the contenders present: name, then a formatter of one model's entry."""
-    first = result["models"][0]["contenders"]
-    cols: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
-        ("model", lambda m: m["model"]),
-        ("params", lambda m: _si(m["params"])),
+ROW_COLUMNS = ("model", "params", "contender", "samples/s", "eff", "vs ddp", "range",
+               "exch ms/step", "MB sent/step", "MB recv/step", "optim MB/rank")  # fmt: skip
+
+
+def _row(model: dict[str, Any], name: str, c: dict[str, Any]) -> list[str]:
+    """One table row: a contender's medians on one model ('-' where not defined)."""
+    stats = c["median_step_stats"]
+    ratios = c.get("vs_ddp")
+
+    def stat(key: str, scale: float, spec: str) -> str:
+        return spec.format(stats[key] * scale) if key in stats else "-"
+
+    return [
+        model["model"],
+        _si(model["params"]),
+        name,
+        f"{c['median_samples_per_s']:,.0f}",
+        f"{c['efficiency']:.0%}" if "efficiency" in c else "-",
+        f"{c['median_vs_ddp']:.2f}x" if "median_vs_ddp" in c else "-",
+        f"{min(ratios):.2f}-{max(ratios):.2f}" if ratios else "-",
+        stat("exchange_s", 1e3, "{:.2f}"),
+        stat("bytes_sent", 1 / 2**20, "{:.2f}"),
+        stat("bytes_received", 1 / 2**20, "{:.2f}"),
+        stat("optimizer_bytes", 1 / 2**20, "{:.2f}"),
     ]
-    for n in first:
-        cols.append((f"{n} samples/s", _fmt(n, "median_samples_per_s", "{:,.0f}")))
-    for n, c in first.items():
-        if "efficiency" in c:
-            cols.append((f"{n} eff", _fmt(n, "efficiency", "{:.0%}")))
-    for n, c in first.items():
-        if "median_vs_ddp" in c:
-            cols.append((f"{n}/ddp", _fmt(n, "median_vs_ddp", "{:.2f}x")))
-        if "exchange_s" in c["median_step_stats"]:
-            cols.append((f"{n} exch ms/step", _stat(n, "exchange_s", 1e3, "{:.2f}")))
-            cols.append((f"{n} MB sent/step", _stat(n, "bytes_sent", 1 / 2**20, "{:.2f}")))
-    return cols
-
-
-def _fmt(name: str, key: str, spec: str) -> Callable[[dict[str, Any]], str]:
-    return lambda m: spec.format(m["contenders"][name][key])
-
-
-def _stat(name: str, key: str, scale: float, spec: str) -> Callable[[dict[str, Any]], str]:
-    return lambda m: spec.format(m["contenders"][name]["median_step_stats"][key] * scale)
 
 
 def _si(n: int) -> str:
@@ -463,10 +518,11 @@ def _si(n: int) -> str:
 
 
 def format_table(result: dict[str, Any]) -> str:
-    """The header line and one row per model, columns aligned."""
-    cols = _columns(result)
-    rows = [[name for name, _ in cols]] + [[f(m) for _, f in cols] for m in result["models"]]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(cols))]
+    """The header line and one row per (model, contender), columns aligned."""
+    rows = [list(ROW_COLUMNS)] + [
+        _row(m, name, c) for m in result["models"] for name, c in m["contenders"].items()
+    ]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(ROW_COLUMNS))]
     lines = ["  ".join(cell.rjust(w) for cell, w in zip(r, widths)) for r in rows]
     return "\n".join([header_line(result), *lines])
 
@@ -491,6 +547,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--batch-size", type=int, default=32, help="per-process batch (default 32)")
     p.add_argument("--seed", type=int, default=0, help="seed of weights and synthetic data")
+    p.add_argument(
+        "--strategies",
+        default="allreduce",
+        help=f"comma list or 'all': {', '.join(STRATEGY_CONTENDERS)} (default allreduce)",
+    )
     p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="tracebacks")
     p.set_defaults(handler=cmd_exchange)
 
@@ -504,8 +565,20 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         warmup=args.warmup,
         batch_size=args.batch_size,
         seed=args.seed,
+        contenders=strategy_contenders(_strategy_names(args.strategies)),
         debug=getattr(args, "debug", False),
     )
+
+
+def _strategy_names(text: str) -> list[str]:
+    names = list(STRATEGY_CONTENDERS) if text == "all" else [n.strip() for n in text.split(",")]
+    unknown = [n for n in names if n not in STRATEGY_CONTENDERS]
+    if unknown or not names:
+        raise ConfigError(
+            f"--strategies: unknown {unknown[0] if unknown else ''!r}; "
+            f"known: all, {', '.join(STRATEGY_CONTENDERS)}"
+        )
+    return names
 
 
 def cmd_exchange(args: argparse.Namespace) -> int:
