@@ -137,6 +137,7 @@ class ParameterServer(Strategy):
         assert self.comm is not None
         self._wait_params(bucket.index)
         pushed = threading.Event()
+        self._count(*self._pull_bytes(bucket))  # the pull ends in the background: tally it now
         job = self.comm.submit(lambda: self._serve_bucket(bucket, pushed))
         self._pushed.append((pushed, job))
         self._pending_params[bucket.index] = job
@@ -221,24 +222,39 @@ class ParameterServer(Strategy):
         if rank not in ranks:
             return
         piece = self._host(flat[lo:hi])
-        if self.config.reduce == "tree":
-            me = ranks.index(rank)
-            parent = tree_parent(me)
-            if parent is not None:
-                dist.recv(piece, ranks[parent], group=group)
-                self._count(0, piece.nbytes)
-            for child in reversed(tree_children(me, len(ranks))):
-                dist.send(piece, ranks[child], group=group)
-                self._count(piece.nbytes, 0)
-        elif rank == owner:
-            for dst in ranks[1:]:
-                dist.send(piece, dst, group=group)
-                self._count(piece.nbytes, 0)
-        else:
-            dist.recv(piece, owner, group=group)
-            self._count(0, piece.nbytes)
+        parent, children = self._pull_links(ranks)
+        if parent is not None:
+            dist.recv(piece, parent, group=group)
+        for child in children:
+            dist.send(piece, child, group=group)
         if piece.data_ptr() != flat[lo:hi].data_ptr():
             flat[lo:hi].copy_(piece)
+
+    def _pull_links(self, ranks: list[int]) -> tuple[int | None, list[int]]:
+        """Who this rank receives the updated partition from, and whom it forwards it to
+        (star: the owner sends to every worker; tree: down the tree rooted at the owner)."""
+        assert self.ctx is not None
+        me = ranks.index(self.ctx.rank)
+        if self.config.reduce == "tree":
+            parent = tree_parent(me)
+            children = reversed(tree_children(me, len(ranks)))
+            return (None if parent is None else ranks[parent]), [ranks[c] for c in children]
+        return (None, ranks[1:]) if me == 0 else (ranks[0], [])
+
+    def _pull_bytes(self, bucket: Bucket) -> tuple[int, int]:
+        """(sent, received) bytes of this rank's pull of ``bucket``, message by message."""
+        assert self.ctx is not None
+        sent = received = 0
+        itemsize = bucket.flat.element_size()
+        for m, owner in enumerate(self._owners()):
+            ranks = self._participants(owner)
+            if self.ctx.rank not in ranks:
+                continue
+            lo, hi = self.ranges[bucket.index][m]
+            parent, children = self._pull_links(ranks)
+            received += (hi - lo) * itemsize if parent is not None else 0
+            sent += (hi - lo) * itemsize * len(children)
+        return sent, received
 
     # -- the Engine's phases ------------------------------------------------------------------
     def finish(self) -> None:

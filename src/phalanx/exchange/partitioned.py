@@ -1,21 +1,28 @@
 """``partitioned``: reduce each partition to its owner, update there, send it back (F4, F5).
 
 Phases per bucket:
-  Phase 1 (launch, during backward): reduce. ``cyclic``: the documents' schedule
-    (phalanx.exchange.schedule) over point-to-point sends on the communication thread; each
-    partition hops around the ring of ranks and is merged at every hop. ``native``: the
-    backend's reduce_scatter.
+  Phase 1 (launch, during backward): reduce every partition to its owner, as a job on the
+    communication thread, so it runs while backward continues.
   Phase 2 (finish): wait until every owned partition is fully reduced.
   Phase 3 (update): each owner steps the optimizer on its partitions only (optimizer state
-    lives only there), then sends them back: ``cyclic`` broadcast schedule, or ``native``
-    all_gather. This phase runs in the background: a layer's forward pre-hook waits only for
-    the bucket(s) holding its own parameters, so the next forward overlaps the broadcast.
+    lives only there), then each bucket's partitions are sent back to every rank in the
+    background: a layer's forward pre-hook waits only for the bucket(s) holding its own
+    parameters, so the next forward overlaps the send-back.
 
+Schedules (option ``schedule``):
+  ``cyclic``: the documents' schedule (phalanx.exchange.schedule): floor(p/2) partitions hop
+    around the ring, each rank only sending or only receiving in a cycle; p-1 cycles per phase.
+  ``native``: p partitions, one per rank, with the backend's fastest primitives: NCCL's
+    reduce_scatter + all_gather; on Gloo, whose reduce_scatter and all_gather measured twice
+    as slow as its allreduce (docs/exchange.md), a full-duplex ring reduce-scatter over
+    point-to-point messages and one broadcast per owner.
 Parameters no rank used in a step get a zero gradient here (as in FSDP), not ``None``.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -29,13 +36,159 @@ from phalanx.exchange.comm import CommThread, wait
 from phalanx.exchange.sharding import ShardedParameters, bounds
 from phalanx.fields import option
 
+Count = Callable[[int, int], None]  # (bytes sent, bytes received) of this rank
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Partitions of one bucket's flat buffer: ``ranges[m]`` = [start, end) of ``owners[m]``."""
+
+    ranges: list[tuple[int, int]]
+    owners: list[int]
+
+
+class PartitionSchedule(ABC):
+    """How one bucket's partitions reach their owners and travel back (run on the comm thread).
+
+    Tensors are 1-D and share the bucket's dtype and device.
+    """
+
+    def __init__(self, rank: int, world_size: int, group: Any) -> None:
+        self.rank, self.world_size, self.group = rank, world_size, group
+
+    def alignment(self) -> int:
+        return 1
+
+    @abstractmethod
+    def layout(self, numel: int) -> Layout: ...
+
+    @abstractmethod
+    def reduce(self, flat: torch.Tensor, layout: Layout, count: Count) -> tuple[torch.Tensor, int]:
+        """Sum ``flat`` over ranks into this rank's partitions; returns the buffer holding them
+        and the flat index its element 0 corresponds to."""
+
+    @abstractmethod
+    def send_back(self, flat: torch.Tensor, layout: Layout) -> None:
+        """Copy every owner's partitions of ``flat`` (parameters) to every rank."""
+
+    @abstractmethod
+    def send_back_bytes(self, layout: Layout, itemsize: int) -> tuple[int, int]:
+        """(sent, received) bytes of this rank's part of ``send_back``, message by message."""
+
+
+class CyclicSchedule(PartitionSchedule):
+    """The documents' schedule: floor(p/2) partitions, owners 2m, p-1 half-duplex cycles."""
+
+    def layout(self, numel: int) -> Layout:
+        n = schedule.num_partitions(self.world_size)
+        owners = [schedule.owner(m, self.world_size) for m in range(n)]
+        return Layout(bounds(numel, n), owners)
+
+    def reduce(self, flat: torch.Tensor, layout: Layout, count: Count) -> tuple[torch.Tensor, int]:
+        for cycle in schedule.reduce_cycles(self.world_size):
+            for t in cycle:
+                lo, hi = layout.ranges[t.partition]
+                if t.src == self.rank:
+                    dist.send(flat[lo:hi], t.dst, group=self.group)
+                    count(flat[lo:hi].nbytes, 0)
+                elif t.dst == self.rank:
+                    incoming = torch.empty_like(flat[lo:hi])
+                    dist.recv(incoming, t.src, group=self.group)
+                    flat[lo:hi] += incoming
+                    count(0, incoming.nbytes)
+        return flat, 0
+
+    def send_back(self, flat: torch.Tensor, layout: Layout) -> None:
+        for cycle in schedule.broadcast_cycles(self.world_size):
+            for t in cycle:
+                lo, hi = layout.ranges[t.partition]
+                if t.src == self.rank:
+                    dist.send(flat[lo:hi], t.dst, group=self.group)
+                elif t.dst == self.rank:
+                    dist.recv(flat[lo:hi], t.src, group=self.group)
+
+    def send_back_bytes(self, layout: Layout, itemsize: int) -> tuple[int, int]:
+        sent = received = 0
+        for cycle in schedule.broadcast_cycles(self.world_size):
+            for t in cycle:
+                lo, hi = layout.ranges[t.partition]
+                sent += (hi - lo) * itemsize if t.src == self.rank else 0
+                received += (hi - lo) * itemsize if t.dst == self.rank else 0
+        return sent, received
+
+
+class RingSchedule(PartitionSchedule):
+    """p partitions (rank r owns r): full-duplex ring reduce-scatter, then a broadcast per owner.
+
+    Step s (s = 0..p-2): send partition (r-s-1) mod p to r+1 while receiving partition
+    (r-s-2) mod p from r-1 and adding it; after p-1 steps partition r is complete at rank r.
+    """
+
+    def layout(self, numel: int) -> Layout:
+        return Layout(bounds(numel, self.world_size), list(range(self.world_size)))
+
+    def reduce(self, flat: torch.Tensor, layout: Layout, count: Count) -> tuple[torch.Tensor, int]:
+        p, r = self.world_size, self.rank
+        for s in range(p - 1):
+            lo, hi = layout.ranges[(r - s - 1) % p]
+            in_lo, in_hi = layout.ranges[(r - s - 2) % p]
+            incoming = torch.empty_like(flat[in_lo:in_hi])
+            works = [
+                dist.isend(flat[lo:hi], (r + 1) % p, group=self.group),
+                dist.irecv(incoming, (r - 1) % p, group=self.group),
+            ]
+            for work in works:
+                work.wait()
+            flat[in_lo:in_hi] += incoming
+            count(flat[lo:hi].nbytes, incoming.nbytes)
+        return flat, 0
+
+    def send_back(self, flat: torch.Tensor, layout: Layout) -> None:
+        for (lo, hi), owner in zip(layout.ranges, layout.owners):
+            dist.broadcast(flat[lo:hi], owner, group=self.group)
+
+    def send_back_bytes(self, layout: Layout, itemsize: int) -> tuple[int, int]:
+        """Counted as the owner sending its partition to each of the p-1 others."""
+        sent = received = 0
+        for (lo, hi), owner in zip(layout.ranges, layout.owners):
+            size = (hi - lo) * itemsize
+            sent += size * (self.world_size - 1) if owner == self.rank else 0
+            received += size if owner != self.rank else 0
+        return sent, received
+
+
+class CollectiveSchedule(PartitionSchedule):
+    """p equal partitions: the backend's reduce_scatter and all_gather (fast on NCCL)."""
+
+    def alignment(self) -> int:
+        return self.world_size
+
+    def layout(self, numel: int) -> Layout:
+        assert numel % self.world_size == 0, "buckets are padded to a multiple of p"
+        return Layout(bounds(numel, self.world_size), list(range(self.world_size)))
+
+    def reduce(self, flat: torch.Tensor, layout: Layout, count: Count) -> tuple[torch.Tensor, int]:
+        out = flat.new_empty(flat.numel() // self.world_size)
+        dist.reduce_scatter_single(out, flat, group=self.group)
+        count(out.nbytes * (self.world_size - 1), out.nbytes * (self.world_size - 1))
+        return out, layout.ranges[self.rank][0]
+
+    def send_back(self, flat: torch.Tensor, layout: Layout) -> None:
+        lo, hi = layout.ranges[self.rank]
+        dist.all_gather_single(flat, flat[lo:hi].clone(), group=self.group)
+
+    def send_back_bytes(self, layout: Layout, itemsize: int) -> tuple[int, int]:
+        lo, hi = layout.ranges[self.rank]
+        size = (hi - lo) * itemsize * (self.world_size - 1)
+        return size, size
+
 
 @dataclass(kw_only=True)
 class PartitionedConfig:
     """Options of the partitioned exchange."""
 
     schedule: Literal["cyclic", "native"] = option(
-        "cyclic", "cyclic: the documents' ring schedule; native: reduce_scatter + all_gather"
+        "cyclic", "cyclic: the documents' ring schedule; native: the backend's fastest primitives"
     )
 
 
@@ -50,32 +203,34 @@ class Partitioned(Strategy):
         self.config = PartitionedConfig(**options)
         self.sharded: ShardedParameters | None = None
         self.comm: CommThread | None = None
+        self.plan: PartitionSchedule | None = None
+        self.layouts: list[Layout] = []
         self._pending_reduce: dict[int, Any] = {}
         self._pending_params: dict[int, Any] = {}
-        self._reduced: dict[int, torch.Tensor] = {}
         self._hooks: list = []
+
+    def _schedule_class(self, backend: str) -> type[PartitionSchedule]:
+        if self.config.schedule == "cyclic":
+            return CyclicSchedule
+        return CollectiveSchedule if backend == "nccl" else RingSchedule
 
     # -- layout -------------------------------------------------------------------------------
     def bucket_alignment(self, world_size: int) -> int:
-        return world_size if self.config.schedule == "native" else 1
+        backend = dist.get_backend() if dist.is_initialized() else "gloo"
+        return world_size if self._schedule_class(backend) is CollectiveSchedule else 1
 
     def rebuilds_buckets(self) -> bool:
         return False  # parameters live in the strategy's buffers; keep the first layout
 
     def setup(self, ctx: Any, buckets: list[Bucket]) -> None:
         super().setup(ctx, buckets)
-        p = ctx.world_size
-        if self.config.schedule == "native":
-            ranges = [bounds(b.flat.numel(), p) for b in buckets]
-            owners = [list(range(p)) for _ in buckets]
-        else:
-            n = schedule.num_partitions(p)
-            ranges = [bounds(b.flat.numel(), n) for b in buckets]
-            owners = [[schedule.owner(m, p) for m in range(n)] for _ in buckets]
-        self.ranges, self.owners = ranges, owners
-        self.sharded = ShardedParameters(buckets, ranges, owners, ctx.rank)
         if self.comm is None:
             self.comm = CommThread(ctx.device)
+        self.plan = self._schedule_class(ctx.backend)(ctx.rank, ctx.world_size, self.comm.group)
+        self.layouts = [self.plan.layout(b.flat.numel()) for b in buckets]
+        ranges = [lay.ranges for lay in self.layouts]
+        owners = [lay.owners for lay in self.layouts]
+        self.sharded = ShardedParameters(buckets, ranges, owners, ctx.rank)
 
     def build_optimizer(
         self, params: list[torch.nn.Parameter], factory: OptimizerFactory
@@ -83,97 +238,35 @@ class Partitioned(Strategy):
         assert self.sharded is not None
         return factory(self.sharded.shard_params())
 
-    # -- phase 1 and 2: reduce ----------------------------------------------------------------
+    # -- phases 1 and 2: reduce ---------------------------------------------------------------
     def launch(self, bucket: Bucket) -> None:
-        assert self.comm is not None and self.ctx is not None
-        self._wait_params(bucket.index)  # never reduce into a bucket still being broadcast
-        if self.config.schedule == "native":
-            p = self.ctx.world_size
-            out = bucket.flat.new_empty(bucket.flat.numel() // p)
-            work = dist.reduce_scatter_single(
-                out, bucket.flat, group=self.comm.group, async_op=True
-            )
-            self._pending_reduce[bucket.index] = work
-            self._reduced[bucket.index] = out
-            self._count(out.nbytes * (p - 1), out.nbytes * (p - 1))
-        else:
-            job = self.comm.submit(lambda: self._cyclic_reduce(bucket))
-            self._pending_reduce[bucket.index] = job
-            self._reduced[bucket.index] = bucket.flat
+        assert self.comm is not None and self.plan is not None
+        self._wait_params(bucket.index)  # its parameters must have arrived before they change
+        layout, plan = self.layouts[bucket.index], self.plan
+        job = self.comm.submit(lambda: plan.reduce(bucket.flat, layout, self._count))
+        self._pending_reduce[bucket.index] = job
 
     def finish(self) -> None:
-        for b in sorted(self._pending_reduce):
-            wait(self._pending_reduce.pop(b))
-
-    def _cyclic_reduce(self, bucket: Bucket) -> None:
-        """Runs on the communication thread: p-1 cycles, each rank sends or receives at most
-        one partition per cycle and the receiver adds it to its own copy."""
-        assert self.comm is not None and self.ctx is not None
-        rank, ranges = self.ctx.rank, self.ranges[bucket.index]
-        for cycle in schedule.reduce_cycles(self.ctx.world_size):
-            for t in cycle:
-                lo, hi = ranges[t.partition]
-                if t.src == rank:
-                    dist.send(bucket.flat[lo:hi], t.dst, group=self.comm.group)
-                    self._count((hi - lo) * bucket.flat.element_size(), 0)
-                elif t.dst == rank:
-                    incoming = torch.empty_like(bucket.flat[lo:hi])
-                    dist.recv(incoming, t.src, group=self.comm.group)
-                    bucket.flat[lo:hi] += incoming
-                    self._count(0, incoming.nbytes)
+        self._reduced = {
+            b: self._pending_reduce.pop(b).result() for b in sorted(self._pending_reduce)
+        }
 
     # -- phase 3: update and send back --------------------------------------------------------
     def update(self, optimizer: torch.optim.Optimizer) -> None:
-        assert self.sharded is not None and self.comm is not None and self.ctx is not None
-        offsets = {b: self._reduced_offset(b) for b in self._reduced}
-        self.sharded.attach_grads(self._reduced, offsets)
+        assert self.sharded is not None and self.comm is not None and self.plan is not None
+        grads = {b: buffer for b, (buffer, _) in self._reduced.items()}
+        offsets = {b: offset for b, (_, offset) in self._reduced.items()}
+        self.sharded.attach_grads(grads, offsets)
         optimizer.step()
         for bucket in self.sharded.buckets:
-            self._pending_params[bucket.index] = self._send_back(bucket)
+            self._pending_params[bucket.index] = self._send_back(bucket.index)
         self._reduced = {}
 
-    def _reduced_offset(self, b: int) -> int:
-        """Where the reduced range of bucket b starts in its flat index space."""
-        if self.config.schedule == "native":
-            assert self.ctx is not None
-            return self.ranges[b][self.ctx.rank][0]
-        return 0  # cyclic reduces in place in the bucket
-
-    def _send_back(self, bucket: Bucket) -> Any:
-        assert self.sharded is not None and self.comm is not None and self.ctx is not None
-        flat = self.sharded.flats[bucket.index]
-        if self.config.schedule == "native":
-            p, rank = self.ctx.world_size, self.ctx.rank
-            lo, hi = self.ranges[bucket.index][rank]
-            self._count(flat[lo:hi].nbytes * (p - 1), flat[lo:hi].nbytes * (p - 1))
-            mine = flat[lo:hi].clone()
-            return dist.all_gather_single(flat, mine, group=self.comm.group, async_op=True)
-        self._count_planned(schedule.broadcast_cycles(self.ctx.world_size), bucket.index, flat)
-        return self.comm.submit(lambda: self._cyclic_broadcast(bucket.index, flat))
-
-    def _count_planned(self, cycles: list, b: int, flat: torch.Tensor) -> None:
-        """Bytes this rank's part of a cyclic phase moves, tallied transfer by transfer (the
-        job runs in the background, after this step's statistics are read)."""
-        assert self.ctx is not None
-        for cycle in cycles:
-            for t in cycle:
-                lo, hi = self.ranges[b][t.partition]
-                size = (hi - lo) * flat.element_size()
-                self._count(
-                    size if t.src == self.ctx.rank else 0, size if t.dst == self.ctx.rank else 0
-                )  # noqa: E501
-
-    def _cyclic_broadcast(self, b: int, flat: torch.Tensor) -> None:
-        assert self.comm is not None and self.ctx is not None
-        rank, ranges = self.ctx.rank, self.ranges[b]
-        with torch.no_grad():
-            for cycle in schedule.broadcast_cycles(self.ctx.world_size):
-                for t in cycle:
-                    lo, hi = ranges[t.partition]
-                    if t.src == rank:
-                        dist.send(flat[lo:hi], t.dst, group=self.comm.group)
-                    elif t.dst == rank:
-                        dist.recv(flat[lo:hi], t.src, group=self.comm.group)
+    def _send_back(self, b: int) -> Any:
+        assert self.sharded is not None and self.comm is not None and self.plan is not None
+        flat, layout, plan = self.sharded.flats[b], self.layouts[b], self.plan
+        self._count(*plan.send_back_bytes(layout, flat.element_size()))
+        return self.comm.submit(lambda: plan.send_back(flat, layout))
 
     # -- parameters arriving while the next forward runs --------------------------------------
     def register_module(self, module: torch.nn.Module) -> None:

@@ -162,7 +162,7 @@ class ShardedParameters:
         hyper = {k: v for k, v in group.items() if k != "params"}
         groups = [
             {**current, **hyper, "params": list(range(len(optimizer.param_groups[0]["params"])))}
-        ]  # noqa: E501
+        ]
         optimizer.load_state_dict({"state": shard_state, "param_groups": groups})
 
 
@@ -203,7 +203,7 @@ def _slice_state(
                 device = bucket.flat.device
                 full = entry.setdefault(
                     key, torch.zeros(end - start, dtype=value.dtype, device=device)
-                )  # noqa: E501
+                )
                 full[lo - start : hi - start] = value.reshape(-1)[lo - offset : hi - offset]
             elif key not in entry:
                 entry[key] = value
