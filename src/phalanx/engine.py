@@ -11,6 +11,7 @@ import torch.distributed as dist
 from phalanx.errors import ConfigError
 from phalanx.exchange.base import OptimizerFactory, Strategy, make_strategy
 from phalanx.exchange.buckets import GradientBuckets
+from phalanx.exchange.compression import make_codec
 from phalanx.metrics import PhaseTimer, StepStats
 from phalanx.runtime.context import Context, current_context
 
@@ -45,8 +46,6 @@ class Engine:
         broadcast_buffers: bool = True,
         context: Context | None = None,
     ) -> None:
-        if compress not in (None, "none"):
-            raise ConfigError(f"compress: got {compress!r}; allowed: none")
         if bucket_mb <= 0:
             raise ConfigError(f"bucket_mb: must be > 0, got {bucket_mb}")
         if accumulate_steps < 1:
@@ -57,6 +56,7 @@ class Engine:
         self.accumulate_steps = accumulate_steps
         self.broadcast_buffers = broadcast_buffers and any(True for _ in model.buffers())
         self.strategy = make_strategy(exchange)
+        self.strategy.codec = make_codec(compress)  # ConfigError listing the allowed values
         self.stats = StepStats()
         self.num_steps = 0
         self._broadcast_state()
@@ -153,6 +153,7 @@ class Engine:
             bytes_received=self.strategy.bytes_received,
             num_buckets=len(self.buckets.buckets),
             buckets_launched_in_backward=launched_in_backward,
+            nonfinite_messages=self.strategy.codec.num_nonfinite,
         )
 
     def _maybe_rebuild_buckets(self) -> None:

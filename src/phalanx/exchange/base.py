@@ -21,6 +21,7 @@ import torch
 
 from phalanx.errors import ConfigError
 from phalanx.exchange.buckets import Bucket
+from phalanx.exchange.compression import CODECS, Codec
 from phalanx.fields import ConfigValueError, option, require
 from phalanx.registry import Registry
 from phalanx.runtime.context import Context
@@ -35,6 +36,7 @@ class ExchangeConfig:
     strategy: str = option("allreduce", "registered exchange strategy name")
     bucket_mb: float = option(25.0, "fusion threshold in MiB: a bucket launches when this full")
     options: dict = option(factory=dict, doc="the strategy's own options (see docs/exchange.md)")
+    compress: str = option("none", "gradient messages: none, fp16 or bf16 (scaled, F13)")
 
     def __post_init__(self) -> None:
         import phalanx.exchange  # noqa: F401  (registers the built-in strategies)
@@ -45,6 +47,11 @@ class ExchangeConfig:
             f"unknown strategy {self.strategy!r}; known: {', '.join(STRATEGIES.names())}",
         )
         require(self.bucket_mb > 0, "bucket_mb", f"must be > 0, got {self.bucket_mb}")
+        require(
+            self.compress in CODECS,
+            "compress",
+            f"got {self.compress!r}; allowed: {', '.join(CODECS.names())}",
+        )
         strategy_config(self.strategy, self.options)
 
     def check_world(self, world_size: int) -> None:
@@ -76,6 +83,7 @@ class Strategy(ABC):
     def __init__(self) -> None:
         self.ctx: Context | None = None
         self.buckets: list[Bucket] = []
+        self.codec: Codec = Codec()  # gradient message compression, set by the Engine
         self.bytes_sent = 0  # this step, counted by the strategy
         self.bytes_received = 0
 
@@ -122,6 +130,7 @@ class Strategy(ABC):
         """Reset per-step counters before the first launch of a step."""
         self.bytes_sent = 0
         self.bytes_received = 0
+        self.codec.num_nonfinite = 0
 
     @abstractmethod
     def launch(self, bucket: Bucket) -> None:

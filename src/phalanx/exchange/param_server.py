@@ -174,31 +174,23 @@ class ParameterServer(Strategy):
         if rank not in ranks:
             return chunk
         if self.config.reduce == "star" and rank != owner:
-            dist.send(chunk, owner, group=group)
-            self._count(chunk.nbytes, 0)
+            self._count(self.codec.send(chunk, owner, group), 0)
             return chunk
         total = chunk.clone() if rank < self.num_workers else torch.zeros_like(chunk)
         if self.config.reduce == "tree":
             return self._tree_up(total, ranks)
-        incoming = torch.empty_like(total)
         for src in ranks[1:]:
-            dist.recv(incoming, src, group=group)
-            total += incoming
-            self._count(0, incoming.nbytes)
+            self._count(0, self.codec.recv_add(total, src, group))
         return total
 
     def _tree_up(self, total: torch.Tensor, ranks: list[int]) -> torch.Tensor:
         assert self.ctx is not None and self.comm is not None
         me, n, group = ranks.index(self.ctx.rank), len(ranks), self.comm.group
-        incoming = torch.empty_like(total)
         for child in tree_children(me, n):
-            dist.recv(incoming, ranks[child], group=group)
-            total += incoming
-            self._count(0, incoming.nbytes)
+            self._count(0, self.codec.recv_add(total, ranks[child], group))
         parent = tree_parent(me)
         if parent is not None:
-            dist.send(total, ranks[parent], group=group)
-            self._count(total.nbytes, 0)
+            self._count(self.codec.send(total, ranks[parent], group), 0)
         return total
 
     def _update(self, bucket: Bucket, m: int, summed: torch.Tensor) -> None:

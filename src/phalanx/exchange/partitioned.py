@@ -33,6 +33,7 @@ from phalanx.exchange import schedule
 from phalanx.exchange.base import STRATEGIES, OptimizerFactory, Strategy
 from phalanx.exchange.buckets import Bucket
 from phalanx.exchange.comm import CommThread, wait
+from phalanx.exchange.compression import Codec
 from phalanx.exchange.sharding import ShardedParameters, bounds
 from phalanx.fields import option
 
@@ -53,8 +54,9 @@ class PartitionSchedule(ABC):
     Tensors are 1-D and share the bucket's dtype and device.
     """
 
-    def __init__(self, rank: int, world_size: int, group: Any) -> None:
+    def __init__(self, rank: int, world_size: int, group: Any, codec: Codec) -> None:
         self.rank, self.world_size, self.group = rank, world_size, group
+        self.codec = codec  # compresses gradient messages; parameters always travel exact
 
     def alignment(self) -> int:
         return 1
@@ -89,13 +91,9 @@ class CyclicSchedule(PartitionSchedule):
             for t in cycle:
                 lo, hi = layout.ranges[t.partition]
                 if t.src == self.rank:
-                    dist.send(flat[lo:hi], t.dst, group=self.group)
-                    count(flat[lo:hi].nbytes, 0)
+                    count(self.codec.send(flat[lo:hi], t.dst, self.group), 0)
                 elif t.dst == self.rank:
-                    incoming = torch.empty_like(flat[lo:hi])
-                    dist.recv(incoming, t.src, group=self.group)
-                    flat[lo:hi] += incoming
-                    count(0, incoming.nbytes)
+                    count(0, self.codec.recv_add(flat[lo:hi], t.src, self.group))
         return flat, 0
 
     def send_back(self, flat: torch.Tensor, layout: Layout) -> None:
@@ -132,15 +130,16 @@ class RingSchedule(PartitionSchedule):
         for s in range(p - 1):
             lo, hi = layout.ranges[(r - s - 1) % p]
             in_lo, in_hi = layout.ranges[(r - s - 2) % p]
-            incoming = torch.empty_like(flat[in_lo:in_hi])
+            outgoing = self.codec.encode(flat[lo:hi])
+            incoming = self.codec.empty_message(flat[in_lo:in_hi])
             works = [
-                dist.isend(flat[lo:hi], (r + 1) % p, group=self.group),
+                dist.isend(outgoing, (r + 1) % p, group=self.group),
                 dist.irecv(incoming, (r - 1) % p, group=self.group),
             ]
             for work in works:
                 work.wait()
-            flat[in_lo:in_hi] += incoming
-            count(flat[lo:hi].nbytes, incoming.nbytes)
+            flat[in_lo:in_hi] += self.codec.decode(incoming, flat[in_lo:in_hi])
+            count(outgoing.nbytes, incoming.nbytes)
         return flat, 0
 
     def send_back(self, flat: torch.Tensor, layout: Layout) -> None:
@@ -212,7 +211,10 @@ class Partitioned(Strategy):
     def _schedule_class(self, backend: str) -> type[PartitionSchedule]:
         if self.config.schedule == "cyclic":
             return CyclicSchedule
-        return CollectiveSchedule if backend == "nccl" else RingSchedule
+        # Backend collectives cannot sum messages with per-rank scales: compressed runs use
+        # the point-to-point ring, which decodes and adds in full precision at every hop.
+        compressed = self.codec.wire_dtype is not None
+        return CollectiveSchedule if backend == "nccl" and not compressed else RingSchedule
 
     # -- layout -------------------------------------------------------------------------------
     def bucket_alignment(self, world_size: int) -> int:
@@ -226,7 +228,8 @@ class Partitioned(Strategy):
         super().setup(ctx, buckets)
         if self.comm is None:
             self.comm = CommThread(ctx.device)
-        self.plan = self._schedule_class(ctx.backend)(ctx.rank, ctx.world_size, self.comm.group)
+        plan_class = self._schedule_class(ctx.backend)
+        self.plan = plan_class(ctx.rank, ctx.world_size, self.comm.group, self.codec)
         self.layouts = [self.plan.layout(b.flat.numel()) for b in buckets]
         ranges = [lay.ranges for lay in self.layouts]
         owners = [lay.owners for lay in self.layouts]

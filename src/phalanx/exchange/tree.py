@@ -16,11 +16,11 @@ import math
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from phalanx.exchange.base import STRATEGIES, Strategy
 from phalanx.exchange.buckets import Bucket
 from phalanx.exchange.comm import CommThread, wait
+from phalanx.exchange.compression import Codec
 
 
 def tree_children(rank: int, world_size: int) -> list[int]:
@@ -40,26 +40,25 @@ def tree_parent(rank: int) -> int | None:
     return None if rank == 0 else rank & (rank - 1)
 
 
-def tree_allreduce(flat: torch.Tensor, rank: int, world_size: int, group: Any) -> tuple[int, int]:
+def tree_allreduce(
+    flat: torch.Tensor, rank: int, world_size: int, group: Any, codec: Codec | None = None
+) -> tuple[int, int]:
     """Sum ``flat`` (1-D, any dtype/device) over the group in place; returns (sent, received)
-    bytes of this rank."""
+    bytes of this rank. ``codec`` may compress the messages; sums stay in ``flat``'s dtype."""
+    codec = codec or Codec()
     sent = received = 0
-    incoming = torch.empty_like(flat)
     children, parent = tree_children(rank, world_size), tree_parent(rank)
     # Phase 1: up the tree.
     for child in children:
-        dist.recv(incoming, child, group=group)
-        flat += incoming
-        received += flat.nbytes
+        received += codec.recv_add(flat, child, group)
     if parent is not None:
-        dist.send(flat, parent, group=group)
-        sent += flat.nbytes
+        sent += codec.send(flat, parent, group)
         # Phase 2: down the tree.
-        dist.recv(flat, parent, group=group)
-        received += flat.nbytes
+        received += codec.recv_into(flat, parent, group)
+    elif codec.wire_dtype is not None:  # the root keeps what everyone else will decode
+        flat.copy_(codec.decode(codec.encode(flat), flat))
     for child in reversed(children):
-        dist.send(flat, child, group=group)
-        sent += flat.nbytes
+        sent += codec.send(flat, child, group)
     return sent, received
 
 
@@ -79,8 +78,9 @@ class Tree(Strategy):
 
     def launch(self, bucket: Bucket) -> None:
         assert self.comm is not None and self.ctx is not None
-        rank, world, group = self.ctx.rank, self.ctx.world_size, self.comm.group
-        self._jobs.append(self.comm.submit(lambda: tree_allreduce(bucket.flat, rank, world, group)))
+        rank, world, group, codec = self.ctx.rank, self.ctx.world_size, self.comm.group, self.codec
+        job = self.comm.submit(lambda: tree_allreduce(bucket.flat, rank, world, group, codec))
+        self._jobs.append(job)
 
     def finish(self) -> None:
         for job in self._jobs:

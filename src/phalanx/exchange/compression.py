@@ -1,0 +1,140 @@
+"""Scaled low-precision gradients on the wire (F13).
+
+Before a gradient message is sent it is multiplied by a scale factor chosen from its value range
+against the target dtype's range, cast to fp16 or bf16 and packed with its scale into one byte
+buffer; the receiver unpacks, casts back to the gradient's dtype (fp32) and unscales before it
+adds, so partial sums always accumulate in full precision. The scale is a power of two
+(multiplying by it is exact) that maps the largest magnitude to about half the dtype's largest
+finite value: large gradients cannot overflow, and small ones keep as many significant bits as
+the range allows instead of flushing to zero.
+
+Only gradients are compressed; parameters sent back by owners and servers stay exact.
+A message that already holds inf or NaN is sent as is (they survive the cast) and counted in
+``Codec.num_nonfinite``, so the problem shows in the step statistics instead of being hidden.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from phalanx.registry import Registry
+
+SCALE_BYTES = 4  # the scale travels as one float32 after the payload
+
+
+class Codec:
+    """No compression: messages are the tensors themselves."""
+
+    name = "none"
+    wire_dtype: torch.dtype | None = None
+
+    def __init__(self) -> None:
+        self.num_nonfinite = 0  # messages with inf/NaN seen (since the last reset)
+
+    def encode(self, t: torch.Tensor) -> torch.Tensor:
+        """The message for ``t`` (1-D): here ``t`` itself."""
+        return t
+
+    def decode(self, message: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """``like``-typed values of a message (a view or a new tensor)."""
+        del like
+        return message
+
+    def empty_message(self, like: torch.Tensor) -> torch.Tensor:
+        """A receive buffer for the message of a tensor shaped like ``like``."""
+        return torch.empty_like(like)
+
+    # -- point-to-point helpers used by the strategies ----------------------------------------
+    def send(self, t: torch.Tensor, dst: int, group: Any) -> int:
+        """Send ``t``'s message; returns the bytes put on the wire."""
+        message = self.encode(t)
+        dist.send(message, dst, group=group)
+        return message.nbytes
+
+    def recv_add(self, t: torch.Tensor, src: int, group: Any) -> int:
+        """Receive a message and add its values to ``t`` (in ``t``'s precision)."""
+        message = self.empty_message(t)
+        dist.recv(message, src, group=group)
+        t += self.decode(message, t)
+        return message.nbytes
+
+    def recv_into(self, t: torch.Tensor, src: int, group: Any) -> int:
+        """Receive a message and store its values in ``t``."""
+        message = self.empty_message(t)
+        dist.recv(message, src, group=group)
+        if message.data_ptr() != t.data_ptr():
+            t.copy_(self.decode(message, t))
+        return message.nbytes
+
+
+class ScaledCodec(Codec):
+    """Power-of-two scaling + cast to ``wire_dtype``, packed with the scale (see module doc).
+
+    Message layout (uint8, 1-D): payload (numel x itemsize of wire_dtype, padded to 4 bytes)
+    then the scale as one float32.
+    """
+
+    wire_dtype: torch.dtype = torch.float16
+    target: float = torch.finfo(torch.float16).max / 2  # largest magnitude after scaling
+
+    def scale_for(self, t: torch.Tensor) -> float:
+        finite = t[torch.isfinite(t)] if not bool(torch.isfinite(t).all()) else t
+        if finite.numel() != t.numel():
+            self.num_nonfinite += 1
+        amax = float(finite.abs().max()) if finite.numel() else 0.0
+        if amax == 0.0:
+            return 1.0
+        exponent = math.floor(math.log2(self.target / amax))
+        return 2.0 ** max(-126, min(126, exponent))  # the scale itself must fit in float32
+
+    def _payload_bytes(self, numel: int) -> int:
+        raw = numel * torch.finfo(self.wire_dtype).bits // 8
+        return -(-raw // SCALE_BYTES) * SCALE_BYTES
+
+    def empty_message(self, like: torch.Tensor) -> torch.Tensor:
+        size = self._payload_bytes(like.numel()) + SCALE_BYTES
+        return torch.empty(size, dtype=torch.uint8, device=like.device)
+
+    def encode(self, t: torch.Tensor) -> torch.Tensor:
+        scale = self.scale_for(t)
+        message = self.empty_message(t)
+        itemsize = torch.finfo(self.wire_dtype).bits // 8
+        message[: t.numel() * itemsize].view(self.wire_dtype).copy_(t * scale)
+        message[-SCALE_BYTES:].view(torch.float32).fill_(scale)
+        return message
+
+    def decode(self, message: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        itemsize = torch.finfo(self.wire_dtype).bits // 8
+        payload = message[: like.numel() * itemsize].view(self.wire_dtype)
+        scale = message[-SCALE_BYTES:].view(torch.float32)
+        return payload.to(like.dtype) / scale.to(like.dtype)
+
+
+CODECS: Registry[Codec] = Registry("compression")
+CODECS.register("none")(Codec)
+
+
+@CODECS.register("fp16")
+class Fp16Codec(ScaledCodec):
+    """fp16: largest magnitude mapped to about half of 65504; 11 bits of precision."""
+
+    name = "fp16"
+    wire_dtype = torch.float16
+
+
+@CODECS.register("bf16")
+class Bf16Codec(ScaledCodec):
+    """bf16 has float32's exponent range: scaling only centres values (largest near 1), which
+    keeps tiny gradients out of the subnormals; precision is 8 bits either way."""
+
+    name = "bf16"
+    wire_dtype = torch.bfloat16
+    target = 1.0
+
+
+def make_codec(name: str | None) -> Codec:
+    return CODECS.get(name or "none")()

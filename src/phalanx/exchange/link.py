@@ -1,0 +1,228 @@
+"""Link calibration: the process group's per-message latency alpha and bandwidth beta (F12 inputs).
+
+``calibrate(group, device)`` times the group's allreduce over a short sweep of message sizes and
+fits the ring allreduce cost model (F14) of p ranks moving n bytes:
+
+    T(n) = 2 (p-1) alpha + 2 (p-1)/p * n / beta  =  A + B n,
+
+so alpha = A / (2 (p-1)) and beta = 2 (p-1) / (p B). Phases:
+  Phase 1 (warm-up): one allreduce of every size, so connections and buffers exist before timing.
+  Phase 2 (sweep): ``repeats`` timed allreduces per size, back to back; the collective itself
+    keeps the ranks in lockstep (each op ends on every rank at about the same time).
+  Phase 3 (agree): rank 0's timings are broadcast, so every rank fits the same numbers and gets
+    bit-identical alpha and beta (every rank must choose the same fusion threshold).
+  Phase 4 (fit): the median time per size, then a least-squares line through them.
+
+With p = 1 nothing crosses a wire: no sweep, alpha = 0, beta = inf, every prediction is 0.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_SIZES = tuple(4**k for k in range(6, 12))  # 4 KiB .. 4 MiB, powers of 4
+DEFAULT_REPEATS = 5
+LINK_FILE = "link.json"
+
+
+def ring_latency_factor(world_size: int) -> float:
+    """f(p): messages in series per ring allreduce (p-1 reduce-scatter + p-1 all-gather steps)."""
+    return 2.0 * (world_size - 1)
+
+
+def ring_bandwidth_factor(world_size: int) -> float:
+    """g(p): bytes each rank sends per byte of the message in a ring allreduce."""
+    return 2.0 * (world_size - 1) / world_size
+
+
+@dataclass(frozen=True)
+class LinkModel:
+    """Fitted latency and bandwidth of one process group, with the sweep they came from.
+
+    ``sizes`` are message bytes; ``samples_s[i]`` the timed allreduces of ``sizes[i]`` (rank 0's).
+    """
+
+    alpha_s: float
+    beta_bytes_per_s: float
+    world_size: int
+    sizes: tuple[int, ...] = ()
+    samples_s: tuple[tuple[float, ...], ...] = ()
+    backend: str = ""
+
+    def predict(self, nbytes: float, world_size: int | None = None) -> float:
+        """Seconds of one ring allreduce of ``nbytes`` over ``world_size`` ranks (default: the
+        calibrated group's size): alpha f(p) + n g(p) / beta."""
+        p = self.world_size if world_size is None else world_size
+        bandwidth = ring_bandwidth_factor(p) * nbytes / self.beta_bytes_per_s
+        return ring_latency_factor(p) * self.alpha_s + bandwidth
+
+    @property
+    def medians_s(self) -> tuple[float, ...]:
+        """The median time of each swept size (what the line is fitted to)."""
+        return tuple(statistics.median(s) for s in self.samples_s)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready (an infinite beta is written as null)."""
+        beta = self.beta_bytes_per_s
+        return {
+            "alpha_s": self.alpha_s,
+            "beta_bytes_per_s": None if math.isinf(beta) else beta,
+            "world_size": self.world_size,
+            "backend": self.backend,
+            "model": "ring: T(n) = 2(p-1) alpha + 2(p-1)/p n/beta",
+            "sweep": [
+                {"bytes": n, "median_s": statistics.median(s), "samples_s": list(s)}
+                for n, s in zip(self.sizes, self.samples_s)
+            ],
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> LinkModel:
+        """Inverse of ``to_dict``; a missing or malformed key is a one-line ValueError."""
+        try:
+            beta = data["beta_bytes_per_s"]
+            sweep = data.get("sweep", [])
+            return cls(
+                alpha_s=float(data["alpha_s"]),
+                beta_bytes_per_s=math.inf if beta is None else float(beta),
+                world_size=int(data["world_size"]),
+                sizes=tuple(int(point["bytes"]) for point in sweep),
+                samples_s=tuple(tuple(map(float, point["samples_s"])) for point in sweep),
+                backend=str(data.get("backend", "")),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"link model: missing or bad field ({type(e).__name__}: {e})") from None
+
+    def save(self, run_dir: Path | str) -> Path:
+        """Write ``run_dir/link.json`` atomically; returns its path."""
+        from phalanx.checkpoint import atomic_write_text
+
+        path = Path(run_dir) / LINK_FILE
+        atomic_write_text(path, json.dumps(self.to_dict(), indent=2) + "\n")
+        return path
+
+    @classmethod
+    def load(cls, path: Path | str) -> LinkModel:
+        """Read a ``link.json`` written by ``save`` (a directory means its link.json)."""
+        path = Path(path)
+        if path.is_dir():
+            path = path / LINK_FILE
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"{path}: cannot read link model ({e})") from None
+        return cls.from_dict(data)
+
+
+# -- the fit ----------------------------------------------------------------------------------
+def fit_line(sizes: Sequence[float], seconds: Sequence[float]) -> tuple[float, float]:
+    """(A, B) of T(n) = A + B n by least squares on relative residuals ((A + B n - t) / t).
+
+    Relative residuals weigh every size alike: plain residuals would let the noise of the largest
+    message (milliseconds) swamp the latency the small ones measure (microseconds). A negative
+    intercept or slope (noise) is refitted with that term fixed at 0.
+    """
+    if len(sizes) != len(seconds) or len(set(sizes)) < 2:
+        raise ValueError("fit_line: needs at least two distinct sizes, one time per size")
+    scale = max(sizes)  # sizes in units of the largest keep the normal equations well scaled
+    xs = [n / scale for n in sizes]
+    ws = [1.0 / max(t, 1e-12) ** 2 for t in seconds]
+    sw = sum(ws)
+    sx = sum(w * x for w, x in zip(ws, xs))
+    sy = sum(w * t for w, t in zip(ws, seconds))
+    sxx = sum(w * x * x for w, x in zip(ws, xs))
+    sxy = sum(w * x * t for w, x, t in zip(ws, xs, seconds))
+    slope = (sw * sxy - sx * sy) / (sw * sxx - sx * sx)
+    intercept = (sy - slope * sx) / sw
+    if intercept < 0:
+        intercept, slope = 0.0, sxy / sxx
+    if slope < 0:
+        intercept, slope = sy / sw, 0.0
+    return intercept, slope / scale
+
+
+def model_from_fit(
+    intercept_s: float, slope_s_per_byte: float, world_size: int, **sweep: Any
+) -> LinkModel:
+    """Convert T(n) = A + B n measured on ``world_size`` ranks into the ring's alpha and beta."""
+    assert world_size > 1, "a world of one has no link to fit"
+    alpha = intercept_s / ring_latency_factor(world_size)
+    beta = (
+        ring_bandwidth_factor(world_size) / slope_s_per_byte if slope_s_per_byte > 0 else math.inf
+    )
+    return LinkModel(alpha_s=alpha, beta_bytes_per_s=beta, world_size=world_size, **sweep)
+
+
+# -- the measurement --------------------------------------------------------------------------
+def calibrate(
+    group: dist.ProcessGroup | None = None,
+    device: torch.device | str = "cpu",
+    sizes: Sequence[int] = DEFAULT_SIZES,
+    repeats: int = DEFAULT_REPEATS,
+) -> LinkModel:
+    """Measure ``group``'s allreduce over ``sizes`` (bytes) and fit alpha and beta.
+
+    Collective: every rank of ``group`` must call it with the same arguments. Messages are
+    float32 tensors on ``device`` (1-D, sizes rounded down to whole elements). Every rank
+    returns the same LinkModel (rank 0's timings). About 0.1 s on 2 Gloo ranks over loopback.
+    """
+    sizes = tuple(int(n) for n in sizes)
+    if len(set(sizes)) < 2 or min(sizes) < 4:
+        raise ValueError(f"calibrate: sizes needs two distinct sizes >= 4 bytes, got {sizes}")
+    if repeats < 1:
+        raise ValueError(f"calibrate: repeats must be >= 1, got {repeats}")
+    device = torch.device(device)
+    world_size = dist.get_world_size(group)
+    backend = str(dist.get_backend(group))
+    if world_size == 1:
+        return LinkModel(alpha_s=0.0, beta_bytes_per_s=math.inf, world_size=1, backend=backend)
+    buffer = torch.zeros(max(sizes) // 4, dtype=torch.float32, device=device)
+    messages = [buffer[: n // 4] for n in sizes]
+    # Phase 1: warm-up.
+    for message in messages:
+        dist.all_reduce(message, group=group)
+    _sync(device)
+    # Phase 2: sweep.
+    samples = torch.zeros(len(sizes), repeats, dtype=torch.float64)
+    for i, message in enumerate(messages):
+        for r in range(repeats):
+            start = time.perf_counter()
+            dist.all_reduce(message, group=group)
+            _sync(device)
+            samples[i, r] = time.perf_counter() - start
+    # Phase 3: agree on rank 0's timings.
+    samples = broadcast_from_rank0(samples, group, device)
+    # Phase 4: fit the medians.
+    per_size = tuple(tuple(row) for row in samples.tolist())
+    nbytes = tuple(m.numel() * m.element_size() for m in messages)
+    intercept, slope = fit_line(nbytes, [statistics.median(s) for s in per_size])
+    return model_from_fit(
+        intercept, slope, world_size, sizes=nbytes, samples_s=per_size, backend=backend
+    )
+
+
+def broadcast_from_rank0(
+    values: torch.Tensor, group: dist.ProcessGroup | None, device: torch.device
+) -> torch.Tensor:
+    """Rank 0's ``values`` on every rank (float64 CPU tensor of the same shape in and out; it
+    travels on ``device``, as NCCL needs). Every rank must pass the same shape."""
+    assert values.dtype == torch.float64, "values travel as float64"
+    on_device = values.to(device)
+    dist.broadcast(on_device, group=group, group_src=0)
+    return on_device.cpu()
+
+
+def _sync(device: torch.device) -> None:
+    """Wait for queued device work (CUDA collectives return before they finish)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
