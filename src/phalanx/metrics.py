@@ -28,6 +28,7 @@ class StepStats:
     bytes_received: int = 0
     num_buckets: int = 0
     buckets_launched_in_backward: int = 0
+    nonfinite_messages: int = 0  # compressed gradient messages that held inf/NaN (reported)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
