@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from phalanx.errors import ConfigError
 from phalanx.exchange.base import OptimizerFactory, Strategy, make_strategy
-from phalanx.exchange.buckets import GradientBuckets
+from phalanx.exchange.buckets import FIRST_BUCKET_BYTES, GradientBuckets
 from phalanx.exchange.compression import make_codec
 from phalanx.metrics import PhaseTimer, StepStats
 from phalanx.runtime.context import Context, current_context
@@ -43,6 +43,7 @@ class Engine:
         bucket_mb: float = 25.0,
         compress: str | None = None,
         accumulate_steps: int = 1,
+        first_bucket_mb: float | None = None,
         broadcast_buffers: bool = True,
         context: Context | None = None,
     ) -> None:
@@ -66,6 +67,7 @@ class Engine:
             int(bucket_mb * 2**20),
             launch=self.strategy.launch,
             align=self.strategy.bucket_alignment(self.ctx.world_size),
+            first_bucket_bytes=int((first_bucket_mb or FIRST_BUCKET_BYTES / 2**20) * 2**20),
         )
         self.strategy.setup(self.ctx, self.buckets.buckets)
         self.optimizer = self.strategy.build_optimizer(self.trainable, optimizer)

@@ -101,20 +101,39 @@ DEFAULT_CONTENDERS = (
 )
 
 
-def strategy_contenders(names: Sequence[str]) -> tuple[ContenderSpec, ...]:
-    """single, ddp, then one phalanx contender per ``--strategies`` name."""
+SINGLE_BUCKET = "single"  # --bucket-mb value: the whole model in one bucket
+
+
+def strategy_contenders(
+    names: Sequence[str],
+    compress: Sequence[str] = ("none",),
+    bucket_mb: Sequence[str] = ("25",),
+) -> tuple[ContenderSpec, ...]:
+    """single, ddp (and ddp with its fp16 hook when fp16 is asked for), then one phalanx
+    contender per (strategy, compression, bucket size); labels name only the varied axes."""
     specs = [ContenderSpec("single", "single"), ContenderSpec("ddp", "ddp")]
+    if "fp16" in compress:
+        specs.append(ContenderSpec("ddp-fp16hook", "ddp", (("fp16_hook", True),)))
     for name in names:
-        strategy, options = STRATEGY_CONTENDERS[name]
-        label = "phalanx" if list(names) == ["allreduce"] else f"phalanx-{name}"
-        specs.append(
-            ContenderSpec(
-                label,
-                "phalanx",
-                (("exchange", strategy), ("exchange_options", options), ("bucket_mb", 25.0)),
-            )
-        )
+        for codec in compress:
+            for size in bucket_mb:
+                parts = [name] * (len(names) > 1 or name != "allreduce")
+                parts += [codec] * (len(compress) > 1 or codec != "none")
+                parts += [f"{size}MB" if size not in ("auto", SINGLE_BUCKET) else size] * (
+                    len(bucket_mb) > 1 or size != "25"
+                )
+                label = "-".join(["phalanx", *parts])
+                specs.append(ContenderSpec(label, "phalanx", _phalanx_options(name, codec, size)))
     return tuple(specs)
+
+
+def _phalanx_options(name: str, codec: str, size: str) -> tuple[tuple[str, Any], ...]:
+    strategy, options = STRATEGY_CONTENDERS[name]
+    if size == SINGLE_BUCKET:
+        sizes: tuple[tuple[str, Any], ...] = (("bucket_mb", 1e6), ("first_bucket_mb", 1e6))
+    else:
+        sizes = (("bucket_mb", size if size == "auto" else float(size)),)
+    return (("exchange", strategy), ("exchange_options", options), ("compress", codec), *sizes)
 
 
 @dataclass(frozen=True)
@@ -203,7 +222,13 @@ def _build_ddp(spec: ContenderSpec, model: nn.Module, ctx: Context) -> Contender
     from torch.nn.parallel import DistributedDataParallel
 
     device_ids = [ctx.device] if ctx.device.type == "cuda" else None
-    ddp = DistributedDataParallel(model.to(ctx.device), device_ids=device_ids, **dict(spec.options))
+    options = dict(spec.options)
+    fp16_hook = options.pop("fp16_hook", False)
+    ddp = DistributedDataParallel(model.to(ctx.device), device_ids=device_ids, **options)
+    if fp16_hook:  # torch's own compression baseline: fp16 allreduce, then divide
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        ddp.register_comm_hook(state=None, hook=default_hooks.fp16_compress_hook)
     optimizer = _sgd(ddp.parameters())
     stats = lambda: {"optimizer_bytes": _optimizer_bytes(optimizer)}  # noqa: E731
     return Contender(spec, True, _local_step(ddp, optimizer), stats=stats)
@@ -552,6 +577,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="allreduce",
         help=f"comma list or 'all': {', '.join(STRATEGY_CONTENDERS)} (default allreduce)",
     )
+    p.add_argument(
+        "--compress", default="none", help="comma list of: none, fp16, bf16 (default none)"
+    )
+    p.add_argument(
+        "--bucket-mb", default="25", help="comma list of sizes in MiB, 'auto' or 'single'"
+    )
     p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="tracebacks")
     p.set_defaults(handler=cmd_exchange)
 
@@ -565,9 +596,37 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         warmup=args.warmup,
         batch_size=args.batch_size,
         seed=args.seed,
-        contenders=strategy_contenders(_strategy_names(args.strategies)),
+        contenders=strategy_contenders(
+            _strategy_names(args.strategies),
+            _choices(args.compress, "--compress", ("none", "fp16", "bf16")),
+            _bucket_sizes(args.bucket_mb),
+        ),
         debug=getattr(args, "debug", False),
     )
+
+
+def _choices(text: str, flag: str, allowed: tuple[str, ...]) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    bad = [n for n in names if n not in allowed]
+    if bad or not names:
+        raise ConfigError(
+            f"{flag}: unknown {bad[0] if bad else ''!r}; allowed: {', '.join(allowed)}"
+        )
+    return names
+
+
+def _bucket_sizes(text: str) -> list[str]:
+    sizes = [n.strip() for n in text.split(",") if n.strip()]
+    for size in sizes:
+        if size in ("auto", SINGLE_BUCKET):
+            continue
+        try:
+            ok = float(size) > 0
+        except ValueError:
+            ok = False
+        if not ok:
+            raise ConfigError(f"--bucket-mb: {size!r} is not a positive size, auto or single")
+    return sizes or ["25"]
 
 
 def _strategy_names(text: str) -> list[str]:
