@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -12,9 +13,15 @@ from phalanx.errors import ConfigError
 from phalanx.exchange.base import OptimizerFactory, Strategy, make_strategy
 from phalanx.exchange.buckets import FIRST_BUCKET_BYTES, GradientBuckets
 from phalanx.exchange.compression import make_codec
+from phalanx.exchange.link import LinkModel, calibrate
+from phalanx.exchange.threshold import BackwardRecorder, Choice, agree_profile, choose_bucket_bytes
 from phalanx.metrics import PhaseTimer, StepStats
 from phalanx.runtime.context import Context, current_context
 
+logger = logging.getLogger("phalanx")
+AUTO = "auto"
+DEFAULT_BUCKET_MB = 25.0  # the layout until "auto" has measured enough to choose
+PROFILE_STEPS = 3  # backward steps profiled (after one warm-up step) before choosing
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 
 
@@ -40,15 +47,15 @@ class Engine:
         optimizer: OptimizerFactory,
         *,
         exchange: str | Strategy = "allreduce",
-        bucket_mb: float = 25.0,
+        bucket_mb: float | str = 25.0,
         compress: str | None = None,
         accumulate_steps: int = 1,
         first_bucket_mb: float | None = None,
         broadcast_buffers: bool = True,
         context: Context | None = None,
     ) -> None:
-        if bucket_mb <= 0:
-            raise ConfigError(f"bucket_mb: must be > 0, got {bucket_mb}")
+        if bucket_mb != AUTO and (isinstance(bucket_mb, str) or not bucket_mb > 0):
+            raise ConfigError(f"bucket_mb: got {bucket_mb!r}; allowed: a size > 0 (MiB) or 'auto'")
         if accumulate_steps < 1:
             raise ConfigError(f"accumulate_steps: must be >= 1, got {accumulate_steps}")
         self.ctx = context or current_context()
@@ -64,14 +71,24 @@ class Engine:
         self.trainable = [p for p in self.module.parameters() if p.requires_grad]
         self.buckets = GradientBuckets(
             self.trainable,
-            int(bucket_mb * 2**20),
+            int((DEFAULT_BUCKET_MB if bucket_mb == AUTO else float(bucket_mb)) * 2**20),
             launch=self.strategy.launch,
             align=self.strategy.bucket_alignment(self.ctx.world_size),
             first_bucket_bytes=int((first_bucket_mb or FIRST_BUCKET_BYTES / 2**20) * 2**20),
         )
         self.strategy.setup(self.ctx, self.buckets.buckets)
+        self._optimizer_factory = optimizer
         self.optimizer = self.strategy.build_optimizer(self.trainable, optimizer)
         self.strategy.register_module(self.module)
+        # bucket_mb = "auto" (F12): measure the link now, profile backward in the first steps,
+        # then derive the threshold from the cost model (phalanx.exchange.threshold).
+        self.link: LinkModel | None = None
+        self.threshold: Choice | None = None
+        self._recorder: BackwardRecorder | None = None
+        if bucket_mb == AUTO:
+            self.link = calibrate(self.ctx.group, self.ctx.device)
+            self._recorder = BackwardRecorder(num_steps=PROFILE_STEPS, skip_steps=1)
+            self.buckets.on_ready = self._recorder.record
         self._timer = PhaseTimer(self.ctx.device)
 
     # -- the step -----------------------------------------------------------------------------
@@ -97,7 +114,11 @@ class Engine:
             loss = self.loss_fn(self.module(x), y)
             timer.mark("forward")
             self.buckets.arm(launch=i == len(micro) - 1)
+            if self._recorder is not None and i == len(micro) - 1:
+                self._recorder.start()
             (loss * scale).backward()
+            if self._recorder is not None:
+                self._recorder.stop()
             timer.mark("backward")
             total_loss += loss.detach() / len(micro)
         # Phase 3: launch the buckets unused parameters held back.
@@ -111,6 +132,7 @@ class Engine:
         timer.mark("optimizer")
         self._record(timer.read(), launched_in_backward)
         self._maybe_rebuild_buckets()
+        self._maybe_choose_threshold()
         self.num_steps += 1
         return total_loss
 
@@ -164,7 +186,7 @@ class Engine:
         Every rank takes part in the broadcast on step 0 whatever it observed, so ranks that
         saw different unused parameters still agree on one layout.
         """
-        if self.num_steps != 0 or not self.strategy.rebuilds_buckets():
+        if self.num_steps != 0:
             return
         seen = self.buckets.ready_order
         seen_set = set(seen)
@@ -174,8 +196,38 @@ class Engine:
         observed = order.tolist()
         expected = list(reversed(range(len(self.trainable))))
         if observed != expected:
-            self.buckets.build(observed)
-            self.strategy.setup(self.ctx, self.buckets.buckets)
+            self._rebuild(observed, self.buckets.bucket_bytes)
+
+    def _maybe_choose_threshold(self) -> None:
+        """bucket_mb = "auto": once the profiled steps are done (the same step on every rank),
+        agree on rank 0's backward profile, choose the threshold and rebuild the buckets."""
+        recorder = self._recorder
+        if recorder is None or self.num_steps + 1 != recorder.skip_steps + recorder.num_steps:
+            return
+        assert self.link is not None
+        mine = recorder.profile() if recorder.done else None  # None on dedicated servers
+        profile = agree_profile(mine, self.ctx.group, self.ctx.device)
+        self.threshold = choose_bucket_bytes(
+            profile,
+            self.link,
+            self.ctx.world_size,
+            first_bucket_bytes=self.buckets.first_bucket_bytes,
+        )
+        logger.info("phalanx: %s", self.threshold.describe())
+        self._recorder = None
+        self.buckets.on_ready = None
+        self._rebuild(self.buckets.order(), self.threshold.bucket_bytes)
+
+    def _rebuild(self, order: list[int], bucket_bytes: int) -> None:
+        """New bucket layout; parameters and optimizer state (even sharded) carry over."""
+        self.strategy.sync()
+        state = self.strategy.optimizer_state_dict(self.optimizer, self.trainable)
+        self.buckets.bucket_bytes = bucket_bytes
+        self.buckets.build(order)
+        self.strategy.setup(self.ctx, self.buckets.buckets)
+        self.optimizer = self.strategy.build_optimizer(self.trainable, self._optimizer_factory)
+        self.strategy.load_optimizer_state_dict(self.optimizer, self.trainable, state)
+        self.strategy.register_module(self.module)
 
     # -- state --------------------------------------------------------------------------------
     def _broadcast_state(self) -> None:

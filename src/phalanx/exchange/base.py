@@ -34,7 +34,9 @@ class ExchangeConfig:
     """How gradients travel between ranks."""
 
     strategy: str = option("allreduce", "registered exchange strategy name")
-    bucket_mb: float = option(25.0, "fusion threshold in MiB: a bucket launches when this full")
+    bucket_mb: float | str = option(
+        25.0, "fusion threshold in MiB, or 'auto' (derived from the measured link and backward)"
+    )
     options: dict = option(factory=dict, doc="the strategy's own options (see docs/exchange.md)")
     compress: str = option("none", "gradient messages: none, fp16 or bf16 (scaled, F13)")
 
@@ -46,7 +48,12 @@ class ExchangeConfig:
             "strategy",
             f"unknown strategy {self.strategy!r}; known: {', '.join(STRATEGIES.names())}",
         )
-        require(self.bucket_mb > 0, "bucket_mb", f"must be > 0, got {self.bucket_mb}")
+        require(
+            self.bucket_mb == "auto"
+            or (not isinstance(self.bucket_mb, str) and self.bucket_mb > 0),
+            "bucket_mb",
+            f"got {self.bucket_mb!r}; allowed: a size > 0 (MiB) or 'auto'",
+        )
         require(
             self.compress in CODECS,
             "compress",
@@ -92,10 +99,6 @@ class Strategy(ABC):
         """Each bucket's flat length is padded to a multiple of this (e.g. p for scatters)."""
         del world_size
         return 1
-
-    def rebuilds_buckets(self) -> bool:
-        """Whether the Engine may re-order buckets after step 1 (by observed backward order)."""
-        return True
 
     def setup(self, ctx: Context, buckets: list[Bucket]) -> None:
         """Called once the buckets exist, and again whenever they are rebuilt."""

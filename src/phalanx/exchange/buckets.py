@@ -96,6 +96,7 @@ class GradientBuckets:
         self.bucket_bytes = bucket_bytes
         self.first_bucket_bytes = first_bucket_bytes
         self.align = align
+        self.on_ready: Callable[[int, int], None] | None = None  # (param index, bytes) observer
         self._launch = launch
         self._position = {id(p): i for i, p in enumerate(self.params)}
         self.used = bytearray(len(self.params))
@@ -146,6 +147,10 @@ class GradientBuckets:
             offsets=offsets,
         )
 
+    def order(self) -> list[int]:
+        """The current layout's parameter order (indices into ``params``)."""
+        return [self._bucket_of[id(p)][2] for bucket in self.buckets for p in bucket.params]
+
     # -- per step -----------------------------------------------------------------------------
     def zero(self) -> None:
         """Phase 1: zero gradient buffers and usage flags before the first micro-step."""
@@ -178,6 +183,8 @@ class GradientBuckets:
             p.grad = view
         self.used[position] = 1
         self.ready_order.append(position)
+        if self.on_ready is not None:
+            self.on_ready(position, view.numel() * view.element_size())
         self._num_pending_total -= 1
         bucket.num_pending -= 1
         if bucket.num_pending == 0:

@@ -7,8 +7,9 @@ fits the ring allreduce cost model (F14) of p ranks moving n bytes:
 
 so alpha = A / (2 (p-1)) and beta = 2 (p-1) / (p B). Phases:
   Phase 1 (warm-up): one allreduce of every size, so connections and buffers exist before timing.
-  Phase 2 (sweep): ``repeats`` timed allreduces per size, back to back; the collective itself
-    keeps the ranks in lockstep (each op ends on every rank at about the same time).
+  Phase 2 (sweep): ``repeats`` rounds of one timed allreduce per size. Before each timed op an
+    untimed one-element allreduce lines the ranks up: after a large message one rank may leave
+    the collective a little earlier, and the next (small) message would time that skew.
   Phase 3 (agree): rank 0's timings are broadcast, so every rank fits the same numbers and gets
     bit-identical alpha and beta (every rank must choose the same fusion threshold).
   Phase 4 (fit): the median time per size, then a least-squares line through them.
@@ -30,8 +31,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-DEFAULT_SIZES = tuple(4**k for k in range(6, 12))  # 4 KiB .. 4 MiB, powers of 4
-DEFAULT_REPEATS = 5
+# 4 KiB .. 16 MiB, powers of 4. The 16 MiB point matters: up to 4 MiB a message stays in the CPU
+# caches; at the 16-64 MiB of big buckets loopback Gloo cost up to 1.4x more per byte here.
+DEFAULT_SIZES = tuple(4**k for k in range(6, 13))
+DEFAULT_REPEATS = 9  # medians of 9: robust to a few preempted samples on a busy machine
 LINK_FILE = "link.json"
 
 
@@ -101,7 +104,9 @@ class LinkModel:
                 backend=str(data.get("backend", "")),
             )
         except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"link model: missing or bad field ({type(e).__name__}: {e})") from None
+            raise ValueError(
+                f"link model: missing or bad field ({type(e).__name__}: {e})"
+            ) from None
 
     def save(self, run_dir: Path | str) -> Path:
         """Write ``run_dir/link.json`` atomically; returns its path."""
@@ -174,7 +179,7 @@ def calibrate(
 
     Collective: every rank of ``group`` must call it with the same arguments. Messages are
     float32 tensors on ``device`` (1-D, sizes rounded down to whole elements). Every rank
-    returns the same LinkModel (rank 0's timings). About 0.1 s on 2 Gloo ranks over loopback.
+    returns the same LinkModel (rank 0's timings). About 0.3 s on 2 Gloo ranks over loopback.
     """
     sizes = tuple(int(n) for n in sizes)
     if len(set(sizes)) < 2 or min(sizes) < 4:
@@ -192,10 +197,14 @@ def calibrate(
     for message in messages:
         dist.all_reduce(message, group=group)
     _sync(device)
-    # Phase 2: sweep.
+    # Phase 2: sweep, size after size in each repeat: a burst of load from other processes
+    # then spoils one sample of several sizes instead of every sample of one size.
     samples = torch.zeros(len(sizes), repeats, dtype=torch.float64)
-    for i, message in enumerate(messages):
-        for r in range(repeats):
+    token = torch.zeros(1, dtype=torch.float32, device=device)
+    for r in range(repeats):
+        for i, message in enumerate(messages):
+            dist.all_reduce(token, group=group)
+            _sync(device)
             start = time.perf_counter()
             dist.all_reduce(message, group=group)
             _sync(device)

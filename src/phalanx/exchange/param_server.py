@@ -90,9 +90,6 @@ class ParameterServer(Strategy):
         return list(range(self.num_workers, self.ctx.world_size))
 
     # -- layout -------------------------------------------------------------------------------
-    def rebuilds_buckets(self) -> bool:
-        return False
-
     def setup(self, ctx: Any, buckets: list[Bucket]) -> None:
         super().setup(ctx, buckets)
         self.config.check_world(ctx.world_size)
@@ -113,6 +110,9 @@ class ParameterServer(Strategy):
 
     def register_module(self, module: torch.nn.Module) -> None:
         assert self.sharded is not None
+        for handle in self._hooks:  # a rebuilt layout replaces the previous hooks
+            handle.remove()
+        self._hooks = []
         bucket_of = {id(p): b.index for b in self.sharded.buckets for p in b.params}
         for sub in module.modules():
             own = sub.parameters(recurse=False)

@@ -221,9 +221,6 @@ class Partitioned(Strategy):
         backend = dist.get_backend() if dist.is_initialized() else "gloo"
         return world_size if self._schedule_class(backend) is CollectiveSchedule else 1
 
-    def rebuilds_buckets(self) -> bool:
-        return False  # parameters live in the strategy's buffers; keep the first layout
-
     def setup(self, ctx: Any, buckets: list[Bucket]) -> None:
         super().setup(ctx, buckets)
         if self.comm is None:
@@ -275,6 +272,9 @@ class Partitioned(Strategy):
     def register_module(self, module: torch.nn.Module) -> None:
         """Make each submodule wait, before its forward, for its own parameters only."""
         assert self.sharded is not None
+        for handle in self._hooks:  # a rebuilt layout replaces the previous hooks
+            handle.remove()
+        self._hooks = []
         bucket_of = {id(p): b.index for b in self.sharded.buckets for p in b.params}
         for sub in module.modules():
             own = sub.parameters(recurse=False)

@@ -167,7 +167,13 @@ class ShardedParameters:
 
 
 def _cpu(value: Any) -> Any:
-    return value.detach().cpu() if isinstance(value, torch.Tensor) else value
+    return value.detach().to("cpu", copy=True) if isinstance(value, torch.Tensor) else value
+
+
+def _own(value: Any) -> Any:
+    """A private copy of a per-parameter scalar state (e.g. Adam's ``step`` tensor): optimizers
+    update it in place, so it must never be shared between parameters or shards."""
+    return value.clone() if isinstance(value, torch.Tensor) else value
 
 
 def _assemble(pieces: dict, bucket: int, offset: int, p: torch.Tensor) -> dict[str, Any]:
@@ -183,7 +189,7 @@ def _assemble(pieces: dict, bucket: int, offset: int, p: torch.Tensor) -> dict[s
                     full = entry.setdefault(key, torch.zeros(p.numel(), dtype=value.dtype))
                     full[lo - offset : hi - offset] = value[lo - start : hi - start]
             elif key not in entry:
-                entry[key] = value
+                entry[key] = _own(value)
     return {k: (v.view(p.shape) if isinstance(v, torch.Tensor) and v.dim() == 1 else v)
             for k, v in entry.items()}  # fmt: skip
 
@@ -206,5 +212,5 @@ def _slice_state(
                 )
                 full[lo - start : hi - start] = value.reshape(-1)[lo - offset : hi - offset]
             elif key not in entry:
-                entry[key] = value
+                entry[key] = _own(value)
     return entry
