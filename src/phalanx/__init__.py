@@ -11,6 +11,7 @@ from phalanx.engine import Engine
 from phalanx.errors import CheckpointError, ConfigError, DataError, PhalanxError, WorkerError
 from phalanx.exchange import STRATEGIES, Strategy
 from phalanx.runtime.context import Context, init, shutdown
+from phalanx.runtime.pool import WorkerPool, current_worker
 
 __version__ = "0.1.0"
 
@@ -25,6 +26,8 @@ __all__ = [
     "RunConfig",
     "Strategy",
     "WorkerError",
+    "WorkerPool",
+    "current_worker",
     "init",
     "load_config",
     "shutdown",

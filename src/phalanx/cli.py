@@ -64,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_train(commands)
     _add_bench(commands)
+    from phalanx.data import cli_data
+
+    cli_data.add_arguments(commands.add_parser("data", help="pack and inspect record stores"))
     return parser
 
 
@@ -94,6 +97,15 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
     from phalanx.bench import exchange
 
     exchange.add_arguments(targets.add_parser("exchange", help="phalanx Engine vs torch DDP"))
+    from phalanx.bench import rnn
+
+    rnn.add_arguments(targets.add_parser("rnn", help="LSTM tokens/s: DDP, Engine, WorkerPool"))
+    from phalanx.bench import data
+
+    data.add_arguments(targets.add_parser("data", help="input Pipeline vs torch DataLoader"))
+    from phalanx.bench import link
+
+    link.add_arguments(targets.add_parser("link", help="link latency/bandwidth and threshold"))
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -166,8 +178,13 @@ def _default_run_dir(args: argparse.Namespace) -> str:
 
 
 def _print_summary(summary: dict) -> None:
+    extra = "".join(
+        f"| {label} {summary[key]:.4f} "
+        for key, label in (("val_loss", "loss"), ("val_perplexity", "perplexity"))
+        if key in summary
+    )
     print(
-        f"final validation accuracy {summary['val_accuracy']:.4f} | "
+        f"final validation accuracy {summary['val_accuracy']:.4f} {extra}| "
         f"{summary['samples_per_s']:,.0f} samples/s on {summary['world_size']} process(es) | "
         f"{summary['steps']} steps | run directory {summary['run_dir']}"
     )

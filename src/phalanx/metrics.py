@@ -17,6 +17,8 @@ class StepStats:
 
     ``exchange_s`` is the exposed exchange: time spent waiting for gradients after backward
     returned, i.e. the part of communication not hidden behind backward.
+    ``input_wait_s`` and ``input_buffers_ready`` come from the input pipeline (the trainer
+    sets them after the step): the input wait and the buffer occupancy.
     """
 
     forward_s: float = 0.0
@@ -29,6 +31,8 @@ class StepStats:
     num_buckets: int = 0
     buckets_launched_in_backward: int = 0
     nonfinite_messages: int = 0  # compressed gradient messages that held inf/NaN (reported)
+    input_wait_s: float = 0.0  # time the trainer blocked on the input pipeline (set by it)
+    input_buffers_ready: int = 0  # pipeline buffers ready when the batch was asked for
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -8,6 +8,7 @@ writes the run directory: ``config.json``, ``metrics.jsonl`` (one record per ste
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +19,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from phalanx import checkpoint
-from phalanx.data.loader import ShardedBatches
+from phalanx.data.pipeline import Pipeline
+from phalanx.data.readers import training_reader
 from phalanx.data.sources import Dataset, load_source
 from phalanx.engine import Engine
 from phalanx.exchange.base import make_strategy
@@ -62,20 +64,43 @@ def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, data: Dataset, ctx: Context, batch_size: int = 256) -> float:
-    """Validation accuracy over the whole validation set, each rank scoring a strided shard."""
+def evaluate(
+    model: torch.nn.Module,
+    data: Dataset,
+    ctx: Context,
+    batch_size: int = 256,
+    shard: tuple[int, int] | None = None,
+) -> dict[str, float]:
+    """Validation metrics over the whole validation set, each rank scoring a strided shard and
+    the sums all-reduced: val_accuracy, val_loss (mean cross entropy per target) and, for
+    sequence targets (N, T), val_perplexity = exp(val_loss).
+
+    ``shard`` = (index, count) among the ranks that hold a trained model (default: all ranks);
+    other ranks (dedicated parameter servers) take part in the sum with nothing."""
     model.eval()
-    x, y = data.x_val[ctx.rank :: ctx.world_size], data.y_val[ctx.rank :: ctx.world_size]
-    counts = torch.zeros(2, dtype=torch.float64)
+    index, count = shard or (ctx.rank, ctx.world_size)
+    x, y = data.x_val[index::count], data.y_val[index::count]
+    if shard is not None and ctx.rank >= count:  # a dedicated server scores nothing
+        x, y = x[:0], y[:0]
+    sums = torch.zeros(3, dtype=torch.float64)  # correct, targets, summed loss
     for start in range(0, len(x), batch_size):
         logits = model(x[start : start + batch_size].to(ctx.device))
-        target = y[start : start + batch_size].to(ctx.device)
-        predicted = logits.reshape(-1, logits.shape[-1]).argmax(-1)
-        counts[0] += (predicted == target.reshape(-1)).sum().item()
-        counts[1] += target.numel()
-    counts = counts.to(ctx.device)
-    dist.all_reduce(counts, group=ctx.group)
-    return float(counts[0] / counts[1])
+        logits = logits.reshape(-1, logits.shape[-1])
+        target = y[start : start + batch_size].to(ctx.device).reshape(-1)
+        sums[0] += (logits.argmax(-1) == target).sum().item()
+        sums[1] += target.numel()
+        sums[2] += F.cross_entropy(logits, target, reduction="sum").item()
+    sums = sums.to(ctx.device)
+    dist.all_reduce(sums, group=ctx.group)
+    metrics = {"val_accuracy": float(sums[0] / sums[1]), "val_loss": float(sums[2] / sums[1])}
+    if data.y_val.dim() > 1:
+        metrics["val_perplexity"] = math.exp(metrics["val_loss"])
+    return metrics
+
+
+def format_metrics(metrics: dict[str, float]) -> str:
+    """'val accuracy 0.9500 | val loss 0.1234' (and perplexity when present)."""
+    return " | ".join(f"{k.replace('_', ' ')} {v:.4f}" for k, v in metrics.items())
 
 
 class Trainer:
@@ -87,24 +112,24 @@ class Trainer:
         torch.manual_seed(config.train.seed)
         self.run_dir = Path(_agree(str(run_dir), self.ctx))
         self.data = load_source(config.data)
-        self.loader = ShardedBatches(
-            self.data.x_train,
-            self.data.y_train,
-            config.data.batch_size,
-            self.ctx.rank,
-            self.ctx.world_size,
-            seed=config.data.seed,
-            shuffle=config.data.shuffle,
-        )
         self.engine = Engine(
             build_model(config.model),
             loss_fn,
             make_optimizer_factory(config.optimizer),
             exchange=make_strategy(config.exchange.strategy, config.exchange.options),
             bucket_mb=config.exchange.bucket_mb,
+            compress=config.exchange.compress,
             accumulate_steps=config.train.accumulate_steps,
             context=self.ctx,
         )
+        # Data is sharded over the ranks that train (dedicated parameter servers don't).
+        self.shard = (self.engine.data_rank, self.engine.data_world_size)
+        d = config.data
+        self.loader = Pipeline(
+            training_reader(d.path, self.data), d.batch_size, io_threads=d.io_threads,
+            workers=d.workers, buffers=d.buffers, shuffle=d.shuffle, seed=d.seed,
+            device=self.ctx.device, rank=self.shard[0], world_size=self.shard[1],
+        )  # fmt: skip
         self.total_steps = config.train.steps or config.train.epochs * self.loader.steps_per_epoch
         self.step = 0
         if resume:
@@ -123,31 +148,34 @@ class Trainer:
         writer = JsonlWriter(self.run_dir / "metrics.jsonl") if is_main else None
         progress = Progress(self.total_steps, self.step, enabled=is_main and train.progress)
         global_batch = self.loader.global_batch
-        train_time, accuracy, start_step = 0.0, float("nan"), self.step
+        train_time, metrics, start_step = 0.0, {}, self.step
         try:
             while self.step < self.total_steps:
                 t0 = time.perf_counter()
                 x, y = self.loader.next()
                 loss = self._global_mean(self.engine.step(x, y))
+                self.engine.stats.input_wait_s = self.loader.last_wait_s
+                self.engine.stats.input_buffers_ready = self.loader.last_ready
                 elapsed = time.perf_counter() - t0
                 train_time += elapsed
                 self.step += 1
                 record = {"step": self.step, "loss": loss, "time_s": elapsed, **self._stats()}
                 if self._due(train.val_every):
-                    accuracy = evaluate(self.engine.module, self.data, ctx)
-                    record["val_accuracy"] = accuracy
-                    progress.write(f"step {self.step}: val accuracy {accuracy:.4f}")
+                    metrics = evaluate(self.engine.module, self.data, ctx, shard=self.shard)
+                    record.update(metrics)
+                    progress.write(f"step {self.step}: {format_metrics(metrics)}")
                 if writer:
                     writer.write(record)
-                progress.update(loss, global_batch / elapsed)
+                progress.update(loss, global_batch / elapsed, _input_text(self.loader))
                 if self._due(self.config.checkpoint.every):
                     self._save()
         finally:
+            self.loader.close()
             progress.close()
             if writer:
                 writer.close()
-        if accuracy != accuracy:  # nothing validated yet (e.g. resumed at the end)
-            accuracy = evaluate(self.engine.module, self.data, ctx)
+        if not metrics:  # nothing validated yet (e.g. resumed at the end)
+            metrics = evaluate(self.engine.module, self.data, ctx, shard=self.shard)
         if self.config.checkpoint.every == 0 or self.step % self.config.checkpoint.every:
             self._save()
         steps_run = self.step - start_step
@@ -156,7 +184,7 @@ class Trainer:
             "steps": self.step,
             "world_size": ctx.world_size,
             "global_batch": global_batch,
-            "val_accuracy": accuracy,
+            **metrics,
             "samples_per_s": steps_run * global_batch / train_time if train_time else 0.0,
             "train_time_s": train_time,
         }
@@ -170,9 +198,10 @@ class Trainer:
         return self.step == self.total_steps or (every > 0 and self.step % every == 0)
 
     def _global_mean(self, loss: torch.Tensor) -> float:
-        value = loss.detach().reshape(1).to(torch.float64)
+        """The global batch's mean loss (dedicated servers contribute nothing)."""
+        value = loss.detach().reshape(1).to(torch.float64) * float(self.engine.is_trainer)
         dist.all_reduce(value, group=self.ctx.group)
-        return float(value.item() / self.ctx.world_size)
+        return float(value.item() / self.engine.data_world_size)
 
     def _stats(self) -> dict[str, Any]:
         stats = self.engine.stats
@@ -182,6 +211,8 @@ class Trainer:
             "exchange_s": stats.exchange_s,
             "optimizer_s": stats.optimizer_s,
             "bytes_sent": stats.bytes_sent,
+            "input_wait_s": stats.input_wait_s,
+            "input_buffers_ready": stats.input_buffers_ready,
         }
 
     # -- checkpoints --------------------------------------------------------------------------
@@ -214,6 +245,12 @@ class Trainer:
             torch.manual_seed(self.config.train.seed + self.step + self.ctx.rank)
         if self.ctx.is_main:
             _truncate_metrics(self.run_dir / "metrics.jsonl", self.step)
+
+
+def _input_text(loader: Pipeline) -> str:
+    """Input wait and buffer occupancy for the progress bar."""
+    wait_ms, ready = loader.last_wait_s * 1e3, loader.last_ready
+    return f"input wait {wait_ms:.1f} ms, {ready}/{loader.num_buffers} ready"
 
 
 def _rng_state() -> dict[str, torch.Tensor]:

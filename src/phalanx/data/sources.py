@@ -16,7 +16,8 @@ SPLIT_SEED = 1234  # the train/validation split never changes with the training 
 
 @dataclass(frozen=True)
 class Dataset:
-    """In-memory split: x_* (N, ...) float32, y_* (N,) int64, both on the CPU."""
+    """In-memory split on the CPU: x_* (N, ...) float32 features or (N, T) int64 token ids;
+    y_* (N,) int64 labels or (N, T) int64 next tokens."""
 
     x_train: torch.Tensor
     y_train: torch.Tensor
@@ -37,6 +38,11 @@ class DataConfig:
     val_fraction: float = option(0.2, "fraction held out for validation (fixed split)")
     seed: int = option(0, "shuffle seed; epoch e uses permutation seed + e")
     shuffle: bool = option(True, "reshuffle the training set every epoch")
+    seq_len: int = option(64, "characters per sequence (sequence sources: text)")
+    path: str = option("", "record store to train on (phalanx data pack); validation: source")
+    io_threads: int = option(1, "input pipeline: threads reading batches")
+    workers: int = option(2, "input pipeline: preprocessing threads (also the device copy)")
+    buffers: int = option(3, "input pipeline: rotating batch buffers (F3: 2, F10: 3)")
 
     def __post_init__(self) -> None:
         require(
@@ -45,6 +51,9 @@ class DataConfig:
             f"unknown source {self.source!r}; known: {', '.join(SOURCES.names())}",
         )
         require(self.batch_size >= 1, "batch_size", f"must be >= 1, got {self.batch_size}")
+        require(self.seq_len >= 1, "seq_len", f"must be >= 1, got {self.seq_len}")
+        for key in ("io_threads", "workers", "buffers"):
+            require(getattr(self, key) >= 1, key, f"must be >= 1, got {getattr(self, key)}")
         require(
             0.0 < self.val_fraction < 1.0,
             "val_fraction",
@@ -53,7 +62,7 @@ class DataConfig:
 
 
 def load_source(config: DataConfig) -> Dataset:
-    return SOURCES.get(config.source)(config.val_fraction)
+    return SOURCES.get(config.source)(config)
 
 
 def split(x: np.ndarray, y: np.ndarray, val_fraction: float, num_classes: int) -> Dataset:
@@ -70,15 +79,44 @@ def split(x: np.ndarray, y: np.ndarray, val_fraction: float, num_classes: int) -
     )
 
 
-def _register(name: str) -> Callable[[Callable[[float], Dataset]], Callable[[float], Dataset]]:
+def _register(
+    name: str,
+) -> Callable[[Callable[[DataConfig], Dataset]], Callable[[DataConfig], Dataset]]:
     return SOURCES.register(name)
 
 
 @_register("digits")
-def digits(val_fraction: float) -> Dataset:
+def digits(config: DataConfig) -> Dataset:
     """scikit-learn's bundled handwritten digits: 1797 images (1, 8, 8) in [0, 1], 10 classes."""
     from sklearn.datasets import load_digits
 
     bunch = load_digits()
     x = (bunch.images.astype(np.float32) / 16.0)[:, None, :, :]
-    return split(x, bunch.target.astype(np.int64), val_fraction, num_classes=10)
+    return split(x, bunch.target.astype(np.int64), config.val_fraction, num_classes=10)
+
+
+# Fixed character vocabulary of the ``text`` source: 0 = any other character, 1 = newline,
+# 2.. = printable ASCII (space to tilde), so ids never depend on the text.
+TEXT_VOCAB = "\x00\n" + "".join(chr(c) for c in range(32, 127))
+
+
+def encode_text(text: str) -> np.ndarray:
+    """Character ids (len(text),) int64 in [0, len(TEXT_VOCAB)); unknown characters -> 0."""
+    lookup = {ch: i for i, ch in enumerate(TEXT_VOCAB)}
+    return np.fromiter((lookup.get(ch, 0) for ch in text), dtype=np.int64, count=len(text))
+
+
+@_register("text")
+def text(config: DataConfig) -> Dataset:
+    """Character-level language modelling on the English help texts that ship with Python
+    (``pydoc_data.topics``, ~460 KB; topics in sorted order). The text is cut into
+    non-overlapping windows of seq_len + 1 characters: inputs x (N, seq_len) int64 are a
+    window's first seq_len ids, targets y (N, seq_len) int64 the same shifted by one."""
+    from pydoc_data.topics import topics
+
+    ids = encode_text("\n\n".join(topics[key] for key in sorted(topics)))
+    n = (len(ids) - 1) // config.seq_len
+    windows = np.lib.stride_tricks.sliding_window_view(ids, config.seq_len + 1)
+    windows = windows[: n * config.seq_len : config.seq_len]
+    x, y = windows[:, :-1].copy(), windows[:, 1:].copy()
+    return split(x, y, config.val_fraction, num_classes=len(TEXT_VOCAB))

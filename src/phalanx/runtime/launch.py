@@ -13,6 +13,7 @@ import socket
 import sys
 import uuid
 from dataclasses import dataclass
+from typing import Any
 
 from phalanx.errors import WorkerError
 
@@ -76,8 +77,28 @@ def launch(spec: LaunchSpec, python_args: list[str]) -> None:
     try:
         elastic_launch(config, sys.executable)("-u", *python_args)
     except ChildFailedError as e:
-        rank, failure = e.get_first_failure()
+        rank, failure = _root_cause(e.failures)
         raise WorkerError(rank, _failure_message(failure)) from None
+
+
+# A rank that loses its peer fails too ("connection closed by peer"), often within the same
+# second as the rank that really failed, and the launcher then stops the others with SIGTERM:
+# both are consequences, not the cause.
+PEER_LOSS = ("closed by peer", "reset by peer", "remote worker crashing", "remote process exit")
+
+
+def _root_cause(failures: dict[int, Any]) -> tuple[int, Any]:
+    """The failure to report: a rank's own error before a lost peer or a stop signal, then
+    the earliest, then the lowest rank."""
+
+    def key(item: tuple[int, Any]) -> tuple[bool, int, int]:
+        rank, failure = item
+        message = _failure_message(failure).lower()
+        stopped = (getattr(failure, "exitcode", 0) or 0) < 0
+        consequence = stopped or any(p in message for p in PEER_LOSS)
+        return (consequence, getattr(failure, "timestamp", 0), rank)
+
+    return min(failures.items(), key=key)
 
 
 def _failure_message(failure: object) -> str:

@@ -1,0 +1,513 @@
+"""``phalanx bench data``: phalanx's Pipeline vs torch's DataLoader, same work, same CPU budget.
+
+Method (docs/benchmarks.md). Everything runs in one invocation, in this process (the world of
+one; DataLoader forks its worker processes, the process-pool Pipeline spawns its own).
+
+Data: the 1797 scikit-learn digits upscaled (bilinear) to 3 x S x S uint8 images (S =
+``image_size``, 64) with their labels, packed into a record store in a temporary directory, so
+every contender reads shards from disk (through the page cache) via ``RecordStore``.
+
+Preprocessing: random C x C crop (C = ``crop``, 56), random horizontal flip, scale to [0, 1]
+and normalise per channel -> float32 (3, C, C); the same operations in two forms:
+``augment_sample`` (one sample, what a torch Dataset's ``__getitem__`` does) and
+``augment_batch`` (crops copied per sample, the arithmetic over the whole batch).
+
+Throughput contenders, each with ``workers`` (2) CPU workers feeding one consumer that only
+receives batches of ``batch_size``:
+  - ``dataloader``: ``DataLoader(num_workers=2, shuffle)``, per-sample transform, default
+    collate (the common idiom);
+  - ``dataloader-batched``: ``DataLoader(num_workers=2)`` over a ``BatchSampler``, the
+    per-batch transform;
+  - ``pipeline``: ``Pipeline(workers=2 threads, io_threads=1, buffers=3)``, per-batch transform;
+  - ``pipeline-per-sample``: the same Pipeline with the per-sample transform (in a loop);
+  - ``pipeline-process``: ``Pipeline(pool="process", workers=2)``, the per-sample transform.
+After a warm-up, ``rounds`` rounds run every contender once, in an order rotated each round;
+a contender starts each block from an empty prefetch (DataLoader: a new iterator over its
+persistent workers; Pipeline: ``load_state_dict``, which drops prepared batches) and delivers
+``batches`` batches, timed with ``perf_counter``; after each block the machine settles for
+``settle_s`` so leftover prefetching does not run into the next contender's block. Reported:
+samples/s per round, medians, and the median of per-round ratios.
+
+Training: the Engine (world of one) trains (a) a small CNN on the preprocessed 3 x C x C
+images and (b) the digits CNN on the in-memory 8 x 8 digits without preprocessing (the path of
+``phalanx train``), fed by ``pipeline`` and by a DataLoader, alternating per round. Per step:
+input wait = time blocked getting the batch; step time = wait + ``Engine.step``. The first
+``warmup`` steps of each block (pipeline fill) are not counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from phalanx.errors import ConfigError
+
+MEAN = np.array([0.2, 0.3, 0.4], dtype=np.float32)[:, None, None]  # per-channel, (3, 1, 1)
+STD = np.array([0.3, 0.3, 0.3], dtype=np.float32)[:, None, None]
+TINT = np.array([1.0, 0.8, 0.6], dtype=np.float32)  # the three channels differ a little
+Batch = tuple[torch.Tensor, ...]
+THROUGHPUT = (
+    "dataloader",
+    "dataloader-batched",
+    "pipeline",
+    "pipeline-per-sample",
+    "pipeline-process",
+)
+
+
+@dataclass(frozen=True)
+class DataBenchConfig:
+    """Everything one ``phalanx bench data`` run uses (recorded in the JSON)."""
+
+    workers: int = 2
+    batch_size: int = 64
+    image_size: int = 64
+    crop: int = 56
+    rounds: int = 5
+    batches: int = 60  # per block (throughput)
+    warmup: int = 5  # batches or steps not timed at the start of each block
+    train_rounds: int = 3
+    train_steps: int = 60  # per block (training, after warm-up)
+    train_batch_size: int = 32
+    settle_s: float = 0.2
+    contenders: tuple[str, ...] = THROUGHPUT
+    train: bool = True
+    seed: int = 0
+
+    def validate(self) -> None:
+        for key in ("workers", "batch_size", "rounds", "batches", "train_rounds", "train_steps",
+                    "train_batch_size"):  # fmt: skip
+            if getattr(self, key) < 1:
+                raise ConfigError(f"--{key.replace('_', '-')}: must be >= 1")
+        if not 0 < self.crop <= self.image_size:
+            raise ConfigError(f"--crop: must be in [1, --image-size={self.image_size}]")
+        unknown = [c for c in self.contenders if c not in THROUGHPUT]
+        if unknown or not self.contenders:
+            raise ConfigError(
+                f"--contenders: unknown {unknown[0] if unknown else ''!r}; known: "
+                f"{', '.join(THROUGHPUT)}"
+            )
+        if self.warmup < 0 or self.settle_s < 0:
+            raise ConfigError("--warmup: must be >= 0")
+
+
+# -- the preprocessing (module level: picklable for worker processes) ---------------------------
+def augment_sample(x: np.ndarray, rng: np.random.Generator, crop: int) -> np.ndarray:
+    """uint8 (3, S, S) -> float32 (3, crop, crop): random crop, random flip, normalise."""
+    i, j = rng.integers(0, x.shape[-1] - crop + 1, size=2)
+    out = x[:, i : i + crop, j : j + crop]
+    if rng.random() < 0.5:
+        out = out[:, :, ::-1]
+    return (out.astype(np.float32) * (1 / 255) - MEAN) / STD
+
+
+def augment_batch(batch: Batch, rng: np.random.Generator, crop: int) -> Batch:
+    """The same operations on a batch: x uint8 (B, 3, S, S) -> float32 (B, 3, crop, crop)."""
+    x, y = batch[0].numpy(), batch[1]
+    offsets = rng.integers(0, x.shape[-1] - crop + 1, size=(len(x), 2))
+    flips = rng.random(len(x)) < 0.5
+    out = np.empty((len(x), x.shape[1], crop, crop), dtype=np.float32)
+    for k, ((i, j), flip) in enumerate(zip(offsets, flips)):
+        window = x[k, :, i : i + crop, j : j + crop]
+        out[k] = window[:, :, ::-1] if flip else window
+    out *= 1 / 255  # whole-batch arithmetic: numpy releases the GIL
+    out -= MEAN
+    out /= STD
+    return torch.from_numpy(out), y
+
+
+class BatchAugment:
+    """``augment_batch`` with a fixed crop, as a Pipeline preprocess (picklable)."""
+
+    def __init__(self, crop: int) -> None:
+        self.crop = crop
+
+    def __call__(self, batch: Batch, rng: np.random.Generator) -> Batch:
+        return augment_batch(batch, rng, self.crop)
+
+
+class SampleAugment(BatchAugment):
+    """``augment_sample`` applied to each sample of a batch (the per-sample form)."""
+
+    def __call__(self, batch: Batch, rng: np.random.Generator) -> Batch:
+        x = batch[0].numpy()
+        out = np.stack([augment_sample(sample, rng, self.crop) for sample in x])
+        return torch.from_numpy(out), batch[1]
+
+
+class StoreDataset(torch.utils.data.Dataset):
+    """The record store as a torch Dataset: per index (one sample) or per list (a batch)."""
+
+    def __init__(self, path: str, crop: int | None) -> None:
+        from phalanx.data.records import RecordStore
+
+        self.store = RecordStore(path)
+        self.crop = crop
+        self._rng: np.random.Generator | None = None
+
+    def __len__(self) -> int:
+        return len(self.store)
+
+    def __getitem__(self, index: Any) -> Any:
+        rng = self._worker_rng()
+        if isinstance(index, list):  # a batch from a BatchSampler
+            x, y = self.store.read_batch(index)
+            batch = (torch.from_numpy(x), torch.from_numpy(y))
+            return batch if self.crop is None else augment_batch(batch, rng, self.crop)
+        x, y = self.store[index]
+        return (x if self.crop is None else augment_sample(x, rng, self.crop)), y
+
+    def _worker_rng(self) -> np.random.Generator:
+        if self._rng is None:
+            info = torch.utils.data.get_worker_info()
+            self._rng = np.random.default_rng(info.seed if info else 0)
+        return self._rng
+
+
+# -- data ------------------------------------------------------------------------------------------
+def upscaled_digits(size: int) -> tuple[np.ndarray, np.ndarray]:
+    """The 1797 digits as uint8 (N, 3, size, size) (bilinear upscaling, tinted) and int64 (N,)."""
+    from sklearn.datasets import load_digits
+
+    bunch = load_digits()
+    x = torch.from_numpy(bunch.images.astype(np.float32) / 16.0)[:, None]
+    x = F.interpolate(x, size=(size, size), mode="bilinear", align_corners=False)
+    x = x.numpy() * TINT[None, :, None, None] * 255.0
+    return np.clip(x, 0, 255).astype(np.uint8), bunch.target.astype(np.int64)
+
+
+def write_image_store(path: Path, size: int) -> None:
+    from phalanx.data.records import Field, write_store
+
+    x, y = upscaled_digits(size)
+    fields = (Field("x", "|u1", (3, size, size)), Field("y", "<i8", ()))
+    write_store(path, fields, zip(x, y), shard_bytes=8 << 20, meta={"source": "bench"}).close()
+
+
+# -- feeders: one interface over DataLoader and Pipeline ------------------------------------------
+@dataclass
+class Feeder:
+    """A contender: ``restart()`` empties its prefetch, ``next()`` is one batch."""
+
+    name: str
+    restart: Callable[[], None]
+    next: Callable[[], Batch]
+    close: Callable[[], None]
+
+
+def dataloader_feeder(
+    name: str, dataset: Any, cfg: DataBenchConfig, batch_size: int, batched: bool, total: int
+) -> Feeder:
+    """DataLoader with ``cfg.workers`` persistent workers; each restart is a new iterator."""
+    from torch.utils.data import BatchSampler, DataLoader, RandomSampler
+
+    generator = torch.Generator().manual_seed(cfg.seed)
+    sampler = RandomSampler(dataset, num_samples=total * batch_size, generator=generator)
+    common = {"num_workers": cfg.workers, "persistent_workers": True, "prefetch_factor": 2}
+    if batched:
+        batches = BatchSampler(sampler, batch_size, drop_last=True)
+        loader = torch.utils.data.DataLoader(dataset, batch_size=None, sampler=batches, **common)
+    else:
+        loader = DataLoader(dataset, batch_size, sampler=sampler, drop_last=True, **common)
+    state: dict[str, Iterator[Batch]] = {}
+
+    def restart() -> None:
+        state["it"] = iter(loader)
+
+    def close() -> None:
+        state.clear()
+        gc.collect()
+
+    return Feeder(name, restart, lambda: tuple(next(state["it"])), close)
+
+
+def pipeline_feeder(name: str, source: Any, cfg: DataBenchConfig, batch_size: int,
+                    preprocess: Any, pool: str = "thread") -> Feeder:  # fmt: skip
+    from phalanx.data.pipeline import Pipeline
+
+    pipe = Pipeline(source, batch_size, preprocess, workers=cfg.workers, seed=cfg.seed,
+                    rank=0, world_size=1, pool=pool)  # fmt: skip
+
+    def restart() -> None:
+        pipe.load_state_dict(pipe.state_dict())  # stops the threads, drops prepared batches
+
+    return Feeder(name, restart, pipe.next, pipe.close)
+
+
+def throughput_feeders(cfg: DataBenchConfig, store: str) -> list[Feeder]:
+    total = (cfg.warmup + cfg.batches) * 2
+    makers: dict[str, Callable[[], Feeder]] = {
+        "dataloader": lambda: dataloader_feeder(
+            "dataloader", StoreDataset(store, cfg.crop), cfg, cfg.batch_size, False, total
+        ),
+        "dataloader-batched": lambda: dataloader_feeder(
+            "dataloader-batched", StoreDataset(store, cfg.crop), cfg, cfg.batch_size, True, total
+        ),
+        "pipeline": lambda: pipeline_feeder(
+            "pipeline", store, cfg, cfg.batch_size, BatchAugment(cfg.crop)
+        ),
+        "pipeline-per-sample": lambda: pipeline_feeder(
+            "pipeline-per-sample", store, cfg, cfg.batch_size, SampleAugment(cfg.crop)
+        ),
+        "pipeline-process": lambda: pipeline_feeder(
+            "pipeline-process", store, cfg, cfg.batch_size, SampleAugment(cfg.crop), "process"
+        ),
+    }
+    # DataLoaders first: their workers fork before any pipeline thread or pool exists
+    return [makers[n]() for n in sorted(cfg.contenders, key=lambda n: not n.startswith("data"))]
+
+
+# -- measuring -------------------------------------------------------------------------------------
+def run_throughput(cfg: DataBenchConfig, feeders: list[Feeder]) -> dict[str, list[float]]:
+    """Seconds per block of ``cfg.batches`` batches, per contender, over the rounds."""
+    seconds: dict[str, list[float]] = {f.name: [] for f in feeders}
+    for f in feeders:  # warm-up: start workers and pools, fill caches
+        f.restart()
+        for _ in range(cfg.warmup + 1):
+            f.next()
+    for r in range(cfg.rounds):
+        for f in feeders[r % len(feeders) :] + feeders[: r % len(feeders)]:
+            time.sleep(cfg.settle_s)
+            f.restart()
+            start = time.perf_counter()
+            for _ in range(cfg.batches):
+                f.next()
+            seconds[f.name].append(time.perf_counter() - start)
+    return seconds
+
+
+@dataclass
+class Trainee:
+    """One training contender: an Engine on its own copy of the model, and its feeder."""
+
+    feeder: Feeder
+    engine: Any
+
+
+def train_block(cfg: DataBenchConfig, trainee: Trainee) -> dict[str, float]:
+    """``warmup`` untimed steps, then ``train_steps`` timed: input wait and step time."""
+    trainee.feeder.restart()
+    for _ in range(cfg.warmup):
+        trainee.engine.step(*trainee.feeder.next()[:2])
+    wait = total = 0.0
+    for _ in range(cfg.train_steps):
+        start = time.perf_counter()
+        batch = trainee.feeder.next()
+        got = time.perf_counter()
+        trainee.engine.step(*batch[:2])
+        del batch  # freeing the batch belongs to the step, not to the input wait
+        wait += got - start
+        total += time.perf_counter() - start
+    return {"wait_s": wait, "step_s": total}
+
+
+def cnn(crop: int) -> nn.Module:
+    """A small CNN on 3 x crop x crop images; its step costs more than the preprocessing."""
+    return nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(), nn.Linear(64, 10),
+    )  # fmt: skip
+
+
+def run_training(cfg: DataBenchConfig, store: str) -> list[dict[str, Any]]:
+    """Both training cases; per case and feeder: per-round wait and step seconds."""
+    import functools
+
+    from phalanx.data.sources import DataConfig, load_source
+    from phalanx.engine import Engine
+    from phalanx.models.zoo import MODELS
+
+    digits = load_source(DataConfig(source="digits"))
+    in_memory = torch.utils.data.TensorDataset(digits.x_train, digits.y_train)
+    total = (cfg.warmup + cfg.train_steps) * 2
+    b = cfg.train_batch_size
+    cases = [
+        (f"cnn on augmented 3x{cfg.crop}x{cfg.crop}", lambda: cnn(cfg.crop), [
+            lambda: pipeline_feeder("pipeline", store, cfg, b, BatchAugment(cfg.crop)),
+            lambda: dataloader_feeder("dataloader-batched", StoreDataset(store, cfg.crop), cfg,
+                                      b, True, total),
+        ]),
+        ("digits_cnn on in-memory 8x8", lambda: MODELS.get("digits_cnn")(), [
+            lambda: pipeline_feeder("pipeline", (digits.x_train, digits.y_train), cfg, b, None),
+            lambda: dataloader_feeder("dataloader", in_memory, cfg, b, False, total),
+        ]),
+    ]  # fmt: skip
+    sgd = functools.partial(torch.optim.SGD, lr=0.01, momentum=0.9)
+    results = []
+    for label, make_model, makers in cases:
+        trainees = []
+        for make in reversed(makers):  # DataLoader first (fork before threads)
+            torch.manual_seed(cfg.seed)
+            trainees.append(Trainee(make(), Engine(make_model(), F.cross_entropy, sgd)))
+        rounds: dict[str, list[dict[str, float]]] = {t.feeder.name: [] for t in trainees}
+        for r in range(cfg.train_rounds):
+            for t in trainees[r % 2 :] + trainees[: r % 2]:
+                time.sleep(cfg.settle_s)
+                rounds[t.feeder.name].append(train_block(cfg, t))
+        for t in trainees:
+            t.feeder.close()
+            t.engine.close()
+        results.append(summarize_training(label, b, cfg.train_steps, rounds))
+    return results
+
+
+# -- summaries -------------------------------------------------------------------------------------
+def summarize_throughput(cfg: DataBenchConfig, seconds: dict[str, list[float]]) -> dict[str, Any]:
+    samples = cfg.batches * cfg.batch_size
+    out: dict[str, Any] = {}
+    for name, secs in seconds.items():
+        sps = [samples / s for s in secs]
+        out[name] = {"seconds": secs, "samples_per_s": sps,
+                     "median_samples_per_s": statistics.median(sps)}  # fmt: skip
+    for name in [n for n in out if n.startswith("pipeline")]:
+        for base in ("dataloader", "dataloader-batched"):
+            if name in out and base in out:
+                ratios = [a / b for a, b in zip(out[name]["samples_per_s"],
+                                                out[base]["samples_per_s"])]  # fmt: skip
+                out[name][f"vs_{base}"] = ratios
+                out[name][f"median_vs_{base}"] = statistics.median(ratios)
+    return out
+
+
+def summarize_training(
+    label: str, batch_size: int, steps: int, rounds: dict[str, list[dict[str, float]]]
+) -> dict[str, Any]:
+    feeders = {}
+    for name, blocks in rounds.items():
+        wait = [b["wait_s"] for b in blocks]
+        step = [b["step_s"] for b in blocks]
+        fractions = [w / s for w, s in zip(wait, step)]
+        feeders[name] = {
+            "wait_fraction": fractions,
+            "median_wait_fraction": statistics.median(fractions),
+            "median_wait_ms_per_step": statistics.median(wait) / steps * 1e3,
+            "median_step_ms": statistics.median(step) / steps * 1e3,
+            "median_samples_per_s": statistics.median(batch_size * steps / s for s in step),
+        }
+    return {"case": label, "batch_size": batch_size, "steps_per_round": steps, "feeders": feeders}
+
+
+def run_benchmark(cfg: DataBenchConfig) -> dict[str, Any]:
+    """Throughput then training, in this process; returns every number."""
+    cfg.validate()
+    import phalanx
+    from phalanx.runtime.context import RuntimeConfig
+
+    started, load_before = time.perf_counter(), os.getloadavg()
+    ctx = phalanx.init(RuntimeConfig(threads=1))  # one intra-op thread, like DataLoader workers
+    try:
+        with tempfile.TemporaryDirectory(prefix="phalanx-bench-data-") as tmp:
+            store = os.path.join(tmp, "store")
+            write_image_store(Path(store), cfg.image_size)
+            feeders = throughput_feeders(cfg, store)
+            try:
+                seconds = run_throughput(cfg, feeders)
+            finally:
+                for f in feeders:
+                    f.close()
+            training = run_training(cfg, store) if cfg.train else []
+    finally:
+        phalanx.shutdown()
+    meta = {
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "torch": torch.__version__, "python": platform.python_version(),
+        "machine": platform.machine(), "cpu_count": os.cpu_count(), "backend": ctx.backend,
+        "threads_per_process": torch.get_num_threads(), "load_before": load_before,
+        "load_after": os.getloadavg(), "wall_s": time.perf_counter() - started,
+        "config": asdict(cfg),
+    }  # fmt: skip
+    return {"meta": meta, "throughput": summarize_throughput(cfg, seconds), "training": training}
+
+
+# -- output ----------------------------------------------------------------------------------------
+def format_report(result: dict[str, Any]) -> str:
+    m, c = result["meta"], result["meta"]["config"]
+    lines = [
+        f"phalanx bench data | {m['date']} | torch {m['torch']} | cpus {m['cpu_count']} | "
+        f"workers {c['workers']} | load {m['load_before'][0]:.2f} -> {m['load_after'][0]:.2f}",
+        f"throughput: batch {c['batch_size']}, uint8 3x{c['image_size']}x{c['image_size']} -> "
+        f"crop {c['crop']} + flip + normalise, {c['batches']} batches x {c['rounds']} rounds",
+    ]
+    rows = [["contender", "samples/s", "per-round range", "vs dataloader", "vs dl-batched"]]
+    for name, t in result["throughput"].items():
+        sps = t["samples_per_s"]
+        rows.append([
+            name, f"{t['median_samples_per_s']:,.0f}", f"{min(sps):,.0f} - {max(sps):,.0f}",
+            _ratio(t, "median_vs_dataloader"), _ratio(t, "median_vs_dataloader-batched"),
+        ])  # fmt: skip
+    lines += _table(rows)
+    for case in result["training"]:
+        lines.append(f"training: {case['case']}, batch {case['batch_size']}, "
+                     f"{case['steps_per_round']} steps x {c['train_rounds']} rounds")  # fmt: skip
+        rows = [["feeder", "input wait", "wait ms/step", "step ms", "samples/s"]]
+        for name, f in case["feeders"].items():
+            rows.append([
+                name, f"{f['median_wait_fraction']:.2%}", f"{f['median_wait_ms_per_step']:.3f}",
+                f"{f['median_step_ms']:.2f}", f"{f['median_samples_per_s']:,.0f}",
+            ])  # fmt: skip
+        lines += _table(rows)
+    return "\n".join(lines)
+
+
+def _ratio(entry: dict[str, Any], key: str) -> str:
+    return f"{entry[key]:.2f}x" if key in entry else "-"
+
+
+def _table(rows: list[list[str]]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  " + "  ".join(cell.rjust(w) for cell, w in zip(r, widths)) for r in rows]
+
+
+# -- command line ----------------------------------------------------------------------------------
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags of ``phalanx bench data``; sets ``handler``."""
+    d = DataBenchConfig()
+    p.add_argument("--json", metavar="PATH", help="write every number (per round too) here")
+    p.add_argument("--workers", type=int, default=d.workers, help="CPU workers of both sides")
+    p.add_argument("--batch-size", type=int, default=d.batch_size, help="throughput batch")
+    p.add_argument("--rounds", type=int, default=d.rounds, help="alternating throughput rounds")
+    p.add_argument("--batches", type=int, default=d.batches, help="batches per block")
+    p.add_argument("--train-rounds", type=int, default=d.train_rounds, help="training rounds")
+    p.add_argument("--train-steps", type=int, default=d.train_steps, help="steps per block")
+    p.add_argument("--warmup", type=int, default=d.warmup, help="untimed batches/steps per block")
+    p.add_argument("--contenders", default=",".join(d.contenders), help="comma list")
+    p.add_argument("--no-train", action="store_true", help="throughput only")
+    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="tracebacks")
+    p.set_defaults(handler=cmd_data)
+
+
+def cmd_data(args: argparse.Namespace) -> int:
+    cfg = DataBenchConfig(
+        workers=args.workers, batch_size=args.batch_size, rounds=args.rounds,
+        batches=args.batches, train_rounds=args.train_rounds, train_steps=args.train_steps,
+        warmup=args.warmup, train=not args.no_train,
+        contenders=tuple(c.strip() for c in args.contenders.split(",") if c.strip()),
+    )  # fmt: skip
+    cfg.validate()
+    result = run_benchmark(cfg)
+    print(format_report(result))
+    print(f"wall time {result['meta']['wall_s']:.1f} s", file=sys.stderr)
+    if args.json:
+        from phalanx.checkpoint import atomic_write_text
+
+        atomic_write_text(Path(args.json), json.dumps(result, indent=2) + "\n")
+    return 0

@@ -1,0 +1,281 @@
+"""``phalanx bench link``: the link calibration's sweep and fit, and the threshold it implies.
+
+Method: a ``WorkerPool`` of ``nproc`` workers (Gloo on CPU, one thread each) runs
+``phalanx.exchange.link.calibrate`` ``rounds`` times (each: one warm-up allreduce per size, then
+``repeats`` rounds over the sizes, medians, weighted least squares). Reported: the sweep of the
+round with the median beta (size, median time, fitted time, fit error), alpha and beta of every
+round with their medians, and how long each calibration took.
+
+Then, for each bench model (the digits CNN and the MLP of ``phalanx bench exchange``), worker 0
+alone measures a backward profile (``BackwardRecorder`` fed by post-accumulate-grad hooks, as the
+Engine feeds it; SGD steps on a synthetic batch, the first step discarded) and
+``choose_bucket_bytes`` picks the fusion threshold for ``nproc`` ranks from it and the median
+alpha and beta. The profile is taken while the other workers idle, so E_b is that of an unloaded
+process (two ranks on two cores back-propagate more slowly).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from phalanx.errors import ConfigError
+from phalanx.exchange.link import DEFAULT_REPEATS, DEFAULT_SIZES, LinkModel
+from phalanx.exchange.threshold import (
+    BackwardProfile,
+    BackwardRecorder,
+    choose_bucket_bytes,
+    format_bytes,
+    format_rate,
+    predict_exposed,
+)
+
+MIB = 2**20
+COMPARED_BYTES = (MIB, 25 * MIB)  # fixed thresholds shown next to the choice
+
+
+@dataclass(frozen=True)
+class LinkBenchConfig:
+    """Everything one ``phalanx bench link`` run needs (picklable: sent to the workers)."""
+
+    nproc: int = 2
+    rounds: int = 5
+    repeats: int = DEFAULT_REPEATS
+    sizes: tuple[int, ...] = DEFAULT_SIZES
+    models: tuple[str, ...] = ("digits_cnn", "mlp")  # empty: no threshold section
+    profile_steps: int = 5
+    batch_size: int = 32
+    seed: int = 0
+
+    def validate(self) -> None:
+        from phalanx.bench.exchange import BENCH_MODELS
+
+        for key in ("nproc", "rounds", "repeats", "profile_steps", "batch_size"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"--{key.replace('_', '-')}: must be >= 1")
+        unknown = [m for m in self.models if m not in BENCH_MODELS]
+        if unknown:
+            raise ConfigError(
+                f"--models: unknown model {unknown[0]!r}; known: {', '.join(BENCH_MODELS)}"
+            )
+
+
+# -- inside the workers -----------------------------------------------------------------------
+def _calibrate_task(sizes: tuple[int, ...], repeats: int) -> dict[str, Any]:
+    """One calibration on every worker; returns the model and how long it took (this rank)."""
+    from phalanx.exchange.link import calibrate
+    from phalanx.runtime.pool import current_worker
+
+    ctx = current_worker().context
+    start = time.perf_counter()
+    link = calibrate(ctx.group, ctx.device, sizes=sizes, repeats=repeats)
+    return {"link": link.to_dict(), "seconds": time.perf_counter() - start}
+
+
+def _profile_task(name: str, cfg: LinkBenchConfig) -> dict[str, Any]:
+    """Backward profile of one bench model on this worker alone (no collectives)."""
+    from phalanx.bench.exchange import BENCH_MODELS, synthetic_batch
+    from phalanx.models.zoo import MODELS
+
+    spec = BENCH_MODELS[name]
+    torch.manual_seed(cfg.seed)
+    model = MODELS.get(name)()
+    params = [p for p in model.parameters() if p.requires_grad]
+    recorder = BackwardRecorder(num_steps=cfg.profile_steps, skip_steps=1)
+    handles = [
+        p.register_post_accumulate_grad_hook(
+            lambda p, i=i: recorder.record(i, p.numel() * p.element_size())
+        )
+        for i, p in enumerate(params)
+    ]
+    optimizer = torch.optim.SGD(params, lr=0.01, momentum=0.9)
+    x, y = synthetic_batch(spec, cfg.batch_size, cfg.seed, rank=0)
+    while not recorder.done:
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        recorder.start()
+        loss.backward()
+        recorder.stop()
+        optimizer.step()
+    for handle in handles:
+        handle.remove()
+    return recorder.profile().to_dict()
+
+
+# -- the parent -------------------------------------------------------------------------------
+def run_benchmark(cfg: LinkBenchConfig) -> dict[str, Any]:
+    """Start the pool, calibrate ``rounds`` times, profile the models; every number."""
+    from phalanx.runtime.pool import WorkerPool
+
+    cfg.validate()
+    started = time.perf_counter()
+    with WorkerPool(cfg.nproc, threads=1, timeout_s=60.0) as pool:
+        rounds = [pool.run(_calibrate_task, cfg.sizes, cfg.repeats)[0] for _ in range(cfg.rounds)]
+        profiles = {name: pool.run_on(0, _profile_task, name, cfg) for name in cfg.models}
+        backend = LinkModel.from_dict(rounds[0]["link"]).backend
+    links = [LinkModel.from_dict(r["link"]) for r in rounds]
+    median = LinkModel(
+        alpha_s=statistics.median(link.alpha_s for link in links),
+        beta_bytes_per_s=statistics.median(link.beta_bytes_per_s for link in links),
+        world_size=cfg.nproc,
+        backend=backend,
+    )
+    thresholds = [
+        _threshold(name, profile, median, cfg.nproc) for name, profile in profiles.items()
+    ]
+    return {
+        "meta": _meta(cfg, backend, time.perf_counter() - started),
+        "rounds": rounds,
+        "median": median.to_dict(),
+        "representative_round": _representative(links),
+        "thresholds": thresholds,
+    }
+
+
+def _representative(links: list[LinkModel]) -> int:
+    """Index of the round whose beta is the median (lower median for an even count)."""
+    order = sorted(range(len(links)), key=lambda i: links[i].beta_bytes_per_s)
+    return order[(len(order) - 1) // 2]
+
+
+def _threshold(name: str, data: dict[str, Any], link: LinkModel, world: int) -> dict[str, Any]:
+    profile = BackwardProfile.from_dict(data)
+    choice = choose_bucket_bytes(profile, link, world)
+    compared = {
+        str(b): predict_exposed(profile, link, world, b)
+        for b in (*COMPARED_BYTES, profile.total_bytes)
+    }
+    return {
+        "model": name,
+        "profile": data,
+        "choice": choice.to_dict(),
+        "describe": choice.describe(),
+        "compared_exposed_s": compared,
+    }
+
+
+def _meta(cfg: LinkBenchConfig, backend: str, wall_s: float) -> dict[str, Any]:
+    return {
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "backend": backend,
+        "wall_s": wall_s,
+        "config": asdict(cfg),
+    }
+
+
+# -- output -----------------------------------------------------------------------------------
+def format_report(result: dict[str, Any]) -> str:
+    """Header, the representative sweep, per-round fits, and the thresholds."""
+    m, c = result["meta"], result["meta"]["config"]
+    load = m["load_average"]
+    lines = [
+        f"phalanx bench link | {m['date']} | torch {m['torch']} | backend {m['backend']} | "
+        f"nproc {c['nproc']} | cpus {m['cpu_count']} | rounds {c['rounds']} | "
+        f"repeats {c['repeats']}" + (f" | load {load[0]:.1f}" if load else "")
+    ]
+    index = result["representative_round"]
+    link = LinkModel.from_dict(result["rounds"][index]["link"])
+    lines.append(f"sweep of round {index + 1} (median beta): ring allreduce of n bytes")
+    rows = [("bytes", "median ms", "min ms", "max ms", "fitted ms", "fit error")]
+    for n, samples in zip(link.sizes, link.samples_s):
+        median, fitted = statistics.median(samples), link.predict(n)
+        rows.append((format_bytes(n), f"{median * 1e3:.3f}", f"{min(samples) * 1e3:.3f}",
+                     f"{max(samples) * 1e3:.3f}", f"{fitted * 1e3:.3f}",
+                     f"{fitted / median - 1:+.0%}"))  # fmt: skip
+    lines += _table(rows)
+    rows = [("round", "alpha us", "beta GB/s", "calibrate s")]
+    for i, r in enumerate(result["rounds"]):
+        fit = LinkModel.from_dict(r["link"])
+        rows.append((str(i + 1), f"{fit.alpha_s * 1e6:.1f}", _gbps(fit.beta_bytes_per_s),
+                     f"{r['seconds']:.3f}"))  # fmt: skip
+    median = LinkModel.from_dict(result["median"])
+    rows.append(("median", f"{median.alpha_s * 1e6:.1f}", _gbps(median.beta_bytes_per_s), ""))
+    lines += _table(rows)
+    for t in result["thresholds"]:
+        lines.append(f"{t['model']}: {t['describe']}")
+        compared = ", ".join(
+            f"{'whole model' if int(b) == t['choice']['total_bytes'] else format_bytes(int(b))} "
+            f"{x * 1e3:.1f} ms"
+            for b, x in t["compared_exposed_s"].items()
+        )
+        lines.append(f"  predicted exposed with {compared}")
+    return "\n".join(lines)
+
+
+def _gbps(beta: float) -> str:
+    return format_rate(beta).removesuffix(" GB/s")
+
+
+def _table(rows: list[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  " + "  ".join(cell.rjust(w) for cell, w in zip(r, widths)) for r in rows]
+
+
+def _check_finite(result: dict[str, Any]) -> None:
+    for r in result["rounds"]:
+        if not all(math.isfinite(s) and s > 0 for point in r["link"]["sweep"]
+                   for s in point["samples_s"]):  # fmt: skip
+            raise ConfigError("bench link: a non-finite or zero timing was measured")
+
+
+# -- command line -----------------------------------------------------------------------------
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags of ``phalanx bench link``; sets ``handler``."""
+    p.add_argument("--nproc", type=int, default=2, help="worker processes (default 2)")
+    p.add_argument("--json", metavar="PATH", help="write every number (every sample too) here")
+    p.add_argument("--rounds", type=int, default=5, help="calibrations in a row (default 5)")
+    p.add_argument("--repeats", type=int, default=DEFAULT_REPEATS, help="timed allreduces per size")
+    p.add_argument(
+        "--models",
+        default="digits_cnn,mlp",
+        help="bench models to pick a threshold for (comma list; 'none' to skip)",
+    )
+    p.add_argument("--profile-steps", type=int, default=5, help="profiled backward steps")
+    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="tracebacks")
+    p.set_defaults(handler=cmd_link)
+
+
+def config_from_args(args: argparse.Namespace) -> LinkBenchConfig:
+    models = () if args.models == "none" else tuple(m.strip() for m in args.models.split(","))
+    return LinkBenchConfig(
+        nproc=args.nproc,
+        rounds=args.rounds,
+        repeats=args.repeats,
+        models=tuple(m for m in models if m),
+        profile_steps=args.profile_steps,
+    )
+
+
+def cmd_link(args: argparse.Namespace) -> int:
+    cfg = config_from_args(args)
+    cfg.validate()
+    cpus = os.cpu_count() or 1
+    if cfg.nproc > cpus:
+        print(f"note: {cfg.nproc} processes on {cpus} CPUs are oversubscribed", file=sys.stderr)
+    result = run_benchmark(cfg)
+    _check_finite(result)
+    print(format_report(result))
+    print(f"wall time {result['meta']['wall_s']:.1f} s")
+    if args.json:
+        from phalanx.checkpoint import atomic_write_text
+
+        atomic_write_text(Path(args.json), json.dumps(result, indent=2) + "\n")
+    return 0

@@ -1,0 +1,347 @@
+"""``phalanx bench rnn``: character-level LSTM tokens/s on 1 process, torch DDP, the phalanx
+Engine and the WorkerPool flow (F15), in one run.
+
+Method (docs/benchmarks.md): one ``WorkerPool`` of ``nproc`` workers (Gloo on CPU, one intra-op
+thread each) hosts every contender, so all of them run in the same processes on the same data:
+the ``text`` source (Python's own help texts), split into one contiguous block per worker.
+After warm-up, ``rounds`` rounds run the contenders one after another, ``steps`` steps each:
+  - ``single``: worker 0 alone trains a plain local copy (forward, backward, SGD step) through
+    ``pool.run_on(0, ...)``; the other workers idle on their input pipes. Timed in the worker.
+  - ``ddp``: ``DistributedDataParallel`` (defaults) on every worker; timed on rank 0 between
+    two barriers.
+  - ``phalanx``: ``phalanx.Engine`` (allreduce, bucket_mb 25) on every worker; timed the same.
+  - ``pool``: the document's flow: the controller sends one "train one step" call per step to
+    every worker (``PoolTrainer``, the Engine inside); timed in the controller around the calls,
+    so the pipe round trips and pickling are included.
+Each step draws the next batch of the worker's block. tokens/s = batch x seq_len x processes x
+steps / seconds. Reported: medians over rounds, the median of the per-round speed-ups over
+``single`` and of the per-round ratios to ``ddp``, and the Engine's exposed exchange per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from phalanx.errors import ConfigError, WorkerError
+
+LR, MOMENTUM = 0.05, 0.9
+CONTENDERS = ("single", "ddp", "phalanx", "pool")
+IN_WORKER = ("ddp", "phalanx")  # timed inside the workers between barriers
+
+
+@dataclass(frozen=True)
+class RnnBenchConfig:
+    """Everything one ``phalanx bench rnn`` run needs (sent to the workers)."""
+
+    nproc: int = 2
+    embed: int = 64
+    hidden: int = 256
+    seq_len: int = 64
+    batch_size: int = 32  # sequences per process per step
+    steps: int = 20
+    rounds: int = 5
+    warmup: int = 5
+    seed: int = 0
+
+    def validate(self) -> None:
+        for key in ("nproc", "embed", "hidden", "seq_len", "batch_size", "steps", "rounds"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"--{key.replace('_', '-')}: must be >= 1")
+        if self.warmup < 0:
+            raise ConfigError("--warmup: must be >= 0")
+
+    def layers(self, vocab: int) -> list[dict[str, Any]]:
+        """The char LSTM of configs/char_lstm.toml: ids (B, T) -> logits (B, T, vocab)."""
+        return [
+            {"type": "embedding", "num_embeddings": vocab, "embedding_dim": self.embed},
+            {"type": "lstm", "input_size": self.embed, "hidden_size": self.hidden},
+            {"type": "linear", "in_features": self.hidden, "out_features": vocab},
+        ]
+
+
+def _sgd(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=LR, momentum=MOMENTUM)
+
+
+def _make_model(layers: list[dict[str, Any]], seed: int) -> nn.Module:
+    from phalanx.models.layers import build_layers
+
+    torch.manual_seed(seed)
+    return build_layers(layers)
+
+
+# -- in the workers -----------------------------------------------------------------------------
+@dataclass
+class _Bench:
+    """A worker's contenders: name -> step function; batches come from this worker's block."""
+
+    steps: dict[str, Callable[[], None]]
+    exchange_s: dict[str, Callable[[], float]]  # the last step's exposed exchange, if known
+    engine: Any  # the phalanx contender's Engine
+    device: torch.device
+
+
+def _setup(block: tuple[torch.Tensor, torch.Tensor], cfg: RnnBenchConfig, vocab: int) -> int:
+    """Build single (rank 0), ddp and phalanx on fresh copies of the same model."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from phalanx.engine import Engine
+    from phalanx.pool_training import BlockBatches, PoolTrainConfig
+    from phalanx.runtime.pool import current_worker
+    from phalanx.trainer import loss_fn
+
+    worker = current_worker()
+    layers = cfg.layers(vocab)
+    config = PoolTrainConfig(batch_size=cfg.batch_size, seed=0)
+    batches = BlockBatches(*block, cfg.batch_size, config)
+
+    def local(module: nn.Module) -> Callable[[], None]:
+        optimizer = _sgd(module.parameters())
+
+        def step() -> None:
+            x, y = (t.to(worker.device) for t in batches.next())
+            optimizer.zero_grad()
+            loss_fn(module(x), y).backward()
+            optimizer.step()
+
+        return step
+
+    device_ids = [worker.device] if worker.device.type == "cuda" else None
+    ddp = DistributedDataParallel(
+        _make_model(layers, cfg.seed).to(worker.device), device_ids=device_ids
+    )
+    engine = Engine(_make_model(layers, cfg.seed), loss_fn, _sgd, context=worker.context)
+    steps = {
+        "single": local(_make_model(layers, cfg.seed).to(worker.device)),
+        "ddp": local(ddp),
+        "phalanx": lambda: engine.step(*batches.next()),
+    }
+    exchange_s = {"phalanx": lambda: engine.stats.exchange_s}
+    worker.state.rnn_bench = _Bench(steps, exchange_s, engine, worker.device)
+    return sum(p.numel() for p in engine.module.parameters())
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(name: str, steps: int, barrier: bool) -> dict[str, float]:
+    """Run ``steps`` steps of contender ``name``; seconds (between barriers when parallel)."""
+    from phalanx.runtime.pool import current_worker
+
+    worker = current_worker()
+    bench: _Bench = worker.state.rnn_bench
+    if barrier:
+        worker.context.barrier()
+    start = time.perf_counter()
+    step, stat = bench.steps[name], bench.exchange_s.get(name)
+    exchange = []
+    for _ in range(steps):
+        step()
+        if stat is not None:
+            exchange.append(stat())
+    _sync(bench.device)
+    if barrier:
+        worker.context.barrier()
+    seconds = time.perf_counter() - start
+    return {"seconds": seconds, "exchange_s": statistics.median(exchange) if exchange else 0.0}
+
+
+def _teardown() -> None:
+    from phalanx.runtime.pool import current_worker
+
+    bench = current_worker().state.rnn_bench
+    bench.engine.close()
+    del current_worker().state.rnn_bench
+
+
+# -- the controller -----------------------------------------------------------------------------
+def run_benchmark(cfg: RnnBenchConfig) -> dict[str, Any]:
+    """Start the pool, run warm-up and the alternating rounds, return every number."""
+    from phalanx.data import DataConfig, load_source
+    from phalanx.pool_training import PoolTrainConfig, PoolTrainer, split_blocks
+    from phalanx.runtime.pool import WorkerPool
+    from phalanx.trainer import loss_fn
+
+    cfg.validate()
+    started = time.perf_counter()
+    data = load_source(DataConfig(source="text", seq_len=cfg.seq_len, val_fraction=0.1))
+    layers = cfg.layers(data.num_classes)
+    with WorkerPool(cfg.nproc, threads=1, timeout_s=120.0) as pool:
+        blocks = split_blocks(data.x_train, data.y_train, cfg.nproc)
+        params = pool.run_each(_setup, blocks, cfg, data.num_classes)[0]
+        trainer = PoolTrainer(
+            pool,
+            functools.partial(_make_model, layers, cfg.seed),
+            optimizer=_sgd,
+            loss_fn=loss_fn,
+            config=PoolTrainConfig(batch_size=cfg.batch_size, seed=0),
+        )
+        trainer.scatter(data.x_train, data.y_train)
+        runners = _runners(pool, trainer)
+        for name in CONTENDERS:
+            if cfg.warmup:
+                runners[name](cfg.warmup)
+        rounds = [{n: runners[n](cfg.steps) for n in CONTENDERS} for _ in range(cfg.rounds)]
+        pool.run(_teardown)
+        trainer.close()
+        devices = pool.devices
+    meta = _meta(cfg, devices, params, time.perf_counter() - started)
+    return {"meta": meta, "contenders": summarize(rounds, cfg)}
+
+
+def _runners(pool: Any, trainer: Any) -> dict[str, Callable[[int], dict[str, float]]]:
+    """name -> run(steps) -> {"seconds", "exchange_s"} for each contender."""
+
+    def single(steps: int) -> dict[str, float]:
+        return pool.run_on(0, _timed, "single", steps, False)
+
+    def in_workers(name: str) -> Callable[[int], dict[str, float]]:
+        return lambda steps: pool.run(_timed, name, steps, True)[0]
+
+    def via_pool(steps: int) -> dict[str, float]:
+        start = time.perf_counter()
+        for _ in range(steps):
+            trainer.train(1)
+        return {"seconds": time.perf_counter() - start, "exchange_s": 0.0}
+
+    return {"single": single, "ddp": in_workers("ddp"), "phalanx": in_workers("phalanx"),
+            "pool": via_pool}  # fmt: skip
+
+
+def summarize(rounds: list[dict[str, dict[str, float]]], cfg: RnnBenchConfig) -> dict[str, Any]:
+    """Per contender: per-round tokens/s, median, speed-up over single and ratio to DDP."""
+    out: dict[str, Any] = {}
+    for name in CONTENDERS:
+        procs = 1 if name == "single" else cfg.nproc
+        tokens = cfg.batch_size * cfg.seq_len * procs * cfg.steps
+        tps = [tokens / r[name]["seconds"] for r in rounds]
+        out[name] = {
+            "processes": procs,
+            "seconds": [r[name]["seconds"] for r in rounds],
+            "tokens_per_s": tps,
+            "median_tokens_per_s": statistics.median(tps),
+            "median_exchange_s": statistics.median(r[name]["exchange_s"] for r in rounds),
+        }
+    for name in CONTENDERS[1:]:
+        for base, key in (("single", "speedup"), ("ddp", "vs_ddp")):
+            if base != name:
+                pairs = zip(out[name]["tokens_per_s"], out[base]["tokens_per_s"])
+                ratios = [a / b for a, b in pairs]
+                out[name][key] = ratios
+                out[name][f"median_{key}"] = statistics.median(ratios)
+    return out
+
+
+def _meta(cfg: RnnBenchConfig, devices: list[str], params: int, wall_s: float) -> dict[str, Any]:
+    return {
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "devices": devices,
+        "params": params,
+        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "wall_s": wall_s,
+        "config": asdict(cfg),
+    }
+
+
+# -- output -------------------------------------------------------------------------------------
+def format_table(result: dict[str, Any]) -> str:
+    m, c = result["meta"], result["meta"]["config"]
+    header = (
+        f"phalanx bench rnn | {m['date']} | torch {m['torch']} | devices {','.join(m['devices'])}"
+        f" | cpus {m['cpu_count']} | LSTM {c['embed']}->{c['hidden']}, {m['params']:,} params |"
+        f" batch/process {c['batch_size']} x {c['seq_len']} tokens | {c['steps']} steps x "
+        f"{c['rounds']} rounds"
+    )
+    cols = ["contender", "procs", "tokens/s", "per-round range", "vs 1 process", "vs DDP"]
+    cols.append("exch ms/step")
+    rows = [cols]
+    for name, r in result["contenders"].items():
+        tps = r["tokens_per_s"]
+        rows.append([
+            name,
+            str(r["processes"]),
+            f"{r['median_tokens_per_s']:,.0f}",
+            f"{min(tps):,.0f} - {max(tps):,.0f}",
+            f"{r['median_speedup']:.2f}x" if "median_speedup" in r else "1.00x",
+            f"{r['median_vs_ddp']:.2f}x" if "median_vs_ddp" in r else "-",
+            f"{r['median_exchange_s'] * 1e3:.2f}" if r["median_exchange_s"] else "-",
+        ])  # fmt: skip
+    widths = [max(len(row[i]) for row in rows) for i in range(len(cols))]
+    lines = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows]
+    return "\n".join([header, *lines])
+
+
+def _check_finite(result: dict[str, Any]) -> None:
+    for name, r in result["contenders"].items():
+        if not all(math.isfinite(v) and v > 0 for v in r["tokens_per_s"]):
+            raise WorkerError(0, f"{name}: non-finite or zero tokens/s")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags of ``phalanx bench rnn``; sets ``handler``."""
+    d = RnnBenchConfig()
+    p.add_argument("--nproc", type=int, default=d.nproc, help="worker processes (default 2)")
+    p.add_argument("--json", metavar="PATH", help="write every number (per round too) here")
+    p.add_argument("--steps", type=int, default=d.steps, help="steps per round and contender")
+    p.add_argument("--rounds", type=int, default=d.rounds, help="alternating rounds")
+    p.add_argument("--warmup", type=int, default=d.warmup, help="warm-up steps per contender")
+    p.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per process")
+    p.add_argument("--seq-len", type=int, default=d.seq_len, help="characters per sequence")
+    p.add_argument("--embed", type=int, default=d.embed, help="embedding size")
+    p.add_argument("--hidden", type=int, default=d.hidden, help="LSTM hidden size")
+    p.add_argument("--seed", type=int, default=d.seed, help="weight seed")
+    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="tracebacks")
+    p.set_defaults(handler=cmd_rnn)
+
+
+def config_from_args(args: argparse.Namespace) -> RnnBenchConfig:
+    return RnnBenchConfig(
+        nproc=args.nproc,
+        embed=args.embed,
+        hidden=args.hidden,
+        seq_len=args.seq_len,
+        batch_size=args.batch_size,
+        steps=args.steps,
+        rounds=args.rounds,
+        warmup=args.warmup,
+        seed=args.seed,
+    )
+
+
+def cmd_rnn(args: argparse.Namespace) -> int:
+    cfg = config_from_args(args)
+    cfg.validate()
+    cpus = os.cpu_count() or 1
+    if cfg.nproc > cpus:
+        print(f"note: {cfg.nproc} processes on {cpus} CPUs are oversubscribed", file=sys.stderr)
+    result = run_benchmark(cfg)
+    _check_finite(result)
+    print(format_table(result))
+    print(f"wall time {result['meta']['wall_s']:.1f} s")
+    if args.json:
+        from phalanx.checkpoint import atomic_write_text
+
+        atomic_write_text(Path(args.json), json.dumps(result, indent=2) + "\n")
+    return 0

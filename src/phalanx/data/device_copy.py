@@ -1,0 +1,120 @@
+"""The device stage of the input pipeline: a ready host batch to the training device (F10).
+
+``stage`` runs in a pipeline worker thread right after preprocessing; ``hand_over`` runs in the
+trainer's thread when it takes the batch.
+
+CUDA: each batch buffer owns page-locked (pinned) staging tensors. ``stage`` copies the batch
+into them and issues a ``non_blocking`` host-to-device copy on a side stream, then records an
+event; ``hand_over`` makes the trainer's current stream wait on that event (no host sync) and
+marks the tensors as used by it, so the copy of batch n+1 overlaps the compute of batch n.
+A staging buffer is refilled only after its previous copy's event completed.
+
+CPU (or ``device=None``): the same two calls; the copy is synchronous and a CPU batch is
+handed over as it is.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+Batch = tuple[torch.Tensor, ...]
+
+
+@dataclass
+class Staged:
+    """A batch on its way to the device; ``event`` (CUDA) marks the end of its copy."""
+
+    batch: Batch
+    event: Any = None
+
+
+class HostCopy:
+    """Synchronous copy (a no-op for CPU tensors bound for the CPU)."""
+
+    def __init__(self, device: torch.device | None) -> None:
+        self.device = device
+
+    def stage(self, batch: Batch, buffer_index: int) -> Staged:
+        if self.device is None:
+            return Staged(batch)
+        return Staged(tuple(_to(t, self.device) for t in batch))
+
+    def hand_over(self, staged: Staged) -> Batch:
+        return staged.batch
+
+
+class CudaCopy:
+    """Pinned staging per buffer + a side copy stream + an event per batch."""
+
+    def __init__(self, device: torch.device) -> None:
+        assert device.type == "cuda"
+        self.device = device
+        self.stream = torch.cuda.Stream(device=device)
+        self._pinned: dict[int, list[torch.Tensor]] = {}
+        self._events: dict[int, torch.cuda.Event] = {}
+        self._lock = threading.Lock()
+
+    def stage(self, batch: Batch, buffer_index: int) -> Staged:
+        with self._lock:
+            previous = self._events.get(buffer_index)
+        if previous is not None:
+            previous.synchronize()  # the staging memory's last copy has finished
+        pinned = self._staging(buffer_index, batch)
+        out = []
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+            for tensor, host in zip(batch, pinned):
+                if not isinstance(tensor, torch.Tensor) or tensor.device.type == "cuda":
+                    out.append(tensor)
+                    continue
+                host.copy_(tensor)
+                out.append(host.to(self.device, non_blocking=True))
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        with self._lock:
+            self._events[buffer_index] = event
+        return Staged(tuple(out), event)
+
+    def hand_over(self, staged: Staged) -> Batch:
+        stream = torch.cuda.current_stream(self.device)
+        stream.wait_event(staged.event)
+        for tensor in staged.batch:
+            if isinstance(tensor, torch.Tensor) and tensor.device.type == "cuda":
+                tensor.record_stream(stream)  # the allocator must not reuse it before compute ends
+        return staged.batch
+
+    def _staging(self, buffer_index: int, batch: Batch) -> list[torch.Tensor]:
+        """This buffer's pinned tensors, reallocated when the batch's shapes or dtypes change."""
+        with self._lock:
+            pinned = self._pinned.get(buffer_index, [])
+        fits = len(pinned) == len(batch) and all(
+            isinstance(t, torch.Tensor) and p.shape == t.shape and p.dtype == t.dtype
+            for p, t in zip(pinned, batch)
+        )
+        if not fits:
+            pinned = [
+                torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                if isinstance(t, torch.Tensor)
+                else torch.empty(0)
+                for t in batch
+            ]
+            with self._lock:
+                self._pinned[buffer_index] = pinned
+        return pinned
+
+
+def _to(tensor: Any, device: torch.device) -> Any:
+    return tensor.to(device) if isinstance(tensor, torch.Tensor) else tensor
+
+
+def make_device_stage(device: torch.device | str | None) -> HostCopy | CudaCopy:
+    """CudaCopy for a CUDA device, HostCopy otherwise (CPU, or None = keep batches on the host)."""
+    if device is None:
+        return HostCopy(None)
+    device = torch.device(device)
+    if device.type == "cuda":
+        return CudaCopy(device)
+    return HostCopy(device)
