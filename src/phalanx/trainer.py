@@ -160,6 +160,8 @@ class Trainer:
                 train_time += elapsed
                 self.step += 1
                 record = {"step": self.step, "loss": loss, "time_s": elapsed, **self._stats()}
+                if self._threshold_chosen_now() and is_main:
+                    progress.write(f"step {self.step}: {self.engine.threshold.describe()}")
                 if self._due(train.val_every):
                     metrics = evaluate(self.engine.module, self.data, ctx, shard=self.shard)
                     record.update(metrics)
@@ -193,6 +195,19 @@ class Trainer:
                 self.run_dir / "summary.json", json.dumps(summary, indent=2) + "\n"
             )
         return summary
+
+    def _threshold_chosen_now(self) -> bool:
+        """bucket_mb = "auto" just chose its threshold: keep the link fit and the choice."""
+        choice = self.engine.threshold
+        if choice is None or getattr(self, "_threshold_saved", False):
+            return False
+        self._threshold_saved = True
+        if self.ctx.is_main and self.engine.link is not None:
+            self.engine.link.save(self.run_dir)
+            checkpoint.atomic_write_text(
+                self.run_dir / "threshold.json", json.dumps(choice.to_dict(), indent=2) + "\n"
+            )
+        return True
 
     def _due(self, every: int) -> bool:
         return self.step == self.total_steps or (every > 0 and self.step % every == 0)
