@@ -251,7 +251,7 @@ def _build_phalanx(spec: ContenderSpec, model: nn.Module, ctx: Context) -> Conte
         engine.step(x, y)
 
     def stats() -> dict[str, float]:
-        engine.sync()
+        # No engine.sync() here: it would stop parameters arriving during the next forward.
         stats = {k: float(getattr(engine.stats, k)) for k in STAT_FIELDS}
         return {**stats, "optimizer_bytes": float(engine.optimizer_bytes())}
 

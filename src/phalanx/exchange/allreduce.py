@@ -51,7 +51,8 @@ def ring_allreduce(
     for s in range(p - 1):
         lo, hi = chunks[(rank - s - 1) % p]
         in_lo, in_hi = chunks[(rank - s - 2) % p]
-        outgoing, incoming = codec.encode(flat[lo:hi]), codec.empty_message(flat[in_lo:in_hi])
+        outgoing = codec.encode(flat[lo:hi])
+        incoming = codec.scratch_message(flat[in_lo:in_hi])
         _exchange(outgoing, incoming, rank, p, group)
         flat[in_lo:in_hi] += codec.decode(incoming, flat[in_lo:in_hi])
         sent, received = sent + outgoing.nbytes, received + incoming.nbytes

@@ -34,6 +34,17 @@ class Codec:
 
     def __init__(self) -> None:
         self.num_nonfinite = 0  # messages with inf/NaN seen (since the last reset)
+        self._scratch: dict[tuple, torch.Tensor] = {}
+
+    def scratch_message(self, like: torch.Tensor) -> torch.Tensor:
+        """A reusable receive buffer for ``like``'s message. Fresh multi-MB buffers cost page
+        faults every step; only the communication thread receives, one message at a time, so
+        one buffer per shape is enough (never use it for a message still being forwarded)."""
+        empty = self.empty_message(like)
+        key = (empty.shape, empty.dtype, empty.device)
+        if key not in self._scratch:
+            self._scratch[key] = empty
+        return self._scratch[key]
 
     def encode(self, t: torch.Tensor) -> torch.Tensor:
         """The message for ``t`` (1-D): here ``t`` itself."""
@@ -57,7 +68,7 @@ class Codec:
 
     def recv_add(self, t: torch.Tensor, src: int, group: Any) -> int:
         """Receive a message and add its values to ``t`` (in ``t``'s precision)."""
-        message = self.empty_message(t)
+        message = self.scratch_message(t)
         dist.recv(message, src, group=group)
         t += self.decode(message, t)
         return message.nbytes

@@ -131,7 +131,7 @@ class RingSchedule(PartitionSchedule):
             lo, hi = layout.ranges[(r - s - 1) % p]
             in_lo, in_hi = layout.ranges[(r - s - 2) % p]
             outgoing = self.codec.encode(flat[lo:hi])
-            incoming = self.codec.empty_message(flat[in_lo:in_hi])
+            incoming = self.codec.scratch_message(flat[in_lo:in_hi])
             works = [
                 dist.isend(outgoing, (r + 1) % p, group=self.group),
                 dist.irecv(incoming, (r - 1) % p, group=self.group),
@@ -258,7 +258,8 @@ class Partitioned(Strategy):
         offsets = {b: offset for b, (_, offset) in self._reduced.items()}
         self.sharded.attach_grads(grads, offsets)
         optimizer.step()
-        for bucket in self.sharded.buckets:
+        # Forward needs the buckets in the reverse of backward's order: send those back first.
+        for bucket in reversed(self.sharded.buckets):
             self._pending_params[bucket.index] = self._send_back(bucket.index)
         self._reduced = {}
 
