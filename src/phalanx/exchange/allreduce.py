@@ -54,18 +54,18 @@ def ring_allreduce(
         outgoing = codec.encode(flat[lo:hi])
         incoming = codec.scratch_message(flat[in_lo:in_hi])
         _exchange(outgoing, incoming, rank, p, group)
-        flat[in_lo:in_hi] += codec.decode(incoming, flat[in_lo:in_hi])
+        codec.decode_add(incoming, flat[in_lo:in_hi])
         sent, received = sent + outgoing.nbytes, received + incoming.nbytes
     # Phase 2: all-gather, forwarding messages unchanged.
     lo, hi = chunks[rank]
     outgoing = codec.encode(flat[lo:hi])
     if codec.wire_dtype is not None:  # everyone holds what the owner's message decodes to
-        flat[lo:hi] = codec.decode(outgoing, flat[lo:hi])
+        codec.decode_into(outgoing, flat[lo:hi])
     for s in range(p - 1):
         in_lo, in_hi = chunks[(rank - s - 1) % p]
         incoming = codec.empty_message(flat[in_lo:in_hi])
         _exchange(outgoing, incoming, rank, p, group)
-        flat[in_lo:in_hi] = codec.decode(incoming, flat[in_lo:in_hi])
+        codec.decode_into(incoming, flat[in_lo:in_hi])
         sent, received = sent + outgoing.nbytes, received + incoming.nbytes
         outgoing = incoming
     return sent, received

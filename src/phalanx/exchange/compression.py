@@ -24,6 +24,7 @@ import torch.distributed as dist
 from phalanx.registry import Registry
 
 SCALE_BYTES = 4  # the scale travels as one float32 after the payload
+ENCODE_CHUNK = 1 << 18  # elements scaled per piece (1 MiB of float32 stays in cache)
 
 
 class Codec:
@@ -59,6 +60,15 @@ class Codec:
         """A receive buffer for the message of a tensor shaped like ``like``."""
         return torch.empty_like(like)
 
+    def decode_add(self, message: torch.Tensor, t: torch.Tensor) -> None:
+        """``t += values(message)`` in ``t``'s precision (one pass)."""
+        t += message
+
+    def decode_into(self, message: torch.Tensor, t: torch.Tensor) -> None:
+        """``t[:] = values(message)``."""
+        if message.data_ptr() != t.data_ptr():
+            t.copy_(message)
+
     # -- point-to-point helpers used by the strategies ----------------------------------------
     def send(self, t: torch.Tensor, dst: int, group: Any) -> int:
         """Send ``t``'s message; returns the bytes put on the wire."""
@@ -70,15 +80,14 @@ class Codec:
         """Receive a message and add its values to ``t`` (in ``t``'s precision)."""
         message = self.scratch_message(t)
         dist.recv(message, src, group=group)
-        t += self.decode(message, t)
+        self.decode_add(message, t)
         return message.nbytes
 
     def recv_into(self, t: torch.Tensor, src: int, group: Any) -> int:
         """Receive a message and store its values in ``t``."""
-        message = self.empty_message(t)
+        message = t if self.wire_dtype is None else self.scratch_message(t)
         dist.recv(message, src, group=group)
-        if message.data_ptr() != t.data_ptr():
-            t.copy_(self.decode(message, t))
+        self.decode_into(message, t)
         return message.nbytes
 
 
@@ -93,10 +102,12 @@ class ScaledCodec(Codec):
     target: float = torch.finfo(torch.float16).max / 2  # largest magnitude after scaling
 
     def scale_for(self, t: torch.Tensor) -> float:
-        finite = t[torch.isfinite(t)] if not bool(torch.isfinite(t).all()) else t
-        if finite.numel() != t.numel():
+        """The power of two that maps ``t``'s largest finite magnitude near ``target``."""
+        amax = float(torch.linalg.vector_norm(t, ord=math.inf)) if t.numel() else 0.0
+        if not math.isfinite(amax):  # inf/NaN present: count it, scale by the finite values
             self.num_nonfinite += 1
-        amax = float(finite.abs().max()) if finite.numel() else 0.0
+            finite = t[torch.isfinite(t)]
+            amax = float(finite.abs().max()) if finite.numel() else 0.0
         if amax == 0.0:
             return 1.0
         exponent = math.floor(math.log2(self.target / amax))
@@ -110,19 +121,34 @@ class ScaledCodec(Codec):
         size = self._payload_bytes(like.numel()) + SCALE_BYTES
         return torch.empty(size, dtype=torch.uint8, device=like.device)
 
+    def _payload(self, message: torch.Tensor, numel: int) -> torch.Tensor:
+        itemsize = torch.finfo(self.wire_dtype).bits // 8
+        return message[: numel * itemsize].view(self.wire_dtype)
+
+    def _scale(self, message: torch.Tensor) -> float:
+        return float(message[-SCALE_BYTES:].view(torch.float32))
+
     def encode(self, t: torch.Tensor) -> torch.Tensor:
         scale = self.scale_for(t)
         message = self.empty_message(t)
-        itemsize = torch.finfo(self.wire_dtype).bits // 8
-        message[: t.numel() * itemsize].view(self.wire_dtype).copy_(t * scale)
+        payload = self._payload(message, t.numel())
+        # Scale in t's precision, then cast; in cache-sized pieces so no full-size temporary.
+        for start in range(0, t.numel(), ENCODE_CHUNK):
+            piece = t[start : start + ENCODE_CHUNK]
+            payload[start : start + ENCODE_CHUNK].copy_(piece * scale)
         message[-SCALE_BYTES:].view(torch.float32).fill_(scale)
         return message
 
     def decode(self, message: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-        itemsize = torch.finfo(self.wire_dtype).bits // 8
-        payload = message[: like.numel() * itemsize].view(self.wire_dtype)
-        scale = message[-SCALE_BYTES:].view(torch.float32)
-        return payload.to(like.dtype) / scale.to(like.dtype)
+        return self._payload(message, like.numel()).to(like.dtype) / self._scale(message)
+
+    def decode_add(self, message: torch.Tensor, t: torch.Tensor) -> None:
+        # Promotes to t's dtype before scaling: one pass, no fp16 overflow on unscaling.
+        t.add_(self._payload(message, t.numel()), alpha=1.0 / self._scale(message))
+
+    def decode_into(self, message: torch.Tensor, t: torch.Tensor) -> None:
+        t.copy_(self._payload(message, t.numel()))
+        t.mul_(1.0 / self._scale(message))
 
 
 CODECS: Registry[Codec] = Registry("compression")

@@ -138,7 +138,7 @@ class RingSchedule(PartitionSchedule):
             ]
             for work in works:
                 work.wait()
-            flat[in_lo:in_hi] += self.codec.decode(incoming, flat[in_lo:in_hi])
+            self.codec.decode_add(incoming, flat[in_lo:in_hi])
             count(outgoing.nbytes, incoming.nbytes)
         return flat, 0
 

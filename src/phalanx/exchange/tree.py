@@ -56,7 +56,7 @@ def tree_allreduce(
         # Phase 2: down the tree.
         received += codec.recv_into(flat, parent, group)
     elif codec.wire_dtype is not None:  # the root keeps what everyone else will decode
-        flat.copy_(codec.decode(codec.encode(flat), flat))
+        codec.decode_into(codec.encode(flat), flat)
     for child in reversed(children):
         sent += codec.send(flat, child, group)
     return sent, received
