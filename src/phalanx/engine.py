@@ -10,8 +10,9 @@ import torch
 import torch.distributed as dist
 
 from phalanx.errors import ConfigError
+from phalanx.exchange.autotune import LayoutTrials
 from phalanx.exchange.base import OptimizerFactory, Strategy, make_strategy
-from phalanx.exchange.buckets import FIRST_BUCKET_BYTES, GradientBuckets
+from phalanx.exchange.buckets import FIRST_BUCKET_BYTES, GradientBuckets, plan_buckets
 from phalanx.exchange.compression import make_codec
 from phalanx.exchange.link import LinkModel, calibrate
 from phalanx.exchange.threshold import BackwardRecorder, Choice, agree_profile, choose_bucket_bytes
@@ -84,7 +85,9 @@ class Engine:
         # then derive the threshold from the cost model (phalanx.exchange.threshold).
         self.link: LinkModel | None = None
         self.threshold: Choice | None = None
+        self.threshold_trials = ""
         self._recorder: BackwardRecorder | None = None
+        self._trials: LayoutTrials | None = None
         if bucket_mb == AUTO:
             self.link = calibrate(self.ctx.group, self.ctx.device)
             self._recorder = BackwardRecorder(num_steps=PROFILE_STEPS, skip_steps=1)
@@ -132,6 +135,7 @@ class Engine:
         timer.mark("optimizer")
         self._record(timer.read(), launched_in_backward)
         self._maybe_rebuild_buckets()
+        self._maybe_finish_trials()
         self._maybe_choose_threshold()
         self.num_steps += 1
         return total_loss
@@ -216,13 +220,55 @@ class Engine:
         logger.info("phalanx: %s", self.threshold.describe())
         self._recorder = None
         self.buckets.on_ready = None
-        self._rebuild(self.buckets.order(), self.threshold.bucket_bytes)
+        first, total = self.buckets.first_bucket_bytes, profile.total_bytes
+        candidates = [(self.threshold.bucket_bytes, first)]
+        candidates += [(int(DEFAULT_BUCKET_MB * 2**20), first), (total + 1, total + 1)]
+        self._trials = LayoutTrials(self._distinct_layouts(candidates))
+        self._rebuild(self.buckets.order(), *candidates[0])
 
-    def _rebuild(self, order: list[int], bucket_bytes: int) -> None:
+    def _distinct_layouts(self, candidates: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """Candidates whose bucket layouts differ (same layout: same speed, try once)."""
+        ordered = [self.trainable[i] for i in self.buckets.order()]
+        seen, out = set(), []
+        for bucket_bytes, first in candidates:
+            layout = tuple(map(tuple, plan_buckets(ordered, bucket_bytes, first)))
+            if layout not in seen:
+                seen.add(layout)
+                out.append((bucket_bytes, first))
+        return out
+
+    def _maybe_finish_trials(self) -> None:
+        """bucket_mb = "auto", after the model's choice: time each candidate layout, keep the
+        fastest (phalanx.exchange.autotune)."""
+        trials = self._trials
+        if trials is None or not trials.record(self.stats.step_s):
+            return
+        following = trials.advance()
+        if following is not None:
+            self._rebuild(
+                self.buckets.order(), following.bucket_bytes, following.first_bucket_bytes
+            )
+            return
+        chosen = trials.decide(self.ctx.group, self.ctx.device)
+        self.threshold_trials = trials.describe(chosen)
+        logger.info("phalanx: %s", self.threshold_trials)
+        self._trials = None
+        self._rebuild(self.buckets.order(), chosen.bucket_bytes, chosen.first_bucket_bytes)
+
+    @property
+    def auto_done(self) -> bool:
+        """bucket_mb = "auto" finished choosing (always True for a fixed size)."""
+        return self._recorder is None and self._trials is None
+
+    def _rebuild(
+        self, order: list[int], bucket_bytes: int, first_bucket_bytes: int | None = None
+    ) -> None:
         """New bucket layout; parameters and optimizer state (even sharded) carry over."""
         self.strategy.sync()
         state = self.strategy.optimizer_state_dict(self.optimizer, self.trainable)
         self.buckets.bucket_bytes = bucket_bytes
+        if first_bucket_bytes is not None:
+            self.buckets.first_bucket_bytes = first_bucket_bytes
         self.buckets.build(order)
         self.strategy.setup(self.ctx, self.buckets.buckets)
         self.optimizer = self.strategy.build_optimizer(self.trainable, self._optimizer_factory)

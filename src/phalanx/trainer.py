@@ -162,6 +162,7 @@ class Trainer:
                 record = {"step": self.step, "loss": loss, "time_s": elapsed, **self._stats()}
                 if self._threshold_chosen_now() and is_main:
                     progress.write(f"step {self.step}: {self.engine.threshold.describe()}")
+                    progress.write(f"step {self.step}: {self.engine.threshold_trials}")
                 if self._due(train.val_every):
                     metrics = evaluate(self.engine.module, self.data, ctx, shard=self.shard)
                     record.update(metrics)
@@ -199,13 +200,15 @@ class Trainer:
     def _threshold_chosen_now(self) -> bool:
         """bucket_mb = "auto" just chose its threshold: keep the link fit and the choice."""
         choice = self.engine.threshold
-        if choice is None or getattr(self, "_threshold_saved", False):
+        if choice is None or not self.engine.auto_done or getattr(self, "_threshold_saved", False):
             return False
         self._threshold_saved = True
         if self.ctx.is_main and self.engine.link is not None:
             self.engine.link.save(self.run_dir)
+            record = {**choice.to_dict(), "measured": self.engine.threshold_trials}
+            record["kept_bucket_bytes"] = self.engine.buckets.bucket_bytes
             checkpoint.atomic_write_text(
-                self.run_dir / "threshold.json", json.dumps(choice.to_dict(), indent=2) + "\n"
+                self.run_dir / "threshold.json", json.dumps(record, indent=2) + "\n"
             )
         return True
 
