@@ -25,9 +25,9 @@ import torch
 import torch.distributed as dist
 
 from phalanx.errors import ConfigError
-from phalanx.exchange.base import STRATEGIES, OptimizerFactory, Strategy
+from phalanx.exchange.base import STRATEGIES, OptimizerFactory
 from phalanx.exchange.buckets import Bucket
-from phalanx.exchange.comm import CommThread, wait
+from phalanx.exchange.owners import OwnerUpdateStrategy
 from phalanx.exchange.sharding import ShardedParameters, bounds
 from phalanx.exchange.tree import tree_children, tree_parent
 from phalanx.fields import option, require
@@ -52,7 +52,7 @@ class ParamServerConfig:
 
 
 @STRATEGIES.register("ps")
-class ParameterServer(Strategy):
+class ParameterServer(OwnerUpdateStrategy):
     """Push, update at the server, pull, per bucket (see the module docstring)."""
 
     Config = ParamServerConfig
@@ -60,13 +60,8 @@ class ParameterServer(Strategy):
     def __init__(self, **options: Any) -> None:
         super().__init__()
         self.config = ParamServerConfig(**options)
-        self.sharded: ShardedParameters | None = None
-        self.comm: CommThread | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self._pushed: list[tuple[threading.Event, Any]] = []
-        self._pending_params: dict[int, Any] = {}
-        self._hooks: list = []
-        self._lock = threading.Lock()
 
     # -- roles --------------------------------------------------------------------------------
     @property
@@ -98,8 +93,7 @@ class ParameterServer(Strategy):
         self.sharded = ShardedParameters(
             buckets, self.ranges, [owners] * len(buckets), ctx.rank, host_master=True
         )
-        if self.comm is None:
-            self.comm = CommThread(ctx.device)
+        self._ensure_comm(ctx.device)
 
     def build_optimizer(
         self, params: list[torch.nn.Parameter], factory: OptimizerFactory
@@ -107,30 +101,6 @@ class ParameterServer(Strategy):
         assert self.sharded is not None
         self.optimizer = factory(self.sharded.shard_params())
         return self.optimizer
-
-    def register_module(self, module: torch.nn.Module) -> None:
-        assert self.sharded is not None
-        for handle in self._hooks:  # a rebuilt layout replaces the previous hooks
-            handle.remove()
-        self._hooks = []
-        bucket_of = {id(p): b.index for b in self.sharded.buckets for p in b.params}
-        for sub in module.modules():
-            own = sub.parameters(recurse=False)
-            indices = sorted({bucket_of[id(p)] for p in own if id(p) in bucket_of})
-            if indices:
-                self._hooks.append(sub.register_forward_pre_hook(self._waiter(indices)))
-
-    def _waiter(self, indices: list[int]) -> Any:
-        def hook(module: torch.nn.Module, args: Any) -> None:
-            for b in indices:
-                self._wait_params(b)
-
-        return hook
-
-    def _wait_params(self, b: int) -> None:
-        pending = self._pending_params.pop(b, None)
-        if pending is not None:
-            wait(pending)
 
     # -- the per-bucket job -------------------------------------------------------------------
     def launch(self, bucket: Bucket) -> None:
@@ -261,35 +231,3 @@ class ParameterServer(Strategy):
         """Nothing left: servers update each bucket as it arrives; pulls finish in the
         background and each layer's forward waits for its own."""
         del optimizer
-
-    def sync(self) -> None:
-        for b in list(self._pending_params):
-            self._wait_params(b)
-
-    def _count(self, sent: int, received: int) -> None:
-        with self._lock:
-            self.bytes_sent += sent
-            self.bytes_received += received
-
-    # -- state --------------------------------------------------------------------------------
-    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer, params: list) -> dict:
-        assert self.sharded is not None and self.ctx is not None
-        self.sync()
-        return self.sharded.canonical_state(optimizer, params, self.ctx.group)
-
-    def load_optimizer_state_dict(
-        self, optimizer: torch.optim.Optimizer, params: list, state: dict
-    ) -> None:
-        assert self.sharded is not None
-        self.sharded.load_canonical_state(optimizer, params, state)
-
-    def optimizer_bytes(self, optimizer: torch.optim.Optimizer) -> int:
-        assert self.sharded is not None
-        return self.sharded.optimizer_bytes(optimizer)
-
-    def close(self) -> None:
-        self.sync()
-        for h in self._hooks:
-            h.remove()
-        if self.comm is not None:
-            self.comm.close()

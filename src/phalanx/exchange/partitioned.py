@@ -30,10 +30,10 @@ import torch
 import torch.distributed as dist
 
 from phalanx.exchange import schedule
-from phalanx.exchange.base import STRATEGIES, OptimizerFactory, Strategy
+from phalanx.exchange.base import STRATEGIES, OptimizerFactory
 from phalanx.exchange.buckets import Bucket
-from phalanx.exchange.comm import CommThread, wait
 from phalanx.exchange.compression import Codec
+from phalanx.exchange.owners import OwnerUpdateStrategy
 from phalanx.exchange.sharding import ShardedParameters, bounds
 from phalanx.fields import option
 
@@ -192,7 +192,7 @@ class PartitionedConfig:
 
 
 @STRATEGIES.register("partitioned")
-class Partitioned(Strategy):
+class Partitioned(OwnerUpdateStrategy):
     """Owner-update exchange over partitions of every bucket (see the module docstring)."""
 
     Config = PartitionedConfig
@@ -200,13 +200,9 @@ class Partitioned(Strategy):
     def __init__(self, **options: Any) -> None:
         super().__init__()
         self.config = PartitionedConfig(**options)
-        self.sharded: ShardedParameters | None = None
-        self.comm: CommThread | None = None
         self.plan: PartitionSchedule | None = None
         self.layouts: list[Layout] = []
         self._pending_reduce: dict[int, Any] = {}
-        self._pending_params: dict[int, Any] = {}
-        self._hooks: list = []
 
     def _schedule_class(self, backend: str) -> type[PartitionSchedule]:
         if self.config.schedule == "cyclic":
@@ -223,10 +219,9 @@ class Partitioned(Strategy):
 
     def setup(self, ctx: Any, buckets: list[Bucket]) -> None:
         super().setup(ctx, buckets)
-        if self.comm is None:
-            self.comm = CommThread(ctx.device)
+        comm = self._ensure_comm(ctx.device)
         plan_class = self._schedule_class(ctx.backend)
-        self.plan = plan_class(ctx.rank, ctx.world_size, self.comm.group, self.codec)
+        self.plan = plan_class(ctx.rank, ctx.world_size, comm.group, self.codec)
         self.layouts = [self.plan.layout(b.flat.numel()) for b in buckets]
         ranges = [lay.ranges for lay in self.layouts]
         owners = [lay.owners for lay in self.layouts]
@@ -268,60 +263,3 @@ class Partitioned(Strategy):
         flat, layout, plan = self.sharded.flats[b], self.layouts[b], self.plan
         self._count(*plan.send_back_bytes(layout, flat.element_size()))
         return self.comm.submit(lambda: plan.send_back(flat, layout))
-
-    # -- parameters arriving while the next forward runs --------------------------------------
-    def register_module(self, module: torch.nn.Module) -> None:
-        """Make each submodule wait, before its forward, for its own parameters only."""
-        assert self.sharded is not None
-        for handle in self._hooks:  # a rebuilt layout replaces the previous hooks
-            handle.remove()
-        self._hooks = []
-        bucket_of = {id(p): b.index for b in self.sharded.buckets for p in b.params}
-        for sub in module.modules():
-            own = sub.parameters(recurse=False)
-            indices = sorted({bucket_of[id(p)] for p in own if id(p) in bucket_of})
-            if indices:
-                self._hooks.append(sub.register_forward_pre_hook(self._waiter(indices)))
-
-    def _waiter(self, indices: list[int]) -> Any:
-        def hook(module: torch.nn.Module, args: Any) -> None:
-            for b in indices:
-                self._wait_params(b)
-
-        return hook
-
-    def _wait_params(self, b: int) -> None:
-        pending = self._pending_params.pop(b, None)
-        if pending is not None:
-            wait(pending)
-
-    def sync(self) -> None:
-        for b in list(self._pending_params):
-            self._wait_params(b)
-
-    # -- accounting and state -----------------------------------------------------------------
-    def _count(self, sent: int, received: int) -> None:
-        self.bytes_sent += sent
-        self.bytes_received += received
-
-    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer, params: list) -> dict:
-        assert self.sharded is not None and self.ctx is not None
-        self.sync()
-        return self.sharded.canonical_state(optimizer, params, self.ctx.group)
-
-    def load_optimizer_state_dict(
-        self, optimizer: torch.optim.Optimizer, params: list, state: dict
-    ) -> None:
-        assert self.sharded is not None
-        self.sharded.load_canonical_state(optimizer, params, state)
-
-    def optimizer_bytes(self, optimizer: torch.optim.Optimizer) -> int:
-        assert self.sharded is not None
-        return self.sharded.optimizer_bytes(optimizer)
-
-    def close(self) -> None:
-        self.sync()
-        for h in self._hooks:
-            h.remove()
-        if self.comm is not None:
-            self.comm.close()

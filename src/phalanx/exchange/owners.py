@@ -1,0 +1,98 @@
+"""What strategies that update parameter shards at their owners share (``partitioned``, ``ps``).
+
+Updated parameters travel back in the background after each step; every submodule waits, in a
+forward pre-hook, only for the bucket(s) holding its own parameters, so the next forward
+overlaps the send-back. Optimizer state is checkpointed in the canonical per-parameter format
+(phalanx.exchange.sharding), whatever the world size.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+
+from phalanx.exchange.base import Strategy
+from phalanx.exchange.comm import CommThread, wait
+from phalanx.exchange.sharding import ShardedParameters
+
+
+class OwnerUpdateStrategy(Strategy):
+    """Base of owner-update strategies: pending parameter arrivals, hooks, state, counters.
+
+    Subclasses build ``self.sharded`` in ``setup`` and put each bucket's background send-back
+    (a Work or a CommThread Future) in ``self._pending_params[bucket index]``.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sharded: ShardedParameters | None = None
+        self.comm: CommThread | None = None
+        self._pending_params: dict[int, Any] = {}
+        self._hooks: list = []
+        self._count_lock = threading.Lock()  # the communication thread counts too
+
+    def _ensure_comm(self, device: torch.device) -> CommThread:
+        if self.comm is None:
+            self.comm = CommThread(device)
+        return self.comm
+
+    # -- parameters arriving while the next forward runs --------------------------------------
+    def register_module(self, module: torch.nn.Module) -> None:
+        """Make each submodule wait, before its forward, for its own parameters only."""
+        assert self.sharded is not None
+        for handle in self._hooks:  # a rebuilt layout replaces the previous hooks
+            handle.remove()
+        self._hooks = []
+        bucket_of = {id(p): b.index for b in self.sharded.buckets for p in b.params}
+        for sub in module.modules():
+            own = sub.parameters(recurse=False)
+            indices = sorted({bucket_of[id(p)] for p in own if id(p) in bucket_of})
+            if indices:
+                self._hooks.append(sub.register_forward_pre_hook(self._waiter(indices)))
+
+    def _waiter(self, indices: list[int]) -> Any:
+        def hook(module: torch.nn.Module, args: Any) -> None:
+            for b in indices:
+                self._wait_params(b)
+
+        return hook
+
+    def _wait_params(self, b: int) -> None:
+        pending = self._pending_params.pop(b, None)
+        if pending is not None:
+            wait(pending)
+
+    def sync(self) -> None:
+        for b in list(self._pending_params):
+            self._wait_params(b)
+
+    # -- accounting and state -----------------------------------------------------------------
+    def _count(self, sent: int, received: int) -> None:
+        with self._count_lock:
+            self.bytes_sent += sent
+            self.bytes_received += received
+
+    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer, params: list) -> dict:
+        assert self.sharded is not None and self.ctx is not None
+        self.sync()
+        return self.sharded.canonical_state(optimizer, params, self.ctx.group)
+
+    def load_optimizer_state_dict(
+        self, optimizer: torch.optim.Optimizer, params: list, state: dict
+    ) -> None:
+        assert self.sharded is not None
+        self.sharded.load_canonical_state(optimizer, params, state)
+
+    def optimizer_bytes(self, optimizer: torch.optim.Optimizer) -> int:
+        assert self.sharded is not None
+        return self.sharded.optimizer_bytes(optimizer)
+
+    def close(self) -> None:
+        self.sync()
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        if self.comm is not None:
+            self.comm.close()
