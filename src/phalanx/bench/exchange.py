@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import math
 import os
 import platform
@@ -32,7 +31,6 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -641,21 +639,7 @@ def _strategy_names(text: str) -> list[str]:
 
 
 def cmd_exchange(args: argparse.Namespace) -> int:
+    from phalanx.bench import run_and_report
+
     cfg = config_from_args(args)
-    cfg.validate()
-    cpus = os.cpu_count() or 1
-    if cfg.nproc > cpus:
-        print(f"note: {cfg.nproc} processes on {cpus} CPUs are oversubscribed", file=sys.stderr)
-    result = run_benchmark(cfg)
-    _check_finite(result)
-    print(format_table(result))
-    print(f"wall time {result['meta']['wall_s']:.1f} s")
-    if args.json:
-        write_json(Path(args.json), result)
-    return 0
-
-
-def write_json(path: Path, result: dict[str, Any]) -> None:
-    from phalanx.checkpoint import atomic_write_text
-
-    atomic_write_text(path, json.dumps(result, indent=2) + "\n")
+    return run_and_report(cfg, run_benchmark, _check_finite, format_table, args.json)

@@ -23,16 +23,13 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
-import json
 import math
 import os
 import platform
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -331,17 +328,7 @@ def config_from_args(args: argparse.Namespace) -> RnnBenchConfig:
 
 
 def cmd_rnn(args: argparse.Namespace) -> int:
-    cfg = config_from_args(args)
-    cfg.validate()
-    cpus = os.cpu_count() or 1
-    if cfg.nproc > cpus:
-        print(f"note: {cfg.nproc} processes on {cpus} CPUs are oversubscribed", file=sys.stderr)
-    result = run_benchmark(cfg)
-    _check_finite(result)
-    print(format_table(result))
-    print(f"wall time {result['meta']['wall_s']:.1f} s")
-    if args.json:
-        from phalanx.checkpoint import atomic_write_text
+    from phalanx.bench import run_and_report
 
-        atomic_write_text(Path(args.json), json.dumps(result, indent=2) + "\n")
-    return 0
+    cfg = config_from_args(args)
+    return run_and_report(cfg, run_benchmark, _check_finite, format_table, args.json)
