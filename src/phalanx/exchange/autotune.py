@@ -33,7 +33,7 @@ class Trial:
 class LayoutTrials:
     """Steps through the candidates (see the module docstring); the same on every rank."""
 
-    def __init__(self, candidates: list[tuple[int, int]], steps: int = 4) -> None:
+    def __init__(self, candidates: list[tuple[int, int]], steps: int = 8) -> None:
         assert candidates, "at least one candidate"
         self.trials = [Trial(b, f) for b, f in candidates]
         self.steps = steps
