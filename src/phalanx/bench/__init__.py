@@ -33,3 +33,19 @@ def run_and_report(
     if json_path:
         atomic_write_text(Path(json_path), json.dumps(result, indent=2) + "\n")
     return 0
+
+
+def machine_meta() -> dict[str, Any]:
+    """What every benchmark records about the machine it ran on."""
+    import datetime
+    import platform
+
+    import torch
+
+    return {
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "cpu_count": os.cpu_count(),
+    }

@@ -19,10 +19,8 @@ compression, bucket sizes) are more specs, not new code paths.
 from __future__ import annotations
 
 import argparse
-import datetime
 import math
 import os
-import platform
 import queue
 import statistics
 import sys
@@ -37,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from phalanx.bench import machine_meta
 from phalanx.errors import ConfigError, WorkerError
 from phalanx.runtime.context import Context
 
@@ -443,11 +442,7 @@ def _stop(procs: list[Any], timeout_s: float = 30.0) -> None:
 
 def _meta(cfg: BenchConfig, env: dict[str, Any], wall_s: float) -> dict[str, Any]:
     return {
-        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "machine": platform.machine(),
-        "cpu_count": os.cpu_count(),
+        **machine_meta(),
         "backend": env["backend"],
         "threads_per_process": env["threads"],
         "wall_s": wall_s,

@@ -17,10 +17,8 @@ process (two ranks on two cores back-propagate more slowly).
 from __future__ import annotations
 
 import argparse
-import datetime
 import math
 import os
-import platform
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -29,6 +27,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from phalanx.bench import machine_meta
 from phalanx.errors import ConfigError
 from phalanx.exchange.link import DEFAULT_REPEATS, DEFAULT_SIZES, LinkModel
 from phalanx.exchange.threshold import (
@@ -166,11 +165,7 @@ def _threshold(name: str, data: dict[str, Any], link: LinkModel, world: int) -> 
 
 def _meta(cfg: LinkBenchConfig, backend: str, wall_s: float) -> dict[str, Any]:
     return {
-        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "machine": platform.machine(),
-        "cpu_count": os.cpu_count(),
+        **machine_meta(),
         "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
         "backend": backend,
         "wall_s": wall_s,

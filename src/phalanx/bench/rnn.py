@@ -21,11 +21,9 @@ steps / seconds. Reported: medians over rounds, the median of the per-round spee
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
 import math
 import os
-import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -35,6 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from phalanx.bench import machine_meta
 from phalanx.errors import ConfigError, WorkerError
 
 LR, MOMENTUM = 0.05, 0.9
@@ -249,11 +248,7 @@ def summarize(rounds: list[dict[str, dict[str, float]]], cfg: RnnBenchConfig) ->
 
 def _meta(cfg: RnnBenchConfig, devices: list[str], params: int, wall_s: float) -> dict[str, Any]:
     return {
-        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "machine": platform.machine(),
-        "cpu_count": os.cpu_count(),
+        **machine_meta(),
         "devices": devices,
         "params": params,
         "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,

@@ -17,6 +17,19 @@ class Position:
     step: int = 0
 
 
+def position_state(position: Position, global_batch: int) -> dict[str, int]:
+    """The position as samples consumed in the epoch, so any world size can resume it."""
+    samples = position.step * global_batch
+    return {"epoch": position.epoch, "step": position.step, "samples": samples}
+
+
+def position_from_state(state: dict[str, int], global_batch: int) -> Position:
+    """Inverse of ``position_state`` for this ``global_batch``; a partial global batch is
+    skipped, not repeated."""
+    samples = int(state.get("samples", int(state["step"]) * global_batch))
+    return Position(int(state["epoch"]), -(-samples // global_batch))
+
+
 class ShardedBatches:
     """Each step draws one global batch (batch_size x world_size samples) from the epoch's
     permutation; rank r takes the r-th contiguous slice, so ranks are disjoint and together
@@ -67,12 +80,8 @@ class ShardedBatches:
         return self.x[index], self.y[index]
 
     def state_dict(self) -> dict[str, int]:
-        """The position as samples consumed in the epoch, so any world size can resume it."""
-        samples = self.position.step * self.global_batch
-        return {"epoch": self.position.epoch, "step": self.position.step, "samples": samples}
+        return position_state(self.position, self.global_batch)
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        samples = int(state.get("samples", int(state["step"]) * self.global_batch))
-        step = -(-samples // self.global_batch)  # a partial global batch is skipped, not repeated
-        self.position = Position(int(state["epoch"]), step)
+        self.position = position_from_state(state, self.global_batch)
         self._order = self._permutation(self.position.epoch)

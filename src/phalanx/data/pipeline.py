@@ -11,7 +11,6 @@ import time
 import warnings
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -20,6 +19,7 @@ import torch.distributed as dist
 
 from phalanx.data.buffers import BatchBuffers, PipelineClosed, Slot
 from phalanx.data.device_copy import make_device_stage
+from phalanx.data.loader import Position, position_from_state, position_state
 from phalanx.data.readers import Batch, Collate, as_batch, as_reader
 from phalanx.errors import DataError
 from phalanx.fields import require
@@ -30,14 +30,6 @@ JOIN_TIMEOUT_S = 30.0  # how long close() waits for a thread still inside user c
 
 
 # -- the global order ----------------------------------------------------------------------------
-@dataclass
-class Position:
-    """Where the consumer is: the epoch and the next step within it."""
-
-    epoch: int = 0
-    step: int = 0
-
-
 class GlobalOrder:
     """Which samples rank ``r`` gets at (epoch, step).
 
@@ -298,15 +290,12 @@ class Pipeline:
     # -- position -----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, int]:
         """The position as samples consumed in the epoch, so any world size can resume it."""
-        samples = self.position.step * self.global_batch
-        return {"epoch": self.position.epoch, "step": self.position.step, "samples": samples}
+        return position_state(self.position, self.global_batch)
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Continue from ``state``; batches prepared ahead for the old position are dropped."""
-        samples = int(state.get("samples", int(state["step"]) * self.global_batch))
-        step = -(-samples // self.global_batch)  # a partial global batch is skipped, not repeated
         self._stop_threads()
-        self.position = Position(int(state["epoch"]), step)
+        self.position = position_from_state(state, self.global_batch)
 
     # -- threads ------------------------------------------------------------------------------
     def _start(self) -> None:
