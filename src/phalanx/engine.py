@@ -111,7 +111,7 @@ class Engine:
         scale = self.strategy.gradient_scale() / max(1, len(micro))
         if self.broadcast_buffers:
             self._broadcast_buffers()
-        self.buckets.arm(launch=True)
+        self.buckets.arm(launch=True)  # a server runs no backward: flush launches every bucket
         # Phase 2: forward/backward; only the last micro-step launches the exchange.
         for i, (x, y) in enumerate(micro):
             loss = self.loss_fn(self.module(x), y)
