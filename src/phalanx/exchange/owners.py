@@ -85,10 +85,6 @@ class OwnerUpdateStrategy(Strategy):
         assert self.sharded is not None
         self.sharded.load_canonical_state(optimizer, params, state)
 
-    def optimizer_bytes(self, optimizer: torch.optim.Optimizer) -> int:
-        assert self.sharded is not None
-        return self.sharded.optimizer_bytes(optimizer)
-
     def close(self) -> None:
         self.sync()
         for h in self._hooks:

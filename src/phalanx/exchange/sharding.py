@@ -109,14 +109,6 @@ class ShardedParameters:
             lo = shard.start - offset_of[shard.bucket]
             shard.param.grad = source[lo : lo + shard.end - shard.start]
 
-    def optimizer_bytes(self, optimizer: torch.optim.Optimizer) -> int:
-        return sum(
-            t.numel() * t.element_size()
-            for state in optimizer.state.values()
-            for t in state.values()
-            if isinstance(t, torch.Tensor)
-        )
-
     # -- canonical optimizer state ------------------------------------------------------------
     def canonical_state(
         self, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], group: Any
