@@ -16,6 +16,7 @@ A message that already holds inf or NaN is sent as is (they survive the cast) an
 from __future__ import annotations
 
 import math
+import threading
 from typing import Any
 
 import torch
@@ -24,7 +25,6 @@ import torch.distributed as dist
 from phalanx.registry import Registry
 
 SCALE_BYTES = 4  # the scale travels as one float32 after the payload
-ENCODE_CHUNK = 1 << 18  # elements scaled per piece (1 MiB of float32 stays in cache)
 
 
 class Codec:
@@ -36,19 +36,55 @@ class Codec:
     def __init__(self) -> None:
         self.num_nonfinite = 0  # messages with inf/NaN seen (since the last reset)
         self._scratch: dict[tuple, torch.Tensor] = {}
+        self._local = threading.local()  # per-thread work buffer and message arenas
 
-    def scratch_message(self, like: torch.Tensor) -> torch.Tensor:
-        """A reusable receive buffer for ``like``'s message. Fresh multi-MB buffers cost page
-        faults every step; only the communication thread receives, one message at a time, so
-        one buffer per shape is enough (never use it for a message still being forwarded)."""
-        empty = self.empty_message(like)
-        key = (empty.shape, empty.dtype, empty.device)
-        if key not in self._scratch:
-            self._scratch[key] = empty
-        return self._scratch[key]
+    def scratch_message(self, like: torch.Tensor, slot: str = "recv") -> torch.Tensor:
+        """A reusable buffer for ``like``'s message, private to the calling thread: fresh
+        multi-MB buffers cost page faults every step. The same ``slot`` returns the same memory,
+        so a message must be consumed before its slot is asked for again."""
+        return self.message_views(slot, [like.numel()], like)[0]
 
-    def encode(self, t: torch.Tensor) -> torch.Tensor:
-        """The message for ``t`` (1-D): here ``t`` itself."""
+    def message_nbytes(self, numel: int, like: torch.Tensor) -> int:
+        """Bytes of the message of ``numel`` elements of ``like``'s dtype (a multiple of 4)."""
+        return -(-numel * like.element_size() // 4) * 4
+
+    def message_views(self, slot: str, numels: list[int], like: torch.Tensor) -> list[torch.Tensor]:
+        """Message buffers for pieces of ``numels`` elements each, packed into one reusable
+        per-thread byte arena named ``slot`` (grown on demand, on ``like``'s device)."""
+        sizes = [self.message_nbytes(n, like) for n in numels]
+        arenas: dict[str, torch.Tensor] = self._local.__dict__.setdefault("arenas", {})
+        arena = arenas.get(slot)
+        if arena is None or arena.numel() < sum(sizes) or arena.device != like.device:
+            arena = torch.empty(sum(sizes), dtype=torch.uint8, device=like.device)
+            arenas[slot] = arena
+        views, offset = [], 0
+        for numel, size in zip(numels, sizes):
+            views.append(self._as_message(arena[offset : offset + size], numel, like))
+            offset += size
+        return views
+
+    def _as_message(self, raw: torch.Tensor, numel: int, like: torch.Tensor) -> torch.Tensor:
+        """The message tensor stored in the bytes ``raw`` (uint8, 1-D)."""
+        return raw[: numel * like.element_size()].view(like.dtype)
+
+    def work_buffer(self, like: torch.Tensor) -> torch.Tensor:
+        """A reusable 1-D buffer of ``like``'s numel, dtype and device, private to the calling
+        thread (grown on demand; a fresh multi-MB tensor per message costs page faults)."""
+        buffer = getattr(self._local, "buffer", None)
+        if (
+            buffer is None
+            or buffer.numel() < like.numel()
+            or buffer.dtype != like.dtype
+            or buffer.device != like.device
+        ):
+            buffer = torch.empty(like.numel(), dtype=like.dtype, device=like.device)
+            self._local.buffer = buffer
+        return buffer[: like.numel()]
+
+    def encode(self, t: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The message for ``t`` (1-D): here ``t`` itself. ``out``: a buffer from
+        ``message_views`` to write the message into (codecs that copy; else a new one)."""
+        del out
         return t
 
     def decode(self, message: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -103,7 +139,9 @@ class ScaledCodec(Codec):
 
     def scale_for(self, t: torch.Tensor) -> float:
         """The power of two that maps ``t``'s largest finite magnitude near ``target``."""
-        amax = float(torch.linalg.vector_norm(t, ord=math.inf)) if t.numel() else 0.0
+        # aminmax is one vectorised pass (8x faster here than vector_norm(inf) or abs().max()).
+        lo, hi = (float(v) for v in torch.aminmax(t)) if t.numel() else (0.0, 0.0)
+        amax = max(-lo, hi)
         if not math.isfinite(amax):  # inf/NaN present: count it, scale by the finite values
             self.num_nonfinite += 1
             finite = t[torch.isfinite(t)]
@@ -113,13 +151,16 @@ class ScaledCodec(Codec):
         exponent = math.floor(math.log2(self.target / amax))
         return 2.0 ** max(-126, min(126, exponent))  # the scale itself must fit in float32
 
-    def _payload_bytes(self, numel: int) -> int:
+    def message_nbytes(self, numel: int, like: torch.Tensor) -> int:
         raw = numel * torch.finfo(self.wire_dtype).bits // 8
-        return -(-raw // SCALE_BYTES) * SCALE_BYTES
+        return -(-raw // SCALE_BYTES) * SCALE_BYTES + SCALE_BYTES
 
     def empty_message(self, like: torch.Tensor) -> torch.Tensor:
-        size = self._payload_bytes(like.numel()) + SCALE_BYTES
+        size = self.message_nbytes(like.numel(), like)
         return torch.empty(size, dtype=torch.uint8, device=like.device)
+
+    def _as_message(self, raw: torch.Tensor, numel: int, like: torch.Tensor) -> torch.Tensor:
+        return raw
 
     def _payload(self, message: torch.Tensor, numel: int) -> torch.Tensor:
         itemsize = torch.finfo(self.wire_dtype).bits // 8
@@ -128,14 +169,16 @@ class ScaledCodec(Codec):
     def _scale(self, message: torch.Tensor) -> float:
         return float(message[-SCALE_BYTES:].view(torch.float32))
 
-    def encode(self, t: torch.Tensor) -> torch.Tensor:
+    def encode(self, t: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
         scale = self.scale_for(t)
-        message = self.empty_message(t)
-        payload = self._payload(message, t.numel())
-        # Scale in t's precision, then cast; in cache-sized pieces so no full-size temporary.
-        for start in range(0, t.numel(), ENCODE_CHUNK):
-            piece = t[start : start + ENCODE_CHUNK]
-            payload[start : start + ENCODE_CHUNK].copy_(piece * scale)
+        message = self.empty_message(t) if out is None else out
+        assert message.numel() == self.message_nbytes(t.numel(), t), "out: wrong message size"
+        # Two single-dtype passes through a float32 work buffer: eager kernels that mix dtypes
+        # (scale float32 and store float16 in one op) are not vectorised on CPU and measured
+        # 5-8x slower than a multiply followed by a cast.
+        scaled = self.work_buffer(t)
+        torch.mul(t, scale, out=scaled)
+        self._payload(message, t.numel()).copy_(scaled)
         message[-SCALE_BYTES:].view(torch.float32).fill_(scale)
         return message
 
@@ -143,8 +186,12 @@ class ScaledCodec(Codec):
         return self._payload(message, like.numel()).to(like.dtype) / self._scale(message)
 
     def decode_add(self, message: torch.Tensor, t: torch.Tensor) -> None:
-        # Promotes to t's dtype before scaling: one pass, no fp16 overflow on unscaling.
-        t.add_(self._payload(message, t.numel()), alpha=1.0 / self._scale(message))
+        # Cast into the work buffer, then add with the unscale folded in: two vectorised
+        # passes (a mixed-dtype add_ is not vectorised), unscaled in t's precision so the
+        # low-precision values cannot overflow.
+        values = self.work_buffer(t)
+        values.copy_(self._payload(message, t.numel()))
+        t.add_(values, alpha=1.0 / self._scale(message))
 
     def decode_into(self, message: torch.Tensor, t: torch.Tensor) -> None:
         t.copy_(self._payload(message, t.numel()))

@@ -34,6 +34,7 @@ from phalanx.exchange.base import STRATEGIES, OptimizerFactory
 from phalanx.exchange.buckets import Bucket
 from phalanx.exchange.compression import Codec
 from phalanx.exchange.owners import OwnerUpdateStrategy
+from phalanx.exchange.ring import ring_reduce_scatter
 from phalanx.exchange.sharding import ShardedParameters, bounds
 from phalanx.fields import option
 
@@ -126,20 +127,11 @@ class RingSchedule(PartitionSchedule):
         return Layout(bounds(numel, self.world_size), list(range(self.world_size)))
 
     def reduce(self, flat: torch.Tensor, layout: Layout, count: Count) -> tuple[torch.Tensor, int]:
-        p, r = self.world_size, self.rank
-        for s in range(p - 1):
-            lo, hi = layout.ranges[(r - s - 1) % p]
-            in_lo, in_hi = layout.ranges[(r - s - 2) % p]
-            outgoing = self.codec.encode(flat[lo:hi])
-            incoming = self.codec.scratch_message(flat[in_lo:in_hi])
-            works = [
-                dist.isend(outgoing, (r + 1) % p, group=self.group),
-                dist.irecv(incoming, (r - 1) % p, group=self.group),
-            ]
-            for work in works:
-                work.wait()
-            self.codec.decode_add(incoming, flat[in_lo:in_hi])
-            count(outgoing.nbytes, incoming.nbytes)
+        count(
+            *ring_reduce_scatter(
+                flat, layout.ranges, self.rank, self.world_size, self.group, self.codec
+            )
+        )
         return flat, 0
 
     def send_back(self, flat: torch.Tensor, layout: Layout) -> None:
