@@ -1,11 +1,12 @@
 """Fusion buckets filled by backward hooks (F8, F11).
 
 Gradients of trainable parameters live in flat per-bucket buffers (one dtype and device per
-bucket). Each parameter's ``.grad`` is a view into its bucket, so autograd accumulates straight
-into the buffer and no copy is needed after the first step.
+bucket). Each parameter's ``.grad`` is a view into its bucket: the first gradient of a step is
+copied in by the hook, later micro-steps accumulate straight into the buffer.
 
 Phases of one step, as seen from here:
-  Phase 1 (arm): zero the buffers, clear the per-step flags.
+  Phase 1 (arm): clear the per-step flags; gradients start as None (the first accumulation
+    is copied into the view).
   Phase 2 (backward): a post-accumulate-grad hook marks the parameter ready; when a bucket's last
     parameter is ready, it and every ready bucket after the last launched one are handed to the
     exchange, strictly in bucket order so all ranks issue collectives in the same order.
@@ -153,12 +154,17 @@ class GradientBuckets:
 
     # -- per step -----------------------------------------------------------------------------
     def zero(self) -> None:
-        """Phase 1: zero gradient buffers and usage flags before the first micro-step."""
+        """Phase 1: before the first micro-step, clear usage flags and detach gradients.
+
+        Gradients are not zeroed: with ``grad = None`` autograd hands over its new gradient and
+        ``_on_grad`` copies it into the view (one read, one write), where zeroing the buffer
+        and accumulating into it would cost a write, then two reads and a write. Parameters
+        that get no gradient have their views zeroed when their bucket is flushed.
+        """
         for bucket in self.buckets:
-            bucket.flat.zero_()
-            for p, view in zip(bucket.params, bucket.views):
-                if p.grad is not view:
-                    p.grad = view
+            bucket.flat[bucket.grads.numel() :].zero_()  # flags and alignment padding
+            for p in bucket.params:
+                p.grad = None
         self.used = bytearray(len(self.params))
 
     def arm(self, launch: bool) -> None:
@@ -203,6 +209,10 @@ class GradientBuckets:
         else:  # flushed with unused parameters: flag only those that got a gradient
             used = [float(self.used[self._bucket_of[id(p)][2]]) for p in bucket.params]
             bucket.flags.copy_(torch.tensor(used, dtype=bucket.flags.dtype))
+            for p, view, flag in zip(bucket.params, bucket.views, used):
+                if not flag:  # never written this step: it sends zeros, and receives the
+                    view.zero_()  # other ranks' gradient like every parameter
+                    p.grad = view
         bucket.launch_time = time.perf_counter()
         bucket.pending_grads_at_launch = self._num_pending_total
         self._next_launch += 1
