@@ -88,15 +88,18 @@ PEER_LOSS = ("closed by peer", "reset by peer", "remote worker crashing", "remot
 
 
 def _root_cause(failures: dict[int, Any]) -> tuple[int, Any]:
-    """The failure to report: a rank's own error before a lost peer or a stop signal, then
-    the earliest, then the lowest rank."""
+    """The failure to report: a rank's own error before a lost peer or a stop signal, one
+    that left an error message before a bare exit code (a rank that lost its peer inside the
+    backend often exits without one), then the earliest (timestamps are whole seconds, so
+    they often tie), then the lowest rank."""
 
-    def key(item: tuple[int, Any]) -> tuple[bool, int, int]:
+    def key(item: tuple[int, Any]) -> tuple[bool, bool, int, int]:
         rank, failure = item
         message = _failure_message(failure).lower()
         stopped = (getattr(failure, "exitcode", 0) or 0) < 0
         consequence = stopped or any(p in message for p in PEER_LOSS)
-        return (consequence, getattr(failure, "timestamp", 0), rank)
+        bare = message.startswith("exit code")
+        return (consequence, bare, getattr(failure, "timestamp", 0), rank)
 
     return min(failures.items(), key=key)
 

@@ -1,0 +1,30 @@
+"""Which failure the launcher reports when several ranks fail together."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from phalanx.runtime.launch import _root_cause
+
+
+def _failure(message: str, exitcode: int = 1, timestamp: int = 100) -> SimpleNamespace:
+    return SimpleNamespace(message=message, exitcode=exitcode, timestamp=timestamp)
+
+
+def test_a_rank_with_its_own_error_beats_a_bare_exit_code_at_the_same_second() -> None:
+    failures = {0: _failure(""), 1: _failure("RuntimeError: injected failure on rank 1")}
+    assert _root_cause(failures)[0] == 1
+
+
+def test_peer_loss_and_stop_signals_are_consequences() -> None:
+    failures = {
+        0: _failure("RuntimeError: Connection closed by peer [127.0.0.1]:1", timestamp=99),
+        1: _failure("", exitcode=-15, timestamp=98),
+        2: _failure("ValueError: bad shard", timestamp=101),
+    }
+    assert _root_cause(failures)[0] == 2
+
+
+def test_earliest_then_lowest_rank_among_equals() -> None:
+    assert _root_cause({0: _failure("A", timestamp=5), 1: _failure("B", timestamp=4)})[0] == 1
+    assert _root_cause({0: _failure("A"), 1: _failure("B")})[0] == 0
