@@ -130,3 +130,26 @@ def test_unknown_strategy_flag_exits_2(capsys):
         main(["bench", "exchange", "--strategies", "ring"])
     assert exit_info.value.code == 2
     assert "--strategies: unknown 'ring'; known: all, allreduce" in capsys.readouterr().err
+
+
+def test_compressed_contenders_are_compared_with_the_fp16_hook():
+    specs = bench.strategy_contenders(["allreduce"], ["none", "fp16"])
+    names = [s.name for s in specs]
+    assert names == ["single", "ddp", "ddp-fp16hook", "phalanx-none", "phalanx-fp16"]
+    cfg = bench.BenchConfig(nproc=2, batch_size=4, rounds=3, contenders=specs)
+    seconds = {
+        "single": [1.0, 1.0, 1.0],
+        "ddp": [1.0, 1.0, 1.0],
+        "ddp-fp16hook": [2.0, 1.0, 1.0],
+        "phalanx-none": [1.0, 1.0, 1.0],
+        "phalanx-fp16": [1.0, 2.0, 1.0],
+    }
+    out = bench.summarize(_fake_raw(seconds), cfg)["contenders"]
+    assert out["phalanx-fp16"]["vs_hook"] == [2.0, 0.5, 1.0]
+    assert out["phalanx-fp16"]["median_vs_hook"] == 1.0
+    assert "vs_hook" not in out["phalanx-none"] and "vs_hook" not in out["ddp"]
+    table = bench.format_table(
+        {"meta": {**_meta(), "config": {"nproc": 2, "batch_size": 4, "rounds": 3}},
+         "models": [bench.summarize(_fake_raw(seconds), cfg)]}
+    )  # fmt: skip
+    assert "1.00x(0.50-2.00)" in table.splitlines()[-1]

@@ -480,18 +480,27 @@ def summarize(raw: dict[str, Any], cfg: BenchConfig) -> dict[str, Any]:
 
 
 def _add_relative(out: dict[str, Any], nproc: int) -> None:
-    """Efficiency vs ``nproc`` single processes and per-round ratio to DDP, where defined."""
+    """Efficiency vs ``nproc`` single processes, per-round ratio to DDP and, for compressed
+    phalanx contenders, to DDP with its fp16 hook (the compressed baseline), where defined."""
     single = next((c for c in out.values() if c["kind"] == "single"), None)
     ddp = next((c for c in out.values() if c["kind"] == "ddp"), None)
+    hook = next((c for c in out.values() if c["options"].get("fp16_hook")), None)
     for c in out.values():
         if c["kind"] == "single":
             continue
         if single is not None:
             c["efficiency"] = c["median_samples_per_s"] / (nproc * single["median_samples_per_s"])
         if ddp is not None and c is not ddp:
-            ratios = [a / b for a, b in zip(c["samples_per_s"], ddp["samples_per_s"])]
-            c["vs_ddp"] = ratios
-            c["median_vs_ddp"] = statistics.median(ratios)
+            c["vs_ddp"] = _ratios(c, ddp)
+            c["median_vs_ddp"] = statistics.median(c["vs_ddp"])
+        if hook is not None and c["options"].get("compress", "none") != "none":
+            c["vs_hook"] = _ratios(c, hook)
+            c["median_vs_hook"] = statistics.median(c["vs_hook"])
+
+
+def _ratios(c: dict[str, Any], baseline: dict[str, Any]) -> list[float]:
+    """Per-round samples/s of ``c`` over ``baseline`` (rounds alternate, so pairs are close)."""
+    return [a / b for a, b in zip(c["samples_per_s"], baseline["samples_per_s"])]
 
 
 # -- output -----------------------------------------------------------------------------------
@@ -505,7 +514,8 @@ def header_line(result: dict[str, Any]) -> str:
 
 
 ROW_COLUMNS = ("model", "params", "contender", "samples/s", "eff", "vs ddp", "range",
-               "exch ms/step", "MB sent/step", "MB recv/step", "optim MB/rank")  # fmt: skip
+               "vs fp16 hook", "exch ms/step", "MB sent/step", "MB recv/step",
+               "optim MB/rank")  # fmt: skip
 
 
 def _row(model: dict[str, Any], name: str, c: dict[str, Any]) -> list[str]:
@@ -524,11 +534,19 @@ def _row(model: dict[str, Any], name: str, c: dict[str, Any]) -> list[str]:
         f"{c['efficiency']:.0%}" if "efficiency" in c else "-",
         f"{c['median_vs_ddp']:.2f}x" if "median_vs_ddp" in c else "-",
         f"{min(ratios):.2f}-{max(ratios):.2f}" if ratios else "-",
+        _ratio_cell(c.get("vs_hook")),
         stat("exchange_s", 1e3, "{:.2f}"),
         stat("bytes_sent", 1 / 2**20, "{:.2f}"),
         stat("bytes_received", 1 / 2**20, "{:.2f}"),
         stat("optimizer_bytes", 1 / 2**20, "{:.2f}"),
     ]
+
+
+def _ratio_cell(ratios: list[float] | None) -> str:
+    """'1.06x(1.01-1.10)': median and range of per-round ratios, or '-'."""
+    if not ratios:
+        return "-"
+    return f"{statistics.median(ratios):.2f}x({min(ratios):.2f}-{max(ratios):.2f})"
 
 
 def _si(n: int) -> str:
