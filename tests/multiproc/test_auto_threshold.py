@@ -27,14 +27,15 @@ def _auto(ctx: px.Context) -> dict:
             exchange=make_strategy(name, options), context=ctx,
         )  # fmt: skip
         r = ctx.rank
-        # The model chooses after step 4, then each distinct candidate layout runs 9 steps.
-        for x, y in (batches * 7)[:40]:
+        # The model chooses after step 4, then the distinct candidate layouts take turns: 3
+        # visits of 4 steps each (the first untimed), at most 36 steps.
+        for x, y in (batches * 7)[:42]:
             engine.step(
                 x[r * LOCAL_BATCH : (r + 1) * LOCAL_BATCH],
                 y[r * LOCAL_BATCH : (r + 1) * LOCAL_BATCH],
             )  # noqa: E501
         engine.sync()
-        reference = _reference(model, ADAM, (batches * 7)[:40])
+        reference = _reference(model, ADAM, (batches * 7)[:42])
         out[name] = {
             "threshold": engine.threshold.bucket_bytes if engine.threshold else None,
             "done": engine.auto_done,

@@ -6,15 +6,18 @@ in practice. The Engine therefore runs each candidate layout for a few steps and
 fastest.
 
 Phases:
-  Phase 1: for each candidate (the model's choice, the 25 MiB default, one bucket for the whole
-    model), rebuild the buckets and time ``steps`` steps; the first step after a rebuild is
-    not timed (fresh buffers).
-  Phase 2: every rank contributes its mean step time per candidate; the maximum over ranks
+  Phase 1: visit the candidates (the model's choice, the 25 MiB default, one bucket for the
+    whole model) in turn, ``visits`` times round-robin: rebuild the buckets, skip one step
+    (fresh buffers), time ``steps_per_visit`` steps. Interleaving, as the benchmarks alternate
+    their contenders, spreads drift (warm-up, other load) over every candidate; consecutive
+    blocks once picked a layout 10% slower because the first block ran cold.
+  Phase 2: every rank contributes its median step time per candidate; the maximum over ranks
     (the step is as slow as its slowest rank) decides, identically everywhere.
 """
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, field
 
 import torch
@@ -33,39 +36,45 @@ class Trial:
 class LayoutTrials:
     """Steps through the candidates (see the module docstring); the same on every rank."""
 
-    def __init__(self, candidates: list[tuple[int, int]], steps: int = 8) -> None:
+    def __init__(
+        self, candidates: list[tuple[int, int]], steps_per_visit: int = 3, visits: int = 3
+    ) -> None:
         assert candidates, "at least one candidate"
         self.trials = [Trial(b, f) for b, f in candidates]
-        self.steps = steps
-        self.index = 0
-        self._untimed = 1  # the first step of a layout is not timed
+        self.steps_per_visit = steps_per_visit
+        visits = visits if len(self.trials) > 1 else 1  # one layout: nothing to compare
+        self.schedule = [i for _ in range(visits) for i in range(len(self.trials))]
+        self.position = 0
+        self._untimed = 1  # the first step of a visit is not timed (fresh buffers)
+        self._timed = 0
 
     @property
     def current(self) -> Trial:
-        return self.trials[self.index]
+        return self.trials[self.schedule[self.position]]
 
     def record(self, step_s: float) -> bool:
-        """Time one step of the current layout; True when it has enough steps."""
+        """Time one step of the current layout; True when this visit has enough steps."""
         if self._untimed:
             self._untimed -= 1
             return False
         self.current.times_s.append(step_s)
-        return len(self.current.times_s) >= self.steps
+        self._timed += 1
+        return self._timed >= self.steps_per_visit
 
     def advance(self) -> Trial | None:
-        """The next candidate to try, or None when every one was measured."""
-        self.index += 1
-        self._untimed = 1
-        return self.trials[self.index] if self.index < len(self.trials) else None
+        """The next candidate to visit, or None when every visit was made."""
+        self.position += 1
+        self._untimed, self._timed = 1, 0
+        return self.current if self.position < len(self.schedule) else None
 
     def decide(self, group: dist.ProcessGroup, device: torch.device) -> Trial:
-        """The fastest candidate by the slowest rank's mean step time (collective)."""
-        means = torch.tensor(
-            [sum(t.times_s) / max(1, len(t.times_s)) for t in self.trials], dtype=torch.float64
+        """The fastest candidate by the slowest rank's median step time (collective)."""
+        medians = torch.tensor(
+            [statistics.median(t.times_s) for t in self.trials], dtype=torch.float64
         ).to(device)
-        dist.all_reduce(means, op=dist.ReduceOp.MAX, group=group)
-        for trial, mean in zip(self.trials, means.tolist()):
-            trial.times_s = [mean]  # keep the agreed number
+        dist.all_reduce(medians, op=dist.ReduceOp.MAX, group=group)
+        for trial, median in zip(self.trials, medians.tolist()):
+            trial.times_s = [median]  # keep the agreed number
         return min(self.trials, key=lambda t: t.times_s[0])
 
     def describe(self, chosen: Trial) -> str:
