@@ -194,8 +194,10 @@ class ScaledCodec(Codec):
         t.add_(values, alpha=1.0 / self._scale(message))
 
     def decode_into(self, message: torch.Tensor, t: torch.Tensor) -> None:
-        t.copy_(self._payload(message, t.numel()))
-        t.mul_(1.0 / self._scale(message))
+        # Through the (cache-sized) work buffer, so t is written once and never re-read.
+        values = self.work_buffer(t)
+        values.copy_(self._payload(message, t.numel()))
+        torch.mul(values, 1.0 / self._scale(message), out=t)
 
 
 CODECS: Registry[Codec] = Registry("compression")

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from phalanx.exchange.compression import Codec
 from phalanx.exchange.sharding import bounds
 
-PIECE_NUMEL = 1 << 19  # elements per message: 2 MiB of float32, big enough to hide per-call cost
+PIECE_NUMEL = 1 << 19  # elements per message: 2 MiB of float32 (1 << 17..19 measured alike)
 
 Range = tuple[int, int]
 Combine = Callable[[torch.Tensor, torch.Tensor], None]  # (message, destination slice)
