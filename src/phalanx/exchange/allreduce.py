@@ -25,9 +25,12 @@ from phalanx.exchange.ring import p2p_allreduce
 class AllReduce(Strategy):
     """Average gradients per bucket, overlapped with backward (see the module docstring)."""
 
+    defer_last = True  # compressed: the last bucket runs in finish(), on the calling thread
+
     def __init__(self) -> None:
         super().__init__()
         self._works: list[Any] = []
+        self._last: Bucket | None = None
         self.comm: CommThread | None = None
 
     def setup(self, ctx: Any, buckets: list[Bucket]) -> None:
@@ -37,7 +40,12 @@ class AllReduce(Strategy):
 
     def launch(self, bucket: Bucket) -> None:
         assert self.ctx is not None, "setup() first"
-        if self.comm is not None:  # compressed: the point-to-point ring
+        if self.comm is not None:  # compressed: point-to-point messages
+            if self.defer_last and bucket.index == len(self.buckets) - 1:
+                # Buckets launch in index order, so this one comes as backward ends: handing
+                # it to the communication thread would only add two thread wake-ups.
+                self._last = bucket
+                return
             rank, p, group, codec = self.ctx.rank, self.ctx.world_size, self.comm.group, self.codec
             self._works.append(
                 self.comm.submit(lambda: p2p_allreduce(bucket.flat, rank, p, group, codec))
@@ -51,6 +59,14 @@ class AllReduce(Strategy):
         self.bytes_received += volume
 
     def finish(self) -> None:
+        if self._last is not None:  # on the main group: its messages never meet the thread's
+            assert self.ctx is not None
+            sent, received = p2p_allreduce(
+                self._last.flat, self.ctx.rank, self.ctx.world_size, self.ctx.group, self.codec
+            )
+            self.bytes_sent += sent
+            self.bytes_received += received
+            self._last = None
         for work in self._works:
             wait(work)
             if self.comm is not None:
