@@ -74,3 +74,26 @@ def test_zeros_round_trip_exactly() -> None:
 def test_unknown_compression_lists_allowed() -> None:
     with pytest.raises(ConfigError, match="unknown compression 'int8'; known: bf16, fp16, none"):
         make_codec("int8")
+
+
+def test_codec_kernel_timing_tool_runs(
+    capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """tools/bench_codec_kernels.py backs the kernel choices in docs/benchmarks.md."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "tools" / "bench_codec_kernels.py"
+    spec = importlib.util.spec_from_file_location("bench_codec_kernels", path)
+    assert spec is not None and spec.loader is not None
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    monkeypatch.setattr(sys, "argv", ["bench_codec_kernels", "--numel", "1000", "--reps", "1"])
+    threads = torch.get_num_threads()
+    try:
+        tool.main()
+    finally:
+        torch.set_num_threads(threads)
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 1 + len(tool.rows(10)) and all(line.endswith(" ms") for line in lines[1:])

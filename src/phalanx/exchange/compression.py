@@ -175,7 +175,7 @@ class ScaledCodec(Codec):
         assert message.numel() == self.message_nbytes(t.numel(), t), "out: wrong message size"
         # Two single-dtype passes through a float32 work buffer: eager kernels that mix dtypes
         # (scale float32 and store float16 in one op) are not vectorised on CPU and measured
-        # 5-8x slower than a multiply followed by a cast.
+        # 2-5x slower than a multiply followed by a cast (tools/bench_codec_kernels.py).
         scaled = self.work_buffer(t)
         torch.mul(t, scale, out=scaled)
         self._payload(message, t.numel()).copy_(scaled)
