@@ -18,7 +18,7 @@ import torch.distributed as dist
 from phalanx.exchange.base import STRATEGIES, Strategy
 from phalanx.exchange.buckets import Bucket
 from phalanx.exchange.comm import CommThread, wait
-from phalanx.exchange.ring import p2p_allreduce
+from phalanx.exchange.ring import GatherExchange, p2p_allreduce, prefers_gather
 
 
 @STRATEGIES.register("allreduce")
@@ -31,6 +31,7 @@ class AllReduce(Strategy):
         super().__init__()
         self._works: list[Any] = []
         self._last: Bucket | None = None
+        self._gather: GatherExchange | None = None
         self.comm: CommThread | None = None
 
     def setup(self, ctx: Any, buckets: list[Bucket]) -> None:
@@ -43,8 +44,14 @@ class AllReduce(Strategy):
         if self.comm is not None:  # compressed: point-to-point messages
             if self.defer_last and bucket.index == len(self.buckets) - 1:
                 # Buckets launch in index order, so this one comes as backward ends: handing
-                # it to the communication thread would only add two thread wake-ups.
+                # it to the communication thread would only add two thread wake-ups. A gather
+                # starts here (its messages travel while backward winds down), a ring in finish.
                 self._last = bucket
+                flat, ctx = bucket.flat, self.ctx
+                if prefers_gather(flat, ctx.world_size, self.codec):
+                    self._gather = GatherExchange(
+                        flat, ctx.rank, ctx.world_size, ctx.group, self.codec
+                    ).start()
                 return
             rank, p, group, codec = self.ctx.rank, self.ctx.world_size, self.comm.group, self.codec
             self._works.append(
@@ -61,12 +68,16 @@ class AllReduce(Strategy):
     def finish(self) -> None:
         if self._last is not None:  # on the main group: its messages never meet the thread's
             assert self.ctx is not None
-            sent, received = p2p_allreduce(
-                self._last.flat, self.ctx.rank, self.ctx.world_size, self.ctx.group, self.codec
-            )
+            if self._gather is not None:
+                sent, received = self._gather.finish()
+            else:
+                flat, ctx = self._last.flat, self.ctx
+                sent, received = p2p_allreduce(
+                    flat, ctx.rank, ctx.world_size, ctx.group, self.codec
+                )
             self.bytes_sent += sent
             self.bytes_received += received
-            self._last = None
+            self._last = self._gather = None
         for work in self._works:
             wait(work)
             if self.comm is not None:

@@ -123,62 +123,85 @@ def ring_allreduce(
     return sent + link.sent, received + link.received
 
 
-def gather_allreduce(
-    flat: torch.Tensor, rank: int, p: int, group: Any, codec: Codec
-) -> tuple[int, int]:
+class GatherExchange:
     """Sum ``flat`` (1-D) in place by sending this rank's whole message to every other rank and
     adding all p decoded messages in rank order (so every rank computes the same sum).
 
     One round instead of the ring's 2(p-1), for (p-1) messages per rank instead of about 2:
     the better trade at p = 2 (equal bytes) and for small buckets, where latency dominates.
-      Phase 1: post the receives of every piece from every other rank;
-      Phase 2: encode this rank's pieces, sending each to every other rank when ready;
-      Phase 3: per piece, once all p messages are there, decode them into ``flat`` in rank order.
+    ``start`` returns as soon as everything is posted, so the wire works while the caller
+    goes on; ``finish`` completes:
+      Phase 1 (start): post the receives of every piece from every other rank;
+      Phase 2 (start): encode this rank's pieces, sending each to every other rank when ready;
+      Phase 3 (finish): per piece, once all p messages are there, decode them into ``flat`` in
+        rank order.
     """
-    parts = pieces(0, flat.numel())
-    numels = [b - a for a, b in parts]
-    # Phase 1: every receive is posted before anything is sent.
-    messages: dict[int, list[torch.Tensor]] = {}
-    receives: dict[int, list[Any]] = {}
-    for src in range(p):
-        if src != rank:
-            messages[src] = codec.message_views(f"from{src}", numels, flat)
-            receives[src] = [dist.irecv(m, src, group=group) for m in messages[src]]
-    # Phase 2: encode and send piece by piece.
-    buffers = codec.message_views("own", numels, flat)
-    messages[rank] = [codec.encode(flat[a:b], out=m) for (a, b), m in zip(parts, buffers)]
-    if codec.wire_dtype is None:  # the messages are views of flat, which the sum overwrites
-        messages[rank] = [m.copy_(flat[a:b]) for (a, b), m in zip(parts, buffers)]
-    sends = [
-        dist.isend(m, dst, group=group) for m in messages[rank] for dst in range(p) if dst != rank
-    ]
-    # Phase 3: decode piece by piece, in rank order.
-    for k, (a, b) in enumerate(parts):
-        for src in receives:
-            receives[src][k].wait()
-        codec.decode_into(messages[0][k], flat[a:b])
-        for src in range(1, p):
-            codec.decode_add(messages[src][k], flat[a:b])
-    for work in sends:
-        work.wait()
-    sent = sum(m.nbytes for m in messages[rank]) * (p - 1)
-    return sent, sent  # every rank's messages have the same sizes
+
+    def __init__(self, flat: torch.Tensor, rank: int, p: int, group: Any, codec: Codec) -> None:
+        self.flat, self.rank, self.p, self.group, self.codec = flat, rank, p, group, codec
+        self.parts = pieces(0, flat.numel())
+        self.messages: dict[int, list[torch.Tensor]] = {}
+        self.receives: dict[int, list[Any]] = {}
+        self.sends: list[Any] = []
+
+    def start(self) -> GatherExchange:
+        flat, rank, p, group, codec = self.flat, self.rank, self.p, self.group, self.codec
+        numels = [b - a for a, b in self.parts]
+        # Phase 1: every receive is posted before anything is sent.
+        for src in range(p):
+            if src != rank:
+                self.messages[src] = codec.message_views(f"from{src}", numels, flat)
+                self.receives[src] = [dist.irecv(m, src, group=group) for m in self.messages[src]]
+        # Phase 2: encode and send piece by piece.
+        buffers = codec.message_views("own", numels, flat)
+        own = [codec.encode(flat[a:b], out=m) for (a, b), m in zip(self.parts, buffers)]
+        if codec.wire_dtype is None:  # the messages are views of flat, which the sum overwrites
+            own = [m.copy_(flat[a:b]) for (a, b), m in zip(self.parts, buffers)]
+        self.messages[rank] = own
+        self.sends = [
+            dist.isend(m, dst, group=group) for m in own for dst in range(p) if dst != rank
+        ]
+        return self
+
+    def finish(self) -> tuple[int, int]:
+        """Phase 3; returns this rank's (sent, received) bytes."""
+        codec, flat = self.codec, self.flat
+        for k, (a, b) in enumerate(self.parts):
+            for works in self.receives.values():
+                works[k].wait()
+            codec.decode_into(self.messages[0][k], flat[a:b])
+            for src in range(1, self.p):
+                codec.decode_add(self.messages[src][k], flat[a:b])
+        for work in self.sends:
+            work.wait()
+        sent = sum(m.nbytes for m in self.messages[self.rank]) * (self.p - 1)
+        return sent, sent  # every rank's messages have the same sizes
+
+
+def gather_allreduce(
+    flat: torch.Tensor, rank: int, p: int, group: Any, codec: Codec
+) -> tuple[int, int]:
+    """``GatherExchange`` from start to finish; returns this rank's (sent, received) bytes."""
+    return GatherExchange(flat, rank, p, group, codec).start().finish()
 
 
 GATHER_MAX_BYTES = 2 << 20  # messages up to this go by gather at p = 2 (measured crossover)
+
+
+def prefers_gather(flat: torch.Tensor, p: int, codec: Codec) -> bool:
+    """Whether ``p2p_allreduce`` sums ``flat`` by gather rather than by ring: at p = 2 both send
+    the same bytes and the gather needs one round instead of two. Measured on loopback Gloo, it
+    wins up to messages of ~8 MiB (600 KB: 0.86 vs 1.42 ms) and loses beyond (32 MiB buckets:
+    50 vs 41 ms). At p > 2 it would send (p-1) messages per rank instead of the ring's
+    ~2(p-1)/p, so the ring always runs there."""
+    return p == 2 and codec.message_nbytes(flat.numel(), flat) <= GATHER_MAX_BYTES
 
 
 def p2p_allreduce(
     flat: torch.Tensor, rank: int, p: int, group: Any, codec: Codec
 ) -> tuple[int, int]:
     """Sum ``flat`` in place over point-to-point messages, by the cheaper algorithm for its
-    size (the same choice on every rank: buckets have the same sizes everywhere).
-
-    At p = 2 both algorithms send the same bytes and the gather needs one round instead of
-    two: measured on loopback Gloo, it wins up to messages of ~8 MiB (600 KB: 0.86 vs 1.42 ms)
-    and loses beyond (32 MiB buckets: 50 vs 41 ms). At p > 2 the gather would send (p-1)
-    messages per rank instead of the ring's ~2(p-1)/p, so the ring always runs there.
-    """
-    if p == 2 and codec.message_nbytes(flat.numel(), flat) <= GATHER_MAX_BYTES:
+    size (``prefers_gather``: the same choice on every rank, buckets have the same sizes)."""
+    if prefers_gather(flat, p, codec):
         return gather_allreduce(flat, rank, p, group, codec)
     return ring_allreduce(flat, rank, p, group, codec)
