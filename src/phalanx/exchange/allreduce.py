@@ -3,10 +3,10 @@
 Uncompressed, it is the backend's asynchronous allreduce (a ring on Gloo and NCCL): each rank
 sends about 2 (p-1)/p times the bucket's bytes, the volume ``bytes_sent`` reports since the
 backend does not expose its own wire counters. With ``compress`` set, a backend allreduce
-cannot sum messages that carry different per-rank scales, so the same ring runs over
-point-to-point messages on the communication thread (``ring_allreduce``): every hop decodes
-and adds in full precision, and the finished chunks travel on as the very bytes their owner
-encoded.
+cannot sum messages that carry different per-rank scales, so buckets are summed over
+point-to-point messages (``exchange/ring.py``: a ring, or a one-round gather for small buckets
+at p = 2) where every hop decodes and adds in full precision, on the communication thread —
+except the last bucket, which arrives as backward ends and runs on the main thread and group.
 """
 
 from __future__ import annotations
