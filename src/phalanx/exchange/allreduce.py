@@ -25,8 +25,6 @@ from phalanx.exchange.ring import GatherExchange, p2p_allreduce, prefers_gather
 class AllReduce(Strategy):
     """Average gradients per bucket, overlapped with backward (see the module docstring)."""
 
-    defer_last = True  # compressed: the last bucket runs in finish(), on the calling thread
-
     def __init__(self) -> None:
         super().__init__()
         self._works: list[Any] = []
@@ -42,7 +40,7 @@ class AllReduce(Strategy):
     def launch(self, bucket: Bucket) -> None:
         assert self.ctx is not None, "setup() first"
         if self.comm is not None:  # compressed: point-to-point messages
-            if self.defer_last and bucket.index == len(self.buckets) - 1:
+            if bucket.index == len(self.buckets) - 1:
                 # Buckets launch in index order, so this one comes as backward ends: handing
                 # it to the communication thread would only add two thread wake-ups. A gather
                 # starts here (its messages travel while backward winds down), a ring in finish.
