@@ -60,28 +60,23 @@ class AllReduce(Strategy):
         self._works.append(dist.all_reduce(bucket.flat, group=self.ctx.group, async_op=True))
         world = self.ctx.world_size
         volume = 2 * (world - 1) * bucket.nbytes // world
-        self.bytes_sent += volume
-        self.bytes_received += volume
+        self.count_bytes(volume, volume)
 
     def finish(self) -> None:
         if self._last is not None:  # on the main group: its messages never meet the thread's
             assert self.ctx is not None
             if self._gather is not None:
-                sent, received = self._gather.finish()
+                self.count_bytes(*self._gather.finish())
             else:
                 flat, ctx = self._last.flat, self.ctx
-                sent, received = p2p_allreduce(
-                    flat, ctx.rank, ctx.world_size, ctx.group, self.codec
+                self.count_bytes(
+                    *p2p_allreduce(flat, ctx.rank, ctx.world_size, ctx.group, self.codec)
                 )
-            self.bytes_sent += sent
-            self.bytes_received += received
             self._last = self._gather = None
         for work in self._works:
             wait(work)
             if self.comm is not None:
-                sent, received = work.result()
-                self.bytes_sent += sent
-                self.bytes_received += received
+                self.count_bytes(*work.result())
         self._works = []
 
     def close(self) -> None:

@@ -12,6 +12,7 @@ Strategies never see model code; the Engine never branches on a strategy's name.
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -93,6 +94,7 @@ class Strategy(ABC):
         self.codec: Codec = Codec()  # gradient message compression, set by the Engine
         self.bytes_sent = 0  # this step, counted by the strategy
         self.bytes_received = 0
+        self._count_lock = threading.Lock()  # a communication thread may count too
 
     # -- layout -------------------------------------------------------------------------------
     def bucket_alignment(self, world_size: int) -> int:
@@ -128,6 +130,12 @@ class Strategy(ABC):
     def gradient_scale(self) -> float:
         """Factor the Engine folds into the loss so the exchanged sums are means (1/p)."""
         return 1.0 / self.data_parallel()[1]
+
+    def count_bytes(self, sent: int, received: int) -> None:
+        """Add one exchange's bytes to this step's counters (thread-safe)."""
+        with self._count_lock:
+            self.bytes_sent += sent
+            self.bytes_received += received
 
     def begin_step(self) -> None:
         """Reset per-step counters before the first launch of a step."""

@@ -8,7 +8,6 @@ overlaps the send-back. Optimizer state is checkpointed in the canonical per-par
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import torch
@@ -31,7 +30,6 @@ class OwnerUpdateStrategy(Strategy):
         self.comm: CommThread | None = None
         self._pending_params: dict[int, Any] = {}
         self._hooks: list = []
-        self._count_lock = threading.Lock()  # the communication thread counts too
 
     def _ensure_comm(self, device: torch.device) -> CommThread:
         if self.comm is None:
@@ -69,11 +67,6 @@ class OwnerUpdateStrategy(Strategy):
             self._wait_params(b)
 
     # -- accounting and state -----------------------------------------------------------------
-    def _count(self, sent: int, received: int) -> None:
-        with self._count_lock:
-            self.bytes_sent += sent
-            self.bytes_received += received
-
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer, params: list) -> dict:
         assert self.sharded is not None and self.ctx is not None
         self.sync()

@@ -107,7 +107,7 @@ class ParameterServer(OwnerUpdateStrategy):
         assert self.comm is not None
         self._wait_params(bucket.index)
         pushed = threading.Event()
-        self._count(*self._pull_bytes(bucket))  # the pull ends in the background: tally it now
+        self.count_bytes(*self._pull_bytes(bucket))  # the pull ends in the background: tally it now
         job = self.comm.submit(lambda: self._serve_bucket(bucket, pushed))
         self._pushed.append((pushed, job))
         self._pending_params[bucket.index] = job
@@ -144,23 +144,23 @@ class ParameterServer(OwnerUpdateStrategy):
         if rank not in ranks:
             return chunk
         if self.config.reduce == "star" and rank != owner:
-            self._count(self.codec.send(chunk, owner, group), 0)
+            self.count_bytes(self.codec.send(chunk, owner, group), 0)
             return chunk
         total = chunk.clone() if rank < self.num_workers else torch.zeros_like(chunk)
         if self.config.reduce == "tree":
             return self._tree_up(total, ranks)
         for src in ranks[1:]:
-            self._count(0, self.codec.recv_add(total, src, group))
+            self.count_bytes(0, self.codec.recv_add(total, src, group))
         return total
 
     def _tree_up(self, total: torch.Tensor, ranks: list[int]) -> torch.Tensor:
         assert self.ctx is not None and self.comm is not None
         me, n, group = ranks.index(self.ctx.rank), len(ranks), self.comm.group
         for child in tree_children(me, n):
-            self._count(0, self.codec.recv_add(total, ranks[child], group))
+            self.count_bytes(0, self.codec.recv_add(total, ranks[child], group))
         parent = tree_parent(me)
         if parent is not None:
-            self._count(self.codec.send(total, ranks[parent], group), 0)
+            self.count_bytes(self.codec.send(total, ranks[parent], group), 0)
         return total
 
     def _update(self, bucket: Bucket, m: int, summed: torch.Tensor) -> None:

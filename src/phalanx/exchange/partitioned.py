@@ -230,7 +230,7 @@ class Partitioned(OwnerUpdateStrategy):
         assert self.comm is not None and self.plan is not None
         self._wait_params(bucket.index)  # its parameters must have arrived before they change
         layout, plan = self.layouts[bucket.index], self.plan
-        job = self.comm.submit(lambda: plan.reduce(bucket.flat, layout, self._count))
+        job = self.comm.submit(lambda: plan.reduce(bucket.flat, layout, self.count_bytes))
         self._pending_reduce[bucket.index] = job
 
     def finish(self) -> None:
@@ -253,5 +253,5 @@ class Partitioned(OwnerUpdateStrategy):
     def _send_back(self, b: int) -> Any:
         assert self.sharded is not None and self.comm is not None and self.plan is not None
         flat, layout, plan = self.sharded.flats[b], self.layouts[b], self.plan
-        self._count(*plan.send_back_bytes(layout, flat.element_size()))
+        self.count_bytes(*plan.send_back_bytes(layout, flat.element_size()))
         return self.comm.submit(lambda: plan.send_back(flat, layout))

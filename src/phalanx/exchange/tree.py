@@ -85,9 +85,7 @@ class Tree(Strategy):
     def finish(self) -> None:
         for job in self._jobs:
             wait(job)
-            sent, received = job.result()
-            self.bytes_sent += sent
-            self.bytes_received += received
+            self.count_bytes(*job.result())
         self._jobs = []
 
     def close(self) -> None:
