@@ -35,13 +35,12 @@ class Codec:
 
     def __init__(self) -> None:
         self.num_nonfinite = 0  # messages with inf/NaN seen (since the last reset)
-        self._scratch: dict[tuple, torch.Tensor] = {}
         self._local = threading.local()  # per-thread work buffer and message arenas
 
     def scratch_message(self, like: torch.Tensor, slot: str = "recv") -> torch.Tensor:
-        """A reusable buffer for ``like``'s message, private to the calling thread: fresh
-        multi-MB buffers cost page faults every step. The same ``slot`` returns the same memory,
-        so a message must be consumed before its slot is asked for again."""
+        """A reusable buffer for ``like``'s message, private to the calling thread (no
+        multi-MB allocation per message). The same ``slot`` returns the same memory, so a
+        message must be consumed before its slot is asked for again."""
         return self.message_views(slot, [like.numel()], like)[0]
 
     def message_nbytes(self, numel: int, like: torch.Tensor) -> int:
@@ -69,7 +68,7 @@ class Codec:
 
     def work_buffer(self, like: torch.Tensor) -> torch.Tensor:
         """A reusable 1-D buffer of ``like``'s numel, dtype and device, private to the calling
-        thread (grown on demand; a fresh multi-MB tensor per message costs page faults)."""
+        thread (grown on demand, so no multi-MB allocation per message)."""
         buffer = getattr(self._local, "buffer", None)
         if (
             buffer is None

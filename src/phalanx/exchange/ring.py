@@ -10,8 +10,8 @@ scale), so encoding, the wire and decoding overlap instead of running one after 
   Phase 2: encode the outgoing chunk piece by piece, sending each piece as soon as it is ready
     (the backend's I/O thread moves piece k while this thread encodes piece k+1);
   Phase 3: fold each incoming piece into ``flat`` as it arrives, in order.
-Message buffers come from the codec's per-thread arenas: no allocation (and no page faults)
-per step. Gloo and NCCL deliver messages between a pair of ranks in the order they were posted.
+Message buffers come from the codec's per-thread arenas: no multi-MB allocation
+per message. Gloo and NCCL deliver messages between a pair of ranks in the order they were posted.
 """
 
 from __future__ import annotations
