@@ -9,14 +9,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-from phalanx.errors import PhalanxError, WorkerError
+from phalanx.errors import Interrupted, PhalanxError, WorkerError
 
 PROG = "phalanx"
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for Ctrl-C
+EXIT_PREEMPTED = 143  # 128 + SIGTERM
+_interrupted = False  # a worker got SIGINT: it exits quietly (the launcher prints the line)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -30,29 +35,53 @@ def main(argv: list[str] | None = None) -> None:
 
 def _run_guarded(handler: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
     in_worker = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if in_worker:
+        signal.signal(signal.SIGINT, _on_worker_sigint)
     try:
         return handler(args)
+    except Interrupted as e:
+        if e.signum == signal.SIGINT:
+            print(f"{PROG}: interrupted", file=sys.stderr)
+            return EXIT_INTERRUPTED
+        print(f"{PROG}: {e}", file=sys.stderr)
+        return 128 + e.signum
     except (PhalanxError, ValueError) as e:
+        if _interrupted:
+            return EXIT_INTERRUPTED
         if args.debug:
             raise
         _report(e, in_worker)
         return 1 if isinstance(e, WorkerError) else 2
     except KeyboardInterrupt:
-        print(f"{PROG}: interrupted", file=sys.stderr)
-        return 130
+        if not in_worker:
+            print(f"{PROG}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except Exception as e:
+        if _interrupted:  # e.g. a peer that stopped first: part of the interrupt, not an error
+            return EXIT_INTERRUPTED
         if args.debug or not in_worker:
             raise
         _report(e, in_worker)
         return 1
 
 
+def _on_worker_sigint(signum: int, frame: Any) -> None:
+    """Ctrl-C reaches every worker through the launcher: stop now, say nothing."""
+    global _interrupted
+    _interrupted = True
+    raise KeyboardInterrupt
+
+
 def _report(error: BaseException, in_worker: bool) -> None:
+    from phalanx.runtime.launch import PEER_LOSS
+
     message = str(error) if isinstance(error, PhalanxError) else f"{type(error).__name__}: {error}"
     if in_worker:  # the launcher reads this file to name the rank and the error
         from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
         ErrorHandler().record_exception(error)
+        if any(p in message.lower() for p in PEER_LOSS):  # a consequence: keep it short
+            message = "lost its connection to a peer (the launcher names the rank that failed)"
         print(f"{PROG}: rank {os.environ['RANK']}: {message}", file=sys.stderr)
     else:
         print(f"{PROG}: error: {message}", file=sys.stderr)
@@ -84,6 +113,14 @@ def _add_train(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR")
     p.add_argument("--run-dir", help="run directory (default: runs/<config>-<time>)")
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        metavar="N",
+        help="after a worker dies, restart the group up to N times; it resumes from the newest "
+        "good checkpoint",
+    )
     p.add_argument(
         "--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks"
     )
@@ -125,8 +162,17 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.resume and not in_worker:
         checkpoint.load(run_dir / "checkpoints")  # fail early, before any worker starts
     if in_worker or (args.nproc == 1 and args.nnodes == 1):
-        return _train_here(config, run_dir, bool(args.resume), quiet=in_worker and _launched())
+        resume = bool(args.resume) or _restarted_with_checkpoint(run_dir)
+        return _train_here(config, run_dir, resume, quiet=in_worker and _launched())
     return _train_launched(args, run_dir)
+
+
+def _restarted_with_checkpoint(run_dir: Path) -> bool:
+    """An elastic restart (--max-restarts) resumes from the newest good checkpoint, if any."""
+    from phalanx import checkpoint
+
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    return restarts > 0 and checkpoint.latest_step(run_dir / "checkpoints") is not None
 
 
 def _train_here(config: object, run_dir: Path, resume: bool, quiet: bool) -> int:
@@ -134,9 +180,28 @@ def _train_here(config: object, run_dir: Path, resume: bool, quiet: bool) -> int
 
     trainer = Trainer(config, run_dir, resume=resume)  # type: ignore[arg-type]
     summary = trainer.run()
+    if summary.get("preempted"):
+        if trainer.ctx.is_main and not quiet:
+            print(_preempted_line(summary), file=sys.stderr)
+        return 0 if quiet else EXIT_PREEMPTED
     if trainer.ctx.is_main and not quiet:
         _print_summary(summary)
     return 0
+
+
+def _preempted_line(summary: dict) -> str:
+    run_dir = summary["run_dir"]
+    return (
+        f"{PROG}: preempted (SIGTERM): checkpoint at step {summary['steps']} in {run_dir}; "
+        f"continue with: phalanx train --resume {run_dir}"
+    )
+
+
+def _preempted(run_dir: Path) -> dict | None:
+    from phalanx.trainer import PREEMPTED
+
+    path = run_dir / PREEMPTED
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
 
 
 def _train_launched(args: argparse.Namespace, run_dir: Path) -> int:
@@ -148,6 +213,7 @@ def _train_launched(args: argparse.Namespace, run_dir: Path) -> int:
         node_rank=args.node_rank,
         master_addr=args.master_addr,
         master_port=args.master_port,
+        max_restarts=args.max_restarts,
         debug=args.debug,
     )
     worker_args = ["train"] + ([args.config] if args.config else [])
@@ -155,7 +221,17 @@ def _train_launched(args: argparse.Namespace, run_dir: Path) -> int:
         worker_args += ["--set", item]
     worker_args += ["--resume", str(run_dir)] if args.resume else ["--run-dir", str(run_dir)]
     os.environ["PHALANX_LAUNCHED"] = "1"
-    launch(spec, ["-m", "phalanx", *worker_args])
+    try:
+        launch(spec, ["-m", "phalanx", *worker_args])
+    except Interrupted as e:
+        preempted = _preempted(run_dir) if e.signum == signal.SIGTERM else None
+        if preempted is None:
+            raise
+        print(_preempted_line(preempted), file=sys.stderr)
+        return EXIT_PREEMPTED
+    if (preempted := _preempted(run_dir)) is not None:  # a worker, not the launcher, got it
+        print(_preempted_line(preempted), file=sys.stderr)
+        return EXIT_PREEMPTED
     if args.node_rank == 0:
         _print_summary(json.loads((run_dir / "summary.json").read_text(encoding="utf-8")))
     return 0

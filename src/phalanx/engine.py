@@ -3,24 +3,27 @@
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from phalanx.errors import ConfigError
+from phalanx.errors import ConfigError, NonFiniteError
 from phalanx.exchange.autotune import LayoutTrials
 from phalanx.exchange.base import OptimizerFactory, Strategy, make_strategy
 from phalanx.exchange.buckets import FIRST_BUCKET_BYTES, GradientBuckets, plan_buckets
 from phalanx.exchange.compression import make_codec
 from phalanx.exchange.link import LinkModel, calibrate
 from phalanx.exchange.threshold import BackwardRecorder, Choice, agree_profile, choose_bucket_bytes
+from phalanx.faults import fault_at
 from phalanx.metrics import PhaseTimer, StepStats
-from phalanx.runtime.context import Context, current_context
+from phalanx.runtime.context import Context, current_context, on_shutdown
 
 logger = logging.getLogger("phalanx")
 AUTO = "auto"
+NONFINITE = ("skip", "abort", None)
 DEFAULT_BUCKET_MB = 25.0  # the layout until "auto" has measured enough to choose
 PROFILE_STEPS = 3  # backward steps profiled (after one warm-up step) before choosing
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
@@ -39,6 +42,23 @@ class Engine:
         rank used (per the buckets' summed usage flags) keep ``grad = None``.
       Phase 5: update (the strategy applies the optimizer).
     Parameters and buffers are broadcast from rank 0 at construction so all replicas start equal.
+
+    Lifecycle: ``close()`` is optional. The Engine registers its teardown with the Context at
+    construction, so ``phalanx.shutdown()`` and interpreter exit wait for pending send-backs
+    and stop the communication thread before the process group is destroyed. ``with
+    Engine(...) as engine:`` closes at the end of the block.
+
+    Reads of the model see the updated parameters: ``engine.module``, ``state_dict()`` of the
+    module or any submodule (a state-dict pre-hook waits for that submodule's parameters) and
+    every forward (a forward pre-hook does the same). With owner-update strategies
+    (``partitioned``, ``ps``) the updated parameters travel back in the background after
+    ``step`` returns, overlapping the next forward (F8/F19); only code that reads
+    ``param.data`` directly (``model.parameters()``, a kept reference to a weight) must call
+    ``engine.sync()`` first.
+
+    ``engine.optimizer`` is the same object for the whole run: bucket rebuilds (after step 1,
+    and while ``bucket_mb = "auto"`` chooses) re-point it at the new layout and move its
+    state, so an LR scheduler attached to it keeps acting.
     """
 
     def __init__(
@@ -53,14 +73,24 @@ class Engine:
         accumulate_steps: int = 1,
         first_bucket_mb: float | None = None,
         broadcast_buffers: bool = True,
+        nonfinite: str | None = "skip",
+        max_nonfinite: int = 10,
         context: Context | None = None,
     ) -> None:
         if bucket_mb != AUTO and (isinstance(bucket_mb, str) or not bucket_mb > 0):
             raise ConfigError(f"bucket_mb: got {bucket_mb!r}; allowed: a size > 0 (MiB) or 'auto'")
         if accumulate_steps < 1:
             raise ConfigError(f"accumulate_steps: must be >= 1, got {accumulate_steps}")
+        if nonfinite not in NONFINITE:
+            raise ConfigError(f"nonfinite: got {nonfinite!r}; allowed: 'skip', 'abort' or None")
+        if max_nonfinite < 0:
+            raise ConfigError(f"max_nonfinite: must be >= 0, got {max_nonfinite}")
+        self.nonfinite, self.max_nonfinite = nonfinite, max_nonfinite
+        self.num_nonfinite_steps = 0  # steps skipped over the run
+        self.consecutive_nonfinite = 0
         self.ctx = context or current_context()
-        self.module = model.to(self.ctx.device)
+        self._closed = False
+        self._module = model.to(self.ctx.device)
         self.loss_fn = loss_fn
         self.accumulate_steps = accumulate_steps
         self.broadcast_buffers = broadcast_buffers and any(True for _ in model.buffers())
@@ -69,7 +99,7 @@ class Engine:
         self.stats = StepStats()
         self.num_steps = 0
         self._broadcast_state()
-        self.trainable = [p for p in self.module.parameters() if p.requires_grad]
+        self.trainable = [p for p in self._module.parameters() if p.requires_grad]
         self.buckets = GradientBuckets(
             self.trainable,
             int((DEFAULT_BUCKET_MB if bucket_mb == AUTO else float(bucket_mb)) * 2**20),
@@ -80,7 +110,8 @@ class Engine:
         self.strategy.setup(self.ctx, self.buckets.buckets)
         self._optimizer_factory = optimizer
         self.optimizer = self.strategy.build_optimizer(self.trainable, optimizer)
-        self.strategy.register_module(self.module)
+        self.strategy.register_module(self._module)
+        self._unregister_teardown = on_shutdown(_close_if_alive(weakref.ref(self)))
         # bucket_mb = "auto" (F12): measure the link now, profile backward in the first steps,
         # then derive the threshold from the cost model (phalanx.exchange.threshold).
         self.link: LinkModel | None = None
@@ -99,7 +130,7 @@ class Engine:
         """Train on one batch; returns this rank's mean loss (a detached 0-dim tensor)."""
         timer = self._timer
         timer.start()
-        self.module.train()
+        self._module.train()
         # Phase 1: zero buckets; split into micro-batches.
         self.buckets.zero()
         self.strategy.begin_step()
@@ -113,32 +144,96 @@ class Engine:
             self._broadcast_buffers()
         self.buckets.arm(launch=True)  # a server runs no backward: flush launches every bucket
         # Phase 2: forward/backward; only the last micro-step launches the exchange.
+        skip = False
         for i, (x, y) in enumerate(micro):
-            loss = self.loss_fn(self.module(x), y)
+            loss = self._forward(x, y)
+            total_loss += loss.detach() / len(micro)
             timer.mark("forward")
-            self.buckets.arm(launch=i == len(micro) - 1)
-            if self._recorder is not None and i == len(micro) - 1:
+            last = i == len(micro) - 1
+            if last and (skip := self._nonfinite_before_exchange(total_loss)):
+                break
+            self.buckets.arm(launch=last)
+            if self._recorder is not None and last:
                 self._recorder.start()
             (loss * scale).backward()
             if self._recorder is not None:
                 self._recorder.stop()
             timer.mark("backward")
-            total_loss += loss.detach() / len(micro)
-        # Phase 3: launch the buckets unused parameters held back.
+        if not micro:  # a dedicated server joins the agreement the trainers make
+            skip = self._nonfinite_before_exchange(total_loss)
         launched_in_backward = sum(b.launched for b in self.buckets.buckets)
-        self.buckets.flush()
-        # Phase 4: wait for the exchange; parameters no rank used get no gradient.
-        self.strategy.finish()
-        timer.mark("exchange")
-        # Phase 5: update.
-        self.strategy.update(self.optimizer)
+        if not skip:
+            # Phase 3: launch the buckets unused parameters held back.
+            self.buckets.flush()
+            fault_at("exchange", self.num_steps)
+            # Phase 4: wait for the exchange; parameters no rank used get no gradient.
+            self.strategy.finish()
+            timer.mark("exchange")
+            skip = self._nonfinite_after_exchange()
+        # Phase 5: update (not for a step whose loss or gradients hold inf/NaN on any rank).
+        if not skip:
+            self.strategy.update(self.optimizer)
         timer.mark("optimizer")
+        self._count_nonfinite(skip)
         self._record(timer.read(), launched_in_backward)
-        self._maybe_rebuild_buckets()
-        self._maybe_finish_trials()
-        self._maybe_choose_threshold()
+        if not skip:
+            self._maybe_rebuild_buckets()
+            self._maybe_finish_trials()
+            self._maybe_choose_threshold()
         self.num_steps += 1
         return total_loss
+
+    def _forward(self, x: Any, y: torch.Tensor) -> torch.Tensor:
+        loss = self.loss_fn(self._module(x), y)
+        if fault_at("forward", self.num_steps) == "nan":
+            loss = loss * float("nan")
+        return loss
+
+    # -- the non-finite guard -----------------------------------------------------------------
+    def _nonfinite_before_exchange(self, loss: torch.Tensor) -> bool:
+        """Before the exchanging backward: where gradients are replicated, a rank whose loss
+        is inf/NaN poisons its buckets' usage flags (the verdict then travels with the
+        exchange) and False is returned; owner-update strategies, whose ranks never see the
+        whole gradient, agree here with one 1-element all-reduce and skip the exchange."""
+        if self.nonfinite is None:
+            return False
+        local_bad = self.strategy.is_trainer and not bool(torch.isfinite(loss))
+        if self.strategy.replicates_gradients:
+            self.buckets.poison = local_bad
+            return False
+        flag = torch.tensor([float(local_bad)], device=self.ctx.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.ctx.group)
+        return bool(flag.item() > 0)
+
+    def _nonfinite_after_exchange(self) -> bool:
+        """Replicated gradients: every rank checks the same exchanged buckets (NaN flags from
+        a rank with a bad loss included), so all reach the same verdict."""
+        if self.nonfinite is None or not self.strategy.replicates_gradients:
+            return False
+        finite = [torch.isfinite(b.flat).all() for b in self.buckets.buckets]
+        return not bool(torch.stack(finite).all())
+
+    def _count_nonfinite(self, skipped: bool) -> None:
+        if not skipped:
+            self.consecutive_nonfinite = 0
+            return
+        self.num_nonfinite_steps += 1
+        self.consecutive_nonfinite += 1
+        for p in self.trainable:
+            p.grad = None
+        logger.warning(
+            "phalanx: step %d: inf/NaN loss or gradients, update skipped", self.num_steps
+        )
+        if self.nonfinite == "abort" or self.consecutive_nonfinite > self.max_nonfinite:
+            raise NonFiniteError(
+                f"step {self.num_steps}: loss or gradients are inf/NaN"
+                + (
+                    f" for {self.consecutive_nonfinite} consecutive steps (max_nonfinite = "
+                    f"{self.max_nonfinite})"
+                    if self.nonfinite == "skip"
+                    else " (nonfinite = 'abort')"
+                )
+            )
 
     @property
     def is_trainer(self) -> bool:
@@ -182,6 +277,7 @@ class Engine:
             num_buckets=len(self.buckets.buckets),
             buckets_launched_in_backward=launched_in_backward,
             nonfinite_messages=self.strategy.codec.num_nonfinite,
+            nonfinite_skipped=self.consecutive_nonfinite > 0,
         )
 
     def _maybe_rebuild_buckets(self) -> None:
@@ -265,25 +361,26 @@ class Engine:
     ) -> None:
         """New bucket layout; parameters and optimizer state (even sharded) carry over."""
         self.strategy.sync()
-        state = self.strategy.optimizer_state_dict(self.optimizer, self.trainable)
+        carried = self.strategy.carry_optimizer_state(self.optimizer, self.trainable)
         self.buckets.bucket_bytes = bucket_bytes
         if first_bucket_bytes is not None:
             self.buckets.first_bucket_bytes = first_bucket_bytes
         self.buckets.build(order)
         self.strategy.setup(self.ctx, self.buckets.buckets)
-        self.optimizer = self.strategy.build_optimizer(self.trainable, self._optimizer_factory)
-        self.strategy.load_optimizer_state_dict(self.optimizer, self.trainable, state)
-        self.strategy.register_module(self.module)
+        self.strategy.rebind_optimizer(
+            self.optimizer, self.trainable, self._optimizer_factory, carried
+        )
+        self.strategy.register_module(self._module)
 
     # -- state --------------------------------------------------------------------------------
     def _broadcast_state(self) -> None:
         with torch.no_grad():
-            for tensor in [*self.module.parameters(), *self.module.buffers()]:
+            for tensor in [*self._module.parameters(), *self._module.buffers()]:
                 dist.broadcast(tensor.data, src=0, group=self.ctx.group)
 
     def _broadcast_buffers(self) -> None:
         with torch.no_grad():
-            for buffer in self.module.buffers():
+            for buffer in self._module.buffers():
                 dist.broadcast(buffer, src=0, group=self.ctx.group)
 
     def state_dict(self) -> dict[str, Any]:
@@ -291,7 +388,7 @@ class Engine:
         Collective for sharded strategies: call it on every rank."""
         self.strategy.sync()
         return {
-            "model": self.module.state_dict(),
+            "model": self._module.state_dict(),
             "optimizer": self.strategy.optimizer_state_dict(self.optimizer, self.trainable),
             "num_steps": self.num_steps,
         }
@@ -305,7 +402,7 @@ class Engine:
         self.num_steps = int(state.get("num_steps", 0))
 
     def _state_tensor(self, name: str) -> torch.Tensor:
-        tensors = dict(self.module.state_dict(keep_vars=True))
+        tensors = dict(self._module.state_dict(keep_vars=True))
         if name not in tensors:
             raise KeyError(f"checkpoint has {name!r}, which the model does not")
         return (
@@ -321,7 +418,40 @@ class Engine:
         """Bytes of optimizer state on this rank."""
         return self.strategy.optimizer_bytes(self.optimizer)
 
+    @property
+    def module(self) -> torch.nn.Module:
+        """The wrapped model, holding the updated parameters (waits for any still arriving)."""
+        if not self._closed:
+            self.strategy.sync()
+        return self._module
+
     def close(self) -> None:
-        """Remove hooks and stop background work (the model then works without the Engine)."""
-        self.strategy.close()
-        self.buckets.remove_hooks()
+        """Wait for pending parameters, remove hooks and stop background work (idempotent; the
+        model then works without the Engine). Runs by itself at ``phalanx.shutdown()`` and at
+        interpreter exit."""
+        if self._closed:
+            return
+        self._closed = True
+        self._unregister_teardown()
+        try:
+            self.strategy.close()
+        finally:
+            self.buckets.remove_hooks()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _close_if_alive(ref: weakref.ref) -> Callable[[], None]:
+    """A teardown that closes the Engine if it still exists (the registry must not keep an
+    Engine alive after the user dropped it)."""
+
+    def teardown() -> None:
+        engine = ref()
+        if engine is not None:
+            engine.close()
+
+    return teardown

@@ -25,3 +25,17 @@ class WorkerError(PhalanxError):
     def __init__(self, rank: int, message: str) -> None:
         super().__init__(f"rank {rank} failed: {message}")
         self.rank = rank
+
+
+class NonFiniteError(PhalanxError):
+    """Training stopped: losses or gradients stayed inf/NaN (the message names the step)."""
+
+
+class Interrupted(PhalanxError):
+    """The run was stopped by a signal (Ctrl-C, a scheduler's SIGTERM)."""
+
+    def __init__(self, signum: int) -> None:
+        import signal
+
+        self.signum = signum
+        super().__init__(f"stopped by {signal.Signals(signum).name}")

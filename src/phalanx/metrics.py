@@ -31,6 +31,7 @@ class StepStats:
     num_buckets: int = 0
     buckets_launched_in_backward: int = 0
     nonfinite_messages: int = 0  # compressed gradient messages that held inf/NaN (reported)
+    nonfinite_skipped: bool = False  # the update was skipped: inf/NaN loss or gradients
     input_wait_s: float = 0.0  # time the trainer blocked on the input pipeline (set by it)
     input_buffers_ready: int = 0  # pipeline buffers ready when the batch was asked for
 

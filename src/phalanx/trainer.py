@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import json
 import math
+import signal
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -34,6 +36,9 @@ if TYPE_CHECKING:
     from phalanx.config import RunConfig
 
 
+PREEMPTED = "preempted.json"  # written when a SIGTERM stopped the run after a checkpoint
+
+
 @dataclass(kw_only=True)
 class TrainConfig:
     """The loop: how long, how often to validate, log and where the run directory is."""
@@ -45,6 +50,10 @@ class TrainConfig:
     seed: int = option(0, "model initialisation and dropout seed")
     run_dir: str = option("", "run directory (default: runs/<config name>-<time>)")
     progress: bool = option(True, "show a progress bar on rank 0")
+    nonfinite: Literal["skip", "abort"] = option(
+        "skip", "a step with inf/NaN loss or gradients: skip its update on every rank, or stop"
+    )
+    max_nonfinite: int = option(10, "stop after this many consecutive skipped steps")
 
     def __post_init__(self) -> None:
         require(self.steps >= 0, "steps", f"must be >= 0, got {self.steps}")
@@ -56,6 +65,7 @@ class TrainConfig:
             f"must be >= 1, got {self.accumulate_steps}",
         )
         require(self.val_every >= 0, "val_every", f"must be >= 0, got {self.val_every}")
+        require(self.max_nonfinite >= 0, "max_nonfinite", f"must be >= 0, got {self.max_nonfinite}")
 
 
 def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -120,6 +130,8 @@ class Trainer:
             bucket_mb=config.exchange.bucket_mb,
             compress=config.exchange.compress,
             accumulate_steps=config.train.accumulate_steps,
+            nonfinite=config.train.nonfinite,
+            max_nonfinite=config.train.max_nonfinite,
             context=self.ctx,
         )
         # Data is sharded over the ranks that train (dedicated parameter servers don't).
@@ -132,10 +144,13 @@ class Trainer:
         )  # fmt: skip
         self.total_steps = config.train.steps or config.train.epochs * self.loader.steps_per_epoch
         self.step = 0
+        self.preempted = False  # a SIGTERM arrived: checkpoint at the next step boundary, stop
+        self._stop_requested = False
         if resume:
             self._restore()
         elif self.ctx.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / PREEMPTED).unlink(missing_ok=True)
             checkpoint.atomic_write_text(
                 self.run_dir / "config.json", json.dumps(config.to_dict(), indent=2) + "\n"
             )
@@ -149,17 +164,19 @@ class Trainer:
         progress = Progress(self.total_steps, self.step, enabled=is_main and train.progress)
         global_batch = self.loader.global_batch
         train_time, metrics, start_step = 0.0, {}, self.step
+        restore_handler = self._catch_sigterm()
         try:
-            while self.step < self.total_steps:
+            while self.step < self.total_steps and not self.preempted:
                 t0 = time.perf_counter()
                 x, y = self.loader.next()
-                loss = self._global_mean(self.engine.step(x, y))
+                loss, self.preempted = self._global_mean(self.engine.step(x, y))
                 self.engine.stats.input_wait_s = self.loader.last_wait_s
                 self.engine.stats.input_buffers_ready = self.loader.last_ready
                 elapsed = time.perf_counter() - t0
                 train_time += elapsed
                 self.step += 1
                 record = {"step": self.step, "loss": loss, "time_s": elapsed, **self._stats()}
+                record["lr"] = self.engine.optimizer.param_groups[0]["lr"]
                 if self._threshold_chosen_now() and is_main:
                     progress.write(f"step {self.step}: {self.engine.threshold.describe()}")
                     progress.write(f"step {self.step}: {self.engine.threshold_trials}")
@@ -170,13 +187,16 @@ class Trainer:
                 if writer:
                     writer.write(record)
                 progress.update(loss, global_batch / elapsed, _input_text(self.loader))
-                if self._due(self.config.checkpoint.every):
+                if self._due(self.config.checkpoint.every) or self.preempted:
                     self._save()
         finally:
+            restore_handler()
             self.loader.close()
             progress.close()
             if writer:
                 writer.close()
+        if self.preempted:
+            return self._stop_preempted(start_step, train_time)
         if not metrics:  # nothing validated yet (e.g. resumed at the end)
             metrics = evaluate(self.engine.module, self.data, ctx, shard=self.shard)
         if self.config.checkpoint.every == 0 or self.step % self.config.checkpoint.every:
@@ -190,6 +210,7 @@ class Trainer:
             **metrics,
             "samples_per_s": steps_run * global_batch / train_time if train_time else 0.0,
             "train_time_s": train_time,
+            "nonfinite_steps": self.engine.num_nonfinite_steps,
         }
         if is_main:
             checkpoint.atomic_write_text(
@@ -215,11 +236,44 @@ class Trainer:
     def _due(self, every: int) -> bool:
         return self.step == self.total_steps or (every > 0 and self.step % every == 0)
 
-    def _global_mean(self, loss: torch.Tensor) -> float:
-        """The global batch's mean loss (dedicated servers contribute nothing)."""
-        value = loss.detach().reshape(1).to(torch.float64) * float(self.engine.is_trainer)
+    def _global_mean(self, loss: torch.Tensor) -> tuple[float, bool]:
+        """The global batch's mean loss (dedicated servers contribute nothing), and whether
+        any rank was asked to stop (SIGTERM): the same all-reduce carries both, so every rank
+        stops at the same step boundary with no extra message."""
+        value = torch.zeros(2, dtype=torch.float64, device=self.ctx.device)
+        value[0] = loss.detach().to(torch.float64) * float(self.engine.is_trainer)
+        value[1] = float(self._stop_requested)
         dist.all_reduce(value, group=self.ctx.group)
-        return float(value.item() / self.engine.data_world_size)
+        return float(value[0].item() / self.engine.data_world_size), bool(value[1].item() > 0)
+
+    def _catch_sigterm(self) -> Any:
+        """A scheduler's preemption (SIGTERM) asks for a checkpoint at the next step boundary;
+        returns the function that puts the previous handler back."""
+        if threading.current_thread() is not threading.main_thread():
+            return lambda: None
+        previous = signal.getsignal(signal.SIGTERM)
+
+        def request_stop(signum: int, frame: Any) -> None:
+            self._stop_requested = True
+
+        signal.signal(signal.SIGTERM, request_stop)
+        return lambda: signal.signal(signal.SIGTERM, previous)
+
+    def _stop_preempted(self, start_step: int, train_time: float) -> dict[str, Any]:
+        """After the preemption checkpoint: record it for the launcher, return a summary."""
+        summary = {
+            "run_dir": str(self.run_dir),
+            "steps": self.step,
+            "world_size": self.ctx.world_size,
+            "preempted": True,
+            "train_time_s": train_time,
+            "steps_run": self.step - start_step,
+        }
+        if self.ctx.is_main:
+            checkpoint.atomic_write_text(
+                self.run_dir / PREEMPTED, json.dumps(summary, indent=2) + "\n"
+            )
+        return summary
 
     def _stats(self) -> dict[str, Any]:
         stats = self.engine.stats
@@ -231,6 +285,7 @@ class Trainer:
             "bytes_sent": stats.bytes_sent,
             "input_wait_s": stats.input_wait_s,
             "input_buffers_ready": stats.input_buffers_ready,
+            "nonfinite_skipped": stats.nonfinite_skipped,
         }
 
     # -- checkpoints --------------------------------------------------------------------------
@@ -253,6 +308,8 @@ class Trainer:
 
     def _restore(self) -> None:
         payload = checkpoint.load(self.run_dir / "checkpoints")
+        if self.ctx.is_main:
+            (self.run_dir / PREEMPTED).unlink(missing_ok=True)
         self.engine.load_state_dict(payload["engine"])
         self.loader.load_state_dict(payload["data"])
         self.step = int(payload["step"])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from phalanx.runtime.launch import _root_cause
+from phalanx.runtime.launch import _failure_message, _root_cause
 
 
 def _failure(message: str, exitcode: int = 1, timestamp: int = 100) -> SimpleNamespace:
@@ -28,3 +28,23 @@ def test_peer_loss_and_stop_signals_are_consequences() -> None:
 def test_earliest_then_lowest_rank_among_equals() -> None:
     assert _root_cause({0: _failure("A", timestamp=5), 1: _failure("B", timestamp=4)})[0] == 1
     assert _root_cause({0: _failure("A"), 1: _failure("B")})[0] == 0
+
+
+def test_a_rank_killed_by_a_signal_is_the_cause_and_the_signal_is_named() -> None:
+    """kill -9 of rank 1: rank 0 fails first with "Connection reset by peer", the launcher
+    stops rank 2 with SIGTERM; rank 1 is the cause, reported with the signal's name."""
+    failures = {
+        0: _failure("RuntimeError: Read error: Connection reset by peer", timestamp=97),
+        1: _failure("Signal 9 (SIGKILL) received by PID 4242", exitcode=-9, timestamp=99),
+        2: _failure("", exitcode=-15, timestamp=98),
+    }
+    rank, failure = _root_cause(failures)
+    assert rank == 1
+    assert _failure_message(failure).startswith("killed — out of memory? (SIGKILL")
+
+
+def test_signal_messages() -> None:
+    assert _failure_message(_failure("", exitcode=-11)).startswith("crashed (segmentation fault)")
+    assert _failure_message(_failure("", exitcode=-6)).startswith("aborted (SIGABRT")
+    assert _failure_message(_failure("", exitcode=-1)).startswith("killed (SIGHUP")
+    assert _failure_message(_failure("ValueError: x", exitcode=1)) == "ValueError: x (exit code 1)"

@@ -112,6 +112,12 @@ class Strategy(ABC):
         """Whether this rank runs forward and backward (False on dedicated servers)."""
         return True
 
+    @property
+    def replicates_gradients(self) -> bool:
+        """Whether every rank holds the whole mean gradient after ``finish()`` (so each can
+        check it for inf/NaN and all reach the same verdict with no extra message)."""
+        return True
+
     def data_parallel(self) -> tuple[int, int]:
         """(index, count) of this rank among the ranks that train on data."""
         assert self.ctx is not None, "setup() first"
@@ -126,6 +132,26 @@ class Strategy(ABC):
     ) -> torch.optim.Optimizer:
         """The optimizer over ``params`` (sharded strategies build it on their shard)."""
         return factory(params)
+
+    def carry_optimizer_state(
+        self, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter]
+    ) -> Any:
+        """Before a bucket rebuild: what ``rebind_optimizer`` needs to move the optimizer's
+        state to the new layout (None here: the optimizer steps the parameters themselves,
+        which a rebuild does not replace)."""
+        del optimizer, params
+        return None
+
+    def rebind_optimizer(
+        self,
+        optimizer: torch.optim.Optimizer,
+        params: list[torch.nn.Parameter],
+        factory: OptimizerFactory,
+        carried: Any,
+    ) -> None:
+        """After ``setup`` on a new layout: point the *same* optimizer object at the layout's
+        parameters with its state moved (a scheduler attached to it keeps acting)."""
+        del optimizer, params, factory, carried
 
     def gradient_scale(self) -> float:
         """Factor the Engine folds into the loss so the exchanged sums are means (1/p)."""

@@ -103,6 +103,7 @@ class GradientBuckets:
         self.used = bytearray(len(self.params))
         self.ready_order: list[int] = []
         self.launch_enabled = False
+        self.poison = False  # this rank's loss was inf/NaN: every bucket says so to the others
         self._next_launch = 0
         self._num_pending_total = 0
         self.buckets: list[Bucket] = []
@@ -166,6 +167,7 @@ class GradientBuckets:
             for p in bucket.params:
                 p.grad = None
         self.used = bytearray(len(self.params))
+        self.poison = False
 
     def arm(self, launch: bool) -> None:
         """Before a micro-step's backward: whether completed buckets launch their exchange."""
@@ -213,6 +215,8 @@ class GradientBuckets:
                 if not flag:  # never written this step: it sends zeros, and receives the
                     view.zero_()  # other ranks' gradient like every parameter
                     p.grad = view
+        if self.poison:  # the summed flags turn NaN on every rank: one verdict, no message
+            bucket.flags.fill_(float("nan"))
         bucket.launch_time = time.perf_counter()
         bucket.pending_grads_at_launch = self._num_pending_total
         self._next_launch += 1

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from phalanx.exchange.base import Strategy
+from phalanx.exchange.base import OptimizerFactory, Strategy
 from phalanx.exchange.comm import CommThread, wait
 from phalanx.exchange.sharding import ShardedParameters
 
@@ -31,6 +31,10 @@ class OwnerUpdateStrategy(Strategy):
         self._pending_params: dict[int, Any] = {}
         self._hooks: list = []
 
+    @property
+    def replicates_gradients(self) -> bool:
+        return False  # each owner holds only its partitions' reduced gradients
+
     def _ensure_comm(self, device: torch.device) -> CommThread:
         if self.comm is None:
             self.comm = CommThread(device)
@@ -48,10 +52,13 @@ class OwnerUpdateStrategy(Strategy):
             own = sub.parameters(recurse=False)
             indices = sorted({bucket_of[id(p)] for p in own if id(p) in bucket_of})
             if indices:
-                self._hooks.append(sub.register_forward_pre_hook(self._waiter(indices)))
+                waiter = self._waiter(indices)
+                self._hooks.append(sub.register_forward_pre_hook(waiter))
+                # state_dict() of this submodule (or any parent) reads the updated values too.
+                self._hooks.append(sub.register_state_dict_pre_hook(waiter))
 
     def _waiter(self, indices: list[int]) -> Any:
-        def hook(module: torch.nn.Module, args: Any) -> None:
+        def hook(module: torch.nn.Module, *args: Any) -> None:
             for b in indices:
                 self._wait_params(b)
 
@@ -66,6 +73,31 @@ class OwnerUpdateStrategy(Strategy):
         for b in list(self._pending_params):
             self._wait_params(b)
 
+    # -- the optimizer across bucket rebuilds ---------------------------------------------------
+    def carry_optimizer_state(self, optimizer: torch.optim.Optimizer, params: list) -> Any:
+        """The canonical per-parameter state (collective: every rank rebuilds at one step)."""
+        return self.optimizer_state_dict(optimizer, params)
+
+    def rebind_optimizer(
+        self,
+        optimizer: torch.optim.Optimizer,
+        params: list,
+        factory: OptimizerFactory,
+        carried: Any,
+    ) -> None:
+        """Point the optimizer's group at this layout's shard Parameters, then load the carried
+        state into them (hyperparameters a scheduler changed travel in ``carried``)."""
+        assert self.sharded is not None
+        del factory
+        if len(optimizer.param_groups) != 1:
+            raise ValueError(
+                f"{type(self).__name__}: the optimizer factory must build one parameter group "
+                f"over the shard it is given, got {len(optimizer.param_groups)}"
+            )
+        optimizer.param_groups[0]["params"] = self.sharded.shard_params()
+        optimizer.state.clear()
+        self.load_optimizer_state_dict(optimizer, params, carried)
+
     # -- accounting and state -----------------------------------------------------------------
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer, params: list) -> dict:
         assert self.sharded is not None and self.ctx is not None
@@ -79,9 +111,12 @@ class OwnerUpdateStrategy(Strategy):
         self.sharded.load_canonical_state(optimizer, params, state)
 
     def close(self) -> None:
-        self.sync()
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
-        if self.comm is not None:
-            self.comm.close()
+        try:
+            self.sync()
+        finally:  # a peer that died makes sync fail: still unhook and stop the thread
+            for h in self._hooks:
+                h.remove()
+            self._hooks = []
+            self._pending_params.clear()
+            if self.comm is not None:
+                self.comm.close()

@@ -12,7 +12,9 @@ bucket, so buckets are served layer by layer while backward continues, F8):
   Phase 2 (update): the server steps the optimizer on that partition only, as soon as every
     worker's gradient for it has arrived.
   Phase 3 (pull): the server sends the updated partition back to every worker (``star``) or down
-    the same tree. A layer's next forward waits only for its own bucket's pull.
+    the same tree. A layer's next forward waits only for its own bucket's pull. ``step`` returns
+    once every server stepped (Phase 2), so a learning-rate scheduler stepped afterwards never
+    changes the rate of an update still in flight.
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ class ParameterServer(OwnerUpdateStrategy):
         self.config = ParamServerConfig(**options)
         self.optimizer: torch.optim.Optimizer | None = None
         self._pushed: list[tuple[threading.Event, Any]] = []
+        self._updated: list[tuple[threading.Event, Any]] = []
 
     # -- roles --------------------------------------------------------------------------------
     @property
@@ -102,17 +105,26 @@ class ParameterServer(OwnerUpdateStrategy):
         self.optimizer = factory(self.sharded.shard_params())
         return self.optimizer
 
+    def rebind_optimizer(
+        self, optimizer: torch.optim.Optimizer, params: list, factory: Any, carried: Any
+    ) -> None:
+        super().rebind_optimizer(optimizer, params, factory, carried)
+        self.optimizer = optimizer  # the servers step the user's optimizer object
+
     # -- the per-bucket job -------------------------------------------------------------------
     def launch(self, bucket: Bucket) -> None:
         assert self.comm is not None
         self._wait_params(bucket.index)
-        pushed = threading.Event()
+        pushed, updated = threading.Event(), threading.Event()
         self.count_bytes(*self._pull_bytes(bucket))  # the pull ends in the background: tally it now
-        job = self.comm.submit(lambda: self._serve_bucket(bucket, pushed))
+        job = self.comm.submit(lambda: self._serve_bucket(bucket, pushed, updated))
         self._pushed.append((pushed, job))
+        self._updated.append((updated, job))
         self._pending_params[bucket.index] = job
 
-    def _serve_bucket(self, bucket: Bucket, pushed: threading.Event) -> None:
+    def _serve_bucket(
+        self, bucket: Bucket, pushed: threading.Event, updated: threading.Event
+    ) -> None:
         """Runs on the communication thread, partition by partition."""
         assert self.ctx is not None and self.sharded is not None
         owners = self._owners()
@@ -122,9 +134,11 @@ class ParameterServer(OwnerUpdateStrategy):
             lo, hi = self.ranges[bucket.index][m]
             summed[m] = self._push(grads[lo:hi], owner)
         pushed.set()  # the gradient buffer may be reused from here on
-        for m, owner in enumerate(owners):  # Phase 2: update; Phase 3: pull
+        for m, owner in enumerate(owners):  # Phase 2: update
             if owner == self.ctx.rank:
                 self._update(bucket, m, summed[m])
+        updated.set()  # the optimizer's hyperparameters may change from here on
+        for m, owner in enumerate(owners):  # Phase 3: pull
             lo, hi = self.ranges[bucket.index][m]
             self._pull(self.sharded.flats[bucket.index], lo, hi, owner)
 
@@ -221,13 +235,21 @@ class ParameterServer(OwnerUpdateStrategy):
     # -- the Engine's phases ------------------------------------------------------------------
     def finish(self) -> None:
         """Wait until every bucket was pushed (the gradient buffers are free again)."""
-        for pushed, job in self._pushed:
-            while not pushed.wait(0.05):
-                if job.done():
-                    job.result()  # re-raises the job's error
+        _wait_events(self._pushed)
         self._pushed = []
 
     def update(self, optimizer: torch.optim.Optimizer) -> None:
-        """Nothing left: servers update each bucket as it arrives; pulls finish in the
-        background and each layer's forward waits for its own."""
+        """Wait until the servers stepped every bucket (so the step used this step's learning
+        rate, whatever a scheduler does next); pulls finish in the background and each
+        layer's forward waits for its own."""
         del optimizer
+        _wait_events(self._updated)
+        self._updated = []
+
+
+def _wait_events(pending: list[tuple[threading.Event, Any]]) -> None:
+    """Wait for each event; a job that ended without setting its event re-raises its error."""
+    for event, job in pending:
+        while not event.wait(0.05):
+            if job.done():
+                job.result()

@@ -160,13 +160,13 @@ class CollectiveSchedule(PartitionSchedule):
 
     def reduce(self, flat: torch.Tensor, layout: Layout, count: Count) -> tuple[torch.Tensor, int]:
         out = flat.new_empty(flat.numel() // self.world_size)
-        dist.reduce_scatter_single(out, flat, group=self.group)
+        dist.reduce_scatter_tensor(out, flat, group=self.group)
         count(out.nbytes * (self.world_size - 1), out.nbytes * (self.world_size - 1))
         return out, layout.ranges[self.rank][0]
 
     def send_back(self, flat: torch.Tensor, layout: Layout) -> None:
         lo, hi = layout.ranges[self.rank]
-        dist.all_gather_single(flat, flat[lo:hi].clone(), group=self.group)
+        dist.all_gather_into_tensor(flat, flat[lo:hi].clone(), group=self.group)
 
     def send_back_bytes(self, layout: Layout, itemsize: int) -> tuple[int, int]:
         lo, hi = layout.ranges[self.rank]

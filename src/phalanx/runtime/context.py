@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -64,6 +66,23 @@ class Context:
 
 
 _CONTEXT: Context | None = None
+# Teardowns of objects that use the process group (Engines: pending send-backs, communication
+# threads). They run before the group is destroyed, newest first: destroying a Gloo group while
+# a thread still waits in it aborts the process ("terminate called without an active exception").
+_TEARDOWNS: list[Callable[[], None]] = []
+logger = logging.getLogger("phalanx")
+
+
+def on_shutdown(teardown: Callable[[], None]) -> Callable[[], None]:
+    """Run ``teardown`` at ``shutdown()`` (and so at interpreter exit) before the process group
+    goes; returns a function that unregisters it (for objects closed earlier by hand)."""
+    _TEARDOWNS.append(teardown)
+
+    def unregister() -> None:
+        if teardown in _TEARDOWNS:
+            _TEARDOWNS.remove(teardown)
+
+    return unregister
 
 
 def current_context() -> Context:
@@ -110,8 +129,15 @@ def init(
 
 
 def shutdown() -> None:
-    """Destroy the process group (idempotent); runs at exit and when a Context is closed."""
+    """Close what uses the group (newest first), then destroy the group (idempotent); runs at
+    interpreter exit, so a script that never calls it still exits cleanly."""
     global _CONTEXT
+    while _TEARDOWNS:
+        teardown = _TEARDOWNS.pop()
+        try:
+            teardown()
+        except Exception as e:  # noqa: BLE001 - the group must still be destroyed
+            logger.warning("phalanx: teardown at shutdown failed: %s: %s", type(e).__name__, e)
     _CONTEXT = None
     if dist.is_initialized():
         dist.destroy_process_group()

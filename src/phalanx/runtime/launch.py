@@ -9,13 +9,14 @@ use the static rendezvous: every node gets the same ``--nnodes``, ``--master-add
 from __future__ import annotations
 
 import logging
+import signal
 import socket
 import sys
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from phalanx.errors import WorkerError
+from phalanx.errors import Interrupted, WorkerError
 
 
 @dataclass(kw_only=True)
@@ -28,6 +29,7 @@ class LaunchSpec:
     master_addr: str = "127.0.0.1"
     master_port: int = 0  # 0: pick a free port (single node only)
     threads: int = 1  # OMP_NUM_THREADS of each worker
+    max_restarts: int = 0  # restart the whole group this many times after a worker dies
     debug: bool = False
 
     def __post_init__(self) -> None:
@@ -37,6 +39,8 @@ class LaunchSpec:
             raise ValueError(f"--node-rank must be in [0, {self.nnodes}), got {self.node_rank}")
         if self.nnodes > 1 and self.master_port == 0:
             raise ValueError("--master-port is required with --nnodes > 1")
+        if self.max_restarts < 0:
+            raise ValueError(f"--max-restarts must be >= 0, got {self.max_restarts}")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -50,11 +54,15 @@ def launch(spec: LaunchSpec, python_args: list[str]) -> None:
 
     ``python_args`` is e.g. ``["-m", "phalanx", "train", "cfg.toml"]`` or a script and its args.
 
-    Raises WorkerError naming the first failed rank and its error; the launcher stops the
-    remaining workers when one fails, so nothing waits for a dead peer.
+    Raises WorkerError naming the rank that caused the failure and why (a signal by name);
+    the launcher stops the remaining workers when one fails, so nothing waits for a dead peer.
+    With ``spec.max_restarts`` the group is restarted instead, that many times at most.
+    Raises Interrupted when this process gets SIGINT, SIGTERM or SIGHUP: the workers receive
+    the same signal (and are killed if they outlive the elastic agent's grace period).
     """
     import os
 
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -70,7 +78,7 @@ def launch(spec: LaunchSpec, python_args: list[str]) -> None:
         rdzv_backend="static",
         rdzv_endpoint=f"{spec.master_addr}:{port}",
         rdzv_configs={"rank": spec.node_rank, "timeout": 120},
-        max_restarts=0,
+        max_restarts=spec.max_restarts,
         monitor_interval=0.2,
         start_method="spawn",
     )
@@ -79,32 +87,60 @@ def launch(spec: LaunchSpec, python_args: list[str]) -> None:
     except ChildFailedError as e:
         rank, failure = _root_cause(e.failures)
         raise WorkerError(rank, _failure_message(failure)) from None
+    except SignalException as e:
+        raise Interrupted(int(e.sigval)) from None
 
 
 # A rank that loses its peer fails too ("connection closed by peer"), often within the same
 # second as the rank that really failed, and the launcher then stops the others with SIGTERM:
 # both are consequences, not the cause.
 PEER_LOSS = ("closed by peer", "reset by peer", "remote worker crashing", "remote process exit")
+# Signals the launcher itself sends to stop the ranks that are left.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+SIGNAL_HINTS = {
+    signal.SIGKILL: "killed — out of memory?",
+    signal.SIGSEGV: "crashed (segmentation fault)",
+    signal.SIGBUS: "crashed (bus error)",
+    signal.SIGABRT: "aborted",
+    signal.SIGFPE: "crashed (floating-point exception)",
+}
 
 
 def _root_cause(failures: dict[int, Any]) -> tuple[int, Any]:
-    """The failure to report: a rank's own error before a lost peer or a stop signal, one
-    that left an error message before a bare exit code (a rank that lost its peer inside the
-    backend often exits without one), then the earliest (timestamps are whole seconds, so
-    they often tie), then the lowest rank."""
+    """The failure to report, in this order: a rank a signal killed (not the launcher's own
+    stop signal: SIGKILL from the OOM killer, a segfault); a rank's own error before a lost
+    peer or a stop signal; one that left an error message before a bare exit code (a rank
+    that lost its peer inside the backend often exits without one); then the earliest
+    (timestamps are whole seconds, so they often tie), then the lowest rank."""
 
-    def key(item: tuple[int, Any]) -> tuple[bool, bool, int, int]:
+    def key(item: tuple[int, Any]) -> tuple[bool, bool, bool, int, int]:
         rank, failure = item
         message = _failure_message(failure).lower()
-        stopped = (getattr(failure, "exitcode", 0) or 0) < 0
-        consequence = stopped or any(p in message for p in PEER_LOSS)
+        signum = _signal_of(failure)
+        killed = signum is not None and signum not in STOP_SIGNALS
+        consequence = signum in STOP_SIGNALS or any(p in message for p in PEER_LOSS)
         bare = message.startswith("exit code")
-        return (consequence, bare, getattr(failure, "timestamp", 0), rank)
+        return (not killed, consequence, bare, getattr(failure, "timestamp", 0), rank)
 
     return min(failures.items(), key=key)
 
 
+def _signal_of(failure: object) -> signal.Signals | None:
+    """The signal that ended the rank (exit code -N), or None for a normal exit."""
+    exitcode = getattr(failure, "exitcode", 0) or 0
+    if exitcode >= 0:
+        return None
+    try:
+        return signal.Signals(-exitcode)
+    except ValueError:
+        return None
+
+
 def _failure_message(failure: object) -> str:
+    signum = _signal_of(failure)
+    if signum is not None:
+        hint = SIGNAL_HINTS.get(signum, "killed")
+        return f"{hint} ({signum.name}, pid {getattr(failure, 'pid', '?')})"
     message = getattr(failure, "message", "") or ""
     exitcode = getattr(failure, "exitcode", None)
     if isinstance(message, dict):  # the error file's structure

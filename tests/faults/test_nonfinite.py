@@ -1,0 +1,114 @@
+"""The non-finite guard: a step whose loss is NaN on one rank is skipped on every rank alike,
+for every strategy; parameters then equal one-process training that skipped that batch;
+``max_nonfinite`` consecutive skips (or ``nonfinite = "abort"``) stop with the step named."""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+from torch import nn
+
+import phalanx as px
+from phalanx.errors import NonFiniteError
+from tests.helpers.spawn import run_ranks
+
+STRATEGIES = ["allreduce", "tree", "partitioned", "ps"]
+STEPS, LOCAL_BATCH, BAD_STEP = 5, 4, 2
+ADAM = functools.partial(torch.optim.Adam, lr=0.01)
+
+
+def _batches(world: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    n = LOCAL_BATCH * world
+    return [(torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g))
+            for _ in range(STEPS)]  # fmt: skip
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+class PoisonedLoss:
+    """Cross entropy, NaN on ``rank`` at the calls listed in ``bad_calls``."""
+
+    def __init__(self, rank: int, bad_calls: set[int]) -> None:
+        self.rank, self.bad_calls, self.calls = rank, bad_calls, 0
+
+    def __call__(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = nn.functional.cross_entropy(out, y)
+        bad = self.calls in self.bad_calls and px.init().rank == self.rank
+        self.calls += 1
+        return loss * float("nan") if bad else loss
+
+
+def _reference(batches: list) -> dict[str, torch.Tensor]:
+    model = _model()
+    opt = ADAM(model.parameters())
+    for step, (x, y) in enumerate(batches):
+        if step == BAD_STEP:
+            continue  # skipped: no update, no optimizer step count
+        opt.zero_grad(set_to_none=True)
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _guarded(ctx: px.Context) -> dict:
+    batches, out = _batches(ctx.world_size), {}
+    bad_rank = ctx.world_size - 1
+    for strategy in STRATEGIES:
+        loss_fn = PoisonedLoss(bad_rank, {BAD_STEP})
+        engine = px.Engine(copy.deepcopy(_model()), loss_fn, ADAM, exchange=strategy, context=ctx)
+        skipped = []
+        for x, y in batches:
+            lo = ctx.rank * LOCAL_BATCH
+            engine.step(x[lo : lo + LOCAL_BATCH], y[lo : lo + LOCAL_BATCH])
+            skipped.append(engine.stats.nonfinite_skipped)
+        out[strategy] = {
+            "state": {k: v.clone() for k, v in engine.module.state_dict().items()},
+            "skipped": skipped,
+            "count": engine.num_nonfinite_steps,
+        }
+        engine.close()
+    # Consecutive skips beyond max_nonfinite stop training, naming the step.
+    loss_fn = PoisonedLoss(0, {0, 1, 2})
+    engine = px.Engine(_model(), loss_fn, ADAM, max_nonfinite=2, context=ctx)
+    x, y = batches[0][0][:LOCAL_BATCH], batches[0][1][:LOCAL_BATCH]
+    engine.step(x, y), engine.step(x, y)
+    try:
+        engine.step(x, y)
+        out["limit"] = "no error"
+    except NonFiniteError as e:
+        out["limit"] = str(e)
+    abort = px.Engine(_model(), PoisonedLoss(0, {1}), ADAM, nonfinite="abort", context=ctx)
+    abort.step(x, y)
+    try:
+        abort.step(x, y)
+        out["abort"] = "no error"
+    except NonFiniteError as e:
+        out["abort"] = str(e)
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_nan_on_one_rank_skips_the_step_everywhere(world_size: int) -> None:
+    results = run_ranks(_guarded, world_size, timeout=240)
+    expected = _reference(_batches(world_size))
+    for rank, result in enumerate(results):
+        for strategy in STRATEGIES:
+            got = result[strategy]
+            assert got["skipped"] == [s == BAD_STEP for s in range(STEPS)], (strategy, rank)
+            assert got["count"] == 1
+            for name, value in expected.items():
+                torch.testing.assert_close(got["state"][name], value, atol=1e-6, rtol=1e-5)
+        assert result["limit"].startswith("step 2: loss or gradients are inf/NaN for 3 consecutive")
+        assert result["abort"] == "step 1: loss or gradients are inf/NaN (nonfinite = 'abort')"
+
+
+def test_engine_rejects_bad_guard_settings() -> None:
+    with pytest.raises(px.ConfigError, match="nonfinite"):
+        px.Engine(_model(), nn.functional.cross_entropy, ADAM, nonfinite="ignore")
