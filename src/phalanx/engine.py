@@ -191,14 +191,14 @@ class Engine:
 
     # -- the non-finite guard -----------------------------------------------------------------
     def _nonfinite_before_exchange(self, loss: torch.Tensor) -> bool:
-        """Before the exchanging backward: where gradients are replicated, a rank whose loss
-        is inf/NaN poisons its buckets' usage flags (the verdict then travels with the
-        exchange) and False is returned; owner-update strategies, whose ranks never see the
-        whole gradient, agree here with one 1-element all-reduce and skip the exchange."""
+        """Before the exchanging backward: a rank whose loss is inf/NaN poisons its buckets'
+        usage flags, so the verdict travels with the exchange (False is returned); strategies
+        that update while gradients arrive agree here instead, with one 1-element
+        all-reduce, and the exchange is skipped when any loss was bad."""
         if self.nonfinite is None:
             return False
         local_bad = self.strategy.is_trainer and not bool(torch.isfinite(loss))
-        if self.strategy.replicates_gradients:
+        if not self.strategy.agrees_before_exchange:
             self.buckets.poison = local_bad
             return False
         flag = torch.tensor([float(local_bad)], device=self.ctx.device)
@@ -206,12 +206,8 @@ class Engine:
         return bool(flag.item() > 0)
 
     def _nonfinite_after_exchange(self) -> bool:
-        """Replicated gradients: every rank checks the same exchanged buckets (NaN flags from
-        a rank with a bad loss included), so all reach the same verdict."""
-        if self.nonfinite is None or not self.strategy.replicates_gradients:
-            return False
-        finite = [torch.isfinite(b.flat).all() for b in self.buckets.buckets]
-        return not bool(torch.stack(finite).all())
+        """The strategy's common verdict on the exchanged gradients (phalanx.exchange.base)."""
+        return self.nonfinite is not None and self.strategy.nonfinite_after_exchange()
 
     def _count_nonfinite(self, skipped: bool) -> None:
         if not skipped:

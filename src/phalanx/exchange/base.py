@@ -112,11 +112,21 @@ class Strategy(ABC):
         """Whether this rank runs forward and backward (False on dedicated servers)."""
         return True
 
+    # -- the non-finite guard (the Engine skips a step whose loss or gradients hold inf/NaN) --
     @property
-    def replicates_gradients(self) -> bool:
-        """Whether every rank holds the whole mean gradient after ``finish()`` (so each can
-        check it for inf/NaN and all reach the same verdict with no extra message)."""
-        return True
+    def agrees_before_exchange(self) -> bool:
+        """Whether ranks must agree on a bad loss before the exchange starts (strategies that
+        update parameters while gradients are still arriving); the Engine then all-reduces one
+        flag before the exchanging backward and skips the exchange when it is set."""
+        return False
+
+    def nonfinite_after_exchange(self) -> bool:
+        """After ``finish()``: whether the exchanged gradients hold inf/NaN, the same verdict on
+        every rank. Here every rank holds the whole mean gradient, and a rank whose loss was
+        bad wrote NaN into its usage flags (``buckets.poison``), so a local check agrees with
+        no extra message."""
+        finite = [torch.isfinite(b.flat).all() for b in self.buckets]
+        return not bool(torch.stack(finite).all())
 
     def data_parallel(self) -> tuple[int, int]:
         """(index, count) of this rank among the ranks that train on data."""

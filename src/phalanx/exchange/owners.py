@@ -31,10 +31,6 @@ class OwnerUpdateStrategy(Strategy):
         self._pending_params: dict[int, Any] = {}
         self._hooks: list = []
 
-    @property
-    def replicates_gradients(self) -> bool:
-        return False  # each owner holds only its partitions' reduced gradients
-
     def _ensure_comm(self, device: torch.device) -> CommThread:
         if self.comm is None:
             self.comm = CommThread(device)

@@ -19,6 +19,7 @@ bucket, so buckets are served layer by layer while backward continues, F8):
 
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -33,6 +34,8 @@ from phalanx.exchange.owners import OwnerUpdateStrategy
 from phalanx.exchange.sharding import ShardedParameters, bounds
 from phalanx.exchange.tree import tree_children, tree_parent
 from phalanx.fields import option, require
+
+logger = logging.getLogger("phalanx")
 
 
 @dataclass(kw_only=True)
@@ -65,6 +68,7 @@ class ParameterServer(OwnerUpdateStrategy):
         self.optimizer: torch.optim.Optimizer | None = None
         self._pushed: list[tuple[threading.Event, Any]] = []
         self._updated: list[tuple[threading.Event, Any]] = []
+        self.num_nonfinite_partitions = 0  # partition updates the servers skipped (inf/NaN)
 
     # -- roles --------------------------------------------------------------------------------
     @property
@@ -110,6 +114,17 @@ class ParameterServer(OwnerUpdateStrategy):
     ) -> None:
         super().rebind_optimizer(optimizer, params, factory, carried)
         self.optimizer = optimizer  # the servers step the user's optimizer object
+
+    # -- the non-finite guard ------------------------------------------------------------------
+    @property
+    def agrees_before_exchange(self) -> bool:
+        """Servers update each bucket as soon as it arrives (F8), so a bad loss must be known
+        to all before the first push; gradients that turn inf/NaN with a finite loss are caught
+        by each server on its own partitions (see ``_update``)."""
+        return True
+
+    def nonfinite_after_exchange(self) -> bool:
+        return False  # decided before the exchange; partitions are checked at the servers
 
     # -- the per-bucket job -------------------------------------------------------------------
     def launch(self, bucket: Bucket) -> None:
@@ -181,6 +196,15 @@ class ParameterServer(OwnerUpdateStrategy):
         """Step the optimizer on partition m of this bucket only (others have no gradient)."""
         assert self.sharded is not None and self.optimizer is not None
         lo, _ = self.ranges[bucket.index][m]
+        if not bool(torch.isfinite(summed).all()):
+            # Earlier buckets may already be updated: only this partition can still be saved.
+            logger.warning(
+                "phalanx: ps server %d: inf/NaN gradients in bucket %d, partition %d: its update "
+                "is skipped (a finite loss with inf/NaN gradients; other partitions may have "
+                "been updated)", self.ctx.rank if self.ctx else -1, bucket.index, m,
+            )  # fmt: skip
+            self.num_nonfinite_partitions += 1
+            return
         mine = [s for s in self.sharded.shards if s.bucket == bucket.index and s.start == lo]
         for shard in self.sharded.shards:
             shard.param.grad = None

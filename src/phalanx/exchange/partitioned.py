@@ -238,6 +238,20 @@ class Partitioned(OwnerUpdateStrategy):
             b: self._pending_reduce.pop(b).result() for b in sorted(self._pending_reduce)
         }
 
+    def nonfinite_after_exchange(self) -> bool:
+        """Each owner checks the partitions it reduced (a bad loss elsewhere arrives as NaN
+        usage flags in the last partition); one 1-element all-reduce makes the verdict
+        common, since no rank holds the whole gradient."""
+        assert self.ctx is not None
+        local = torch.zeros(1, device=self.ctx.device)
+        for b, (buffer, offset) in self._reduced.items():
+            layout = self.layouts[b]
+            for (lo, hi), owner in zip(layout.ranges, layout.owners):
+                if owner == self.ctx.rank and hi > lo:
+                    local += (~torch.isfinite(buffer[lo - offset : hi - offset])).any()
+        dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.ctx.group)
+        return bool(local.item() > 0)
+
     # -- phase 3: update and send back --------------------------------------------------------
     def update(self, optimizer: torch.optim.Optimizer) -> None:
         assert self.sharded is not None and self.comm is not None and self.plan is not None

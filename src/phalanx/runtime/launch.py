@@ -67,7 +67,7 @@ def launch(spec: LaunchSpec, python_args: list[str]) -> None:
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     if not spec.debug:
-        logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+        _quiet_elastic_loggers()
     port = spec.master_port or free_port(spec.master_addr)
     os.environ.setdefault("OMP_NUM_THREADS", str(spec.threads))
     config = LaunchConfig(
@@ -89,6 +89,17 @@ def launch(spec: LaunchSpec, python_args: list[str]) -> None:
         raise WorkerError(rank, _failure_message(failure)) from None
     except SignalException as e:
         raise Interrupted(int(e.sigval)) from None
+
+
+def _quiet_elastic_loggers() -> None:
+    """Silence torch elastic's own warnings ("Received 2 death signal, ..."): phalanx prints
+    one line per outcome. Its modules set their loggers' levels themselves, so each needs it."""
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith("torch.distributed.elastic") or name.startswith(
+            "torch.distributed.launcher"
+        ):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
 # A rank that loses its peer fails too ("connection closed by peer"), often within the same
