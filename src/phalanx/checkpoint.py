@@ -236,10 +236,11 @@ def _load_one(candidate: _Candidate) -> dict[str, Any]:
         raise _Damaged(f"is unreadable ({type(e).__name__})") from None
 
 
-def load(directory: Path) -> dict[str, Any]:
+def load(directory: Path, warn: bool = True) -> dict[str, Any]:
     """The newest good checkpoint in ``directory``. Falling back past damaged ones (with one
-    warning) lets a run resume after a crash or bit rot instead of stopping; CheckpointError only
-    when there is no good checkpoint at all."""
+    warning, unless ``warn`` is False: every rank loads, one says it) lets a run resume after a
+    crash or bit rot instead of stopping; CheckpointError only when there is no good checkpoint
+    at all."""
     candidates = _candidates(directory)
     if not candidates:
         raise CheckpointError(f"no checkpoint in {directory}{_orphans_note(directory)}")
@@ -251,9 +252,13 @@ def load(directory: Path) -> dict[str, Any]:
             first = first or (candidate.path, str(e))
             continue
         if first is not None:
-            logger.warning(
-                "checkpoint %s %s; resuming from %s", first[0], first[1], candidate.path.name
-            )
+            if warn:
+                logger.warning(
+                    "phalanx: checkpoint %s %s; resuming from %s",
+                    first[0],
+                    first[1],
+                    candidate.path.name,
+                )
         return payload
     assert first is not None
     others = len(candidates) - 1

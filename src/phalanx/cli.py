@@ -160,7 +160,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     world_size = int(os.environ["WORLD_SIZE"]) if in_worker else args.nproc * args.nnodes
     config.exchange.check_world(world_size)  # before any process group work
     if args.resume and not in_worker:
-        checkpoint.load(run_dir / "checkpoints")  # fail early, before any worker starts
+        checkpoint.load(run_dir / "checkpoints", warn=False)  # fail early; rank 0 warns
     if in_worker or (args.nproc == 1 and args.nnodes == 1):
         resume = bool(args.resume) or _restarted_with_checkpoint(run_dir)
         return _train_here(config, run_dir, resume, quiet=in_worker and _launched())

@@ -307,7 +307,7 @@ class Trainer:
         self.ctx.barrier()
 
     def _restore(self) -> None:
-        payload = checkpoint.load(self.run_dir / "checkpoints")
+        payload = checkpoint.load(self.run_dir / "checkpoints", warn=self.ctx.is_main)
         if self.ctx.is_main:
             (self.run_dir / PREEMPTED).unlink(missing_ok=True)
         self.engine.load_state_dict(payload["engine"])

@@ -243,7 +243,7 @@ def test_damaged_newest_falls_back_with_one_warning(tmp_path, caplog, damage, re
     assert torch.equal(loaded["engine"]["model"]["w"], payload(10)["engine"]["model"]["w"])
     (message,) = warnings(caplog)
     assert "\n" not in message
-    assert message.startswith(f"checkpoint {pt(tmp_path, 20)} {reason}")
+    assert message.startswith(f"phalanx: checkpoint {pt(tmp_path, 20)} {reason}")
     assert message.endswith("; resuming from step-0000010.pt")
 
 

@@ -227,7 +227,7 @@ def broadcast_from_rank0(
     travels on ``device``, as NCCL needs). Every rank must pass the same shape."""
     assert values.dtype == torch.float64, "values travel as float64"
     on_device = values.to(device)
-    # The group's rank 0 as a global rank (``group_src=`` needs torch >= 2.6).
+    # The group's rank 0 as a global rank: broadcast by group rank needs torch >= 2.6.
     src = 0 if group is None else dist.get_global_rank(group, 0)
     dist.broadcast(on_device, src=src, group=group)
     return on_device.cpu()
