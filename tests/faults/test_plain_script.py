@@ -18,7 +18,7 @@ sys.path.insert(0, str(SCRIPTS))
 from plain_model import STEPS, build_model, global_batch  # noqa: E402
 
 STRATEGIES = ["allreduce", "tree", "partitioned", "ps"]
-EXACT = [f"{s}:none:25" for s in STRATEGIES]
+EXACT = [f"{s}:none:25" for s in STRATEGIES] + ["ddp:none:25"]  # DDP alongside, as users do
 VARIANTS = [f"{s}:fp16:auto" for s in STRATEGIES] + ["partitioned:none:0.001"]
 
 

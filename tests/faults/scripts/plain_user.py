@@ -39,12 +39,31 @@ import phalanx as px  # noqa: E402
 sys.path.insert(0, str(Path(__file__).parent))
 from plain_model import STEPS, batches, build_model  # noqa: E402
 
+
+class DDPStep:
+    """A user's DDP training step, shaped like ``engine.step``."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.ddp = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
+        self.optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        torch.nn.functional.cross_entropy(self.ddp(x), y).backward()
+        self.optimizer.step()
+
+
 ctx = px.init()
 engines, schedulers = [], []
 for spec in sys.argv[2:]:
     strategy, compress, bucket = spec.split(":")
     torch.manual_seed(0)
     model = build_model()
+    if strategy == "ddp":  # torch's DDP in the same process (it once made ps abort at exit)
+        engine = DDPStep(model)
+        engines.append((spec, model, engine))
+        schedulers.append(torch.optim.lr_scheduler.StepLR(engine.optimizer, 2, gamma=0.5))
+        continue
     engine = px.Engine(
         model,
         torch.nn.functional.cross_entropy,
