@@ -179,6 +179,10 @@ def _train_here(config: object, run_dir: Path, resume: bool, quiet: bool) -> int
     from phalanx.trainer import Trainer
 
     trainer = Trainer(config, run_dir, resume=resume)  # type: ignore[arg-type]
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if restarts and trainer.ctx.is_main:
+        where = f"resuming from step {trainer.step}" if resume else "no checkpoint yet: from step 0"
+        print(f"{PROG}: restart {restarts} after a worker failed: {where}", file=sys.stderr)
     summary = trainer.run()
     if summary.get("preempted"):
         if trainer.ctx.is_main and not quiet:

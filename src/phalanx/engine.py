@@ -165,7 +165,7 @@ class Engine:
         if not skip:
             # Phase 3: launch the buckets unused parameters held back.
             self.buckets.flush()
-            fault_at("exchange", self.num_steps)
+            fault_at("exchange", self.num_steps + 1)
             # Phase 4: wait for the exchange; parameters no rank used get no gradient.
             self.strategy.finish()
             timer.mark("exchange")
@@ -185,7 +185,7 @@ class Engine:
 
     def _forward(self, x: Any, y: torch.Tensor) -> torch.Tensor:
         loss = self.loss_fn(self._module(x), y)
-        if fault_at("forward", self.num_steps) == "nan":
+        if fault_at("forward", self.num_steps + 1) == "nan":
             loss = loss * float("nan")
         return loss
 
@@ -217,12 +217,13 @@ class Engine:
         self.consecutive_nonfinite += 1
         for p in self.trainable:
             p.grad = None
-        logger.warning(
-            "phalanx: step %d: inf/NaN loss or gradients, update skipped", self.num_steps
-        )
+        if self.ctx.is_main:  # the verdict is the same on every rank: say it once
+            logger.warning(
+                "phalanx: step %d: inf/NaN loss or gradients, update skipped", self.num_steps + 1
+            )
         if self.nonfinite == "abort" or self.consecutive_nonfinite > self.max_nonfinite:
             raise NonFiniteError(
-                f"step {self.num_steps}: loss or gradients are inf/NaN"
+                f"step {self.num_steps + 1}: loss or gradients are inf/NaN"
                 + (
                     f" for {self.consecutive_nonfinite} consecutive steps (max_nonfinite = "
                     f"{self.max_nonfinite})"

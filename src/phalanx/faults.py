@@ -1,8 +1,9 @@
 """Fault injection for the fault suite and for drills on a real cluster.
 
 ``PHALANX_FAULT="ACTION@POINT:step=S[:rank=R][:attempt=A]"`` makes rank R (default every rank)
-perform ACTION when it reaches POINT of step S (0-based, counted by the Engine), on elastic
-restart attempt A only (default 0, the first start, so a restarted group runs clean).
+perform ACTION when it reaches POINT of step S (1-based, as ``step`` in metrics.jsonl; for
+``checkpoint``, the checkpoint written after step S), on elastic restart attempt A only
+(default 0, the first start, so a restarted group runs clean).
 Several faults are separated by commas.
 
 Points: ``forward`` (before a step's forward), ``exchange`` (after backward, while the exchange

@@ -113,8 +113,8 @@ def test_nan_on_one_rank_skips_the_step_everywhere(world_size: int) -> None:
             assert got["count"] == 1
             for name, value in expected.items():
                 torch.testing.assert_close(got["state"][name], value, atol=1e-6, rtol=1e-5)
-        assert result["limit"].startswith("step 2: loss or gradients are inf/NaN for 3 consecutive")
-        assert result["abort"] == "step 1: loss or gradients are inf/NaN (nonfinite = 'abort')"
+        assert result["limit"].startswith("step 3: loss or gradients are inf/NaN for 3 consecutive")
+        assert result["abort"] == "step 2: loss or gradients are inf/NaN (nonfinite = 'abort')"
 
 
 def test_engine_rejects_bad_guard_settings() -> None:

@@ -132,6 +132,7 @@ def test_restart_after_a_kill_resumes_and_matches(tmp_path: Path, reference: lis
     proc = _start(run_dir, "--max-restarts", "1", fault="kill@forward:step=6:rank=1")
     code, err = _finish(proc, run_dir, timeout=180)
     assert code == 0, err
+    assert "phalanx: restart 1 after a worker failed: resuming from step 4" in err
     assert _losses(run_dir) == reference
     # The newest checkpoint corrupted: resume falls back to the one before, with a warning.
     newest = run_dir / "checkpoints" / f"step-{STEPS:07d}.pt"

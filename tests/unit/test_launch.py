@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from phalanx.runtime.launch import _failure_message, _root_cause
+from phalanx.runtime.launch import _describe, _failure_message, _root_cause
 
 
 def _failure(message: str, exitcode: int = 1, timestamp: int = 100) -> SimpleNamespace:
@@ -48,3 +48,17 @@ def test_signal_messages() -> None:
     assert _failure_message(_failure("", exitcode=-6)).startswith("aborted (SIGABRT")
     assert _failure_message(_failure("", exitcode=-1)).startswith("killed (SIGHUP")
     assert _failure_message(_failure("ValueError: x", exitcode=1)) == "ValueError: x (exit code 1)"
+
+
+def test_a_hung_rank_killed_late_by_the_launcher_is_not_blamed_on_memory() -> None:
+    """Rank 1 hangs: rank 0 times out in a collective; 30 s later the launcher SIGKILLs rank 1
+    (it ignored SIGTERM). The timeout is the cause; rank 1 is named as unresponsive."""
+    failures = {
+        0: _failure("RuntimeError: Timed out waiting 20000ms for recv", timestamp=121),
+        1: _failure("Signal 9 (SIGKILL) received by PID 7", exitcode=-9, timestamp=152),
+    }
+    rank, message = _describe(failures)
+    assert rank == 0
+    assert message.startswith("RuntimeError: Timed out waiting 20000ms for recv (exit code 1)")
+    assert message.endswith("; rank 1 stopped responding and was killed by the launcher")
+    assert "out of memory" not in message

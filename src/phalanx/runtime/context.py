@@ -175,9 +175,40 @@ def _join_group(
         dist.init_process_group(
             backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timeout
         )
+    elif _restarted_under_agent():
+        _join_restarted_group(backend, timeout)
     elif "WORLD_SIZE" in os.environ and "RANK" in os.environ:
         dist.init_process_group(backend, init_method="env://", timeout=timeout)
     else:  # a world of one: same code path, a store in memory
         dist.init_process_group(
             backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
         )
+
+
+def _restarted_under_agent() -> bool:
+    """A worker the elastic agent restarted (``--max-restarts``), using the agent's store."""
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    return restarts > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+
+
+def _join_restarted_group(backend: str, timeout: datetime.timedelta) -> None:
+    """Join through the agent's store under a prefix of this attempt. The static rendezvous
+    keeps one store across restarts while ``env://`` adds no per-attempt prefix, so without
+    one a restarted rank can read the addresses its peers published before the restart and
+    fail to connect to ports nobody listens on any more."""
+    attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world_size,
+        is_master=False,
+        timeout=timeout,
+    )
+    dist.init_process_group(
+        backend,
+        store=dist.PrefixStore(f"phalanx/attempt_{attempt}", store),
+        rank=rank,
+        world_size=world_size,
+        timeout=timeout,
+    )

@@ -85,8 +85,7 @@ def launch(spec: LaunchSpec, python_args: list[str]) -> None:
     try:
         elastic_launch(config, sys.executable)("-u", *python_args)
     except ChildFailedError as e:
-        rank, failure = _root_cause(e.failures)
-        raise WorkerError(rank, _failure_message(failure)) from None
+        raise WorkerError(*_describe(e.failures)) from None
     except SignalException as e:
         raise Interrupted(int(e.sigval)) from None
 
@@ -117,23 +116,67 @@ SIGNAL_HINTS = {
 }
 
 
+# A rank killed this long after another rank's own error was killed by the launcher (it
+# stopped responding and ignored SIGTERM), not by the cause of the failure.
+LATE_KILL_S = 3
+
+
 def _root_cause(failures: dict[int, Any]) -> tuple[int, Any]:
     """The failure to report, in this order: a rank a signal killed (not the launcher's own
-    stop signal: SIGKILL from the OOM killer, a segfault); a rank's own error before a lost
-    peer or a stop signal; one that left an error message before a bare exit code (a rank
-    that lost its peer inside the backend often exits without one); then the earliest
-    (timestamps are whole seconds, so they often tie), then the lowest rank."""
+    stop signal: SIGKILL from the OOM killer, a segfault) unless another rank's own error came
+    well before it; a rank's own error before a lost peer or a stop signal; one that left an
+    error message before a bare exit code (a rank that lost its peer inside the backend often
+    exits without one); then the earliest (timestamps are whole seconds, so they often tie),
+    then the lowest rank."""
+    first_own = min((_timestamp(f) for f in failures.values() if _is_own_error(f)), default=None)
 
     def key(item: tuple[int, Any]) -> tuple[bool, bool, bool, int, int]:
         rank, failure = item
         message = _failure_message(failure).lower()
-        signum = _signal_of(failure)
-        killed = signum is not None and signum not in STOP_SIGNALS
-        consequence = signum in STOP_SIGNALS or any(p in message for p in PEER_LOSS)
+        killed = _killed(failure) and not (
+            first_own is not None and _timestamp(failure) - first_own >= LATE_KILL_S
+        )
         bare = message.startswith("exit code")
-        return (not killed, consequence, bare, getattr(failure, "timestamp", 0), rank)
+        return (not killed, _is_consequence(failure), bare, _timestamp(failure), rank)
 
     return min(failures.items(), key=key)
+
+
+def _describe(failures: dict[int, Any]) -> tuple[int, str]:
+    """(rank, message) for WorkerError: the root cause, plus the ranks the launcher had to
+    kill because they stopped responding (a hang shows as a peer's timeout)."""
+    rank, failure = _root_cause(failures)
+    message = _failure_message(failure)
+    late = sorted(
+        r for r, f in failures.items()
+        if r != rank and _killed(f) and _timestamp(f) - _timestamp(failure) >= LATE_KILL_S
+    )  # fmt: skip
+    if late:
+        names = ", ".join(map(str, late))
+        message += f"; rank {names} stopped responding and was killed by the launcher"
+    return rank, message
+
+
+def _timestamp(failure: object) -> int:
+    return int(getattr(failure, "timestamp", 0) or 0)
+
+
+def _killed(failure: object) -> bool:
+    signum = _signal_of(failure)
+    return signum is not None and signum not in STOP_SIGNALS
+
+
+def _is_consequence(failure: object) -> bool:
+    message = _failure_message(failure).lower()
+    return _signal_of(failure) in STOP_SIGNALS or any(p in message for p in PEER_LOSS)
+
+
+def _is_own_error(failure: object) -> bool:
+    return (
+        _signal_of(failure) is None
+        and not _is_consequence(failure)
+        and not _failure_message(failure).startswith("exit code")
+    )
 
 
 def _signal_of(failure: object) -> signal.Signals | None:
