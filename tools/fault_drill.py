@@ -40,6 +40,7 @@ from tests.faults.procs import processes_with, wait_gone  # noqa: E402
 CONFIG = "tests/multiproc/digits_no_dropout.toml"
 STEPS = 12
 TIMEOUT_S = 20  # runtime.timeout_s of every run
+ELASTIC_GRACE_S = 30  # torch elastic waits this long after SIGTERM before SIGKILL
 BASE = ["--nproc", "2", "--set", f"train.steps={STEPS}", "--set", "checkpoint.every=4",
         "--set", "train.progress=false", "--set", f"runtime.timeout_s={TIMEOUT_S}"]  # fmt: skip
 RUN_LIMIT_S = 150.0  # one phalanx invocation; past it the run counts as "timeout"
@@ -380,7 +381,7 @@ def run_restart(work: Path, ctx: dict[str, Any]) -> Sample:
     if not outcome.timed_out:
         sample["time_s"] = outcome.wall_s
     sample["reference_wall_s"] = ctx["reference_wall_s"]
-    sample["stderr_names_rank1"] = "rank 1" in outcome.stderr
+    sample["stderr_names_rank1"] = "restart 1 after a worker failed" in outcome.stderr
     sample["losses_equal_reference"] = losses(work / "run") == ctx["reference_losses"]
     return sample
 
@@ -458,8 +459,16 @@ def _check_hang(s: Sample, ctx: dict[str, Any]) -> list[str]:
     out += _expect(bool(s.get("rank1_pids")), "rank-1 worker not found")
     pids = s.get("rank1_pids") or []
     out += _expect(len(pids) <= 1, f"several rank-1 worker pids {pids}")
+    # The survivor stops at the collective timeout; the launcher then waits out torch elastic's
+    # 30 s grace period for the stopped rank (it cannot act on SIGTERM) before SIGKILL.
+    survivor = s.get("rank0_exit_after_s")
+    out += _expect(
+        survivor is None or abs(survivor - TIMEOUT_S) < 5,
+        f"survivor stopped after {survivor} s, expected ~{TIMEOUT_S} s",
+    )
     t = s["time_s"]
-    out += _expect(t is None or abs(t - TIMEOUT_S) < 10, f"took {t:.1f} s, expected ~{TIMEOUT_S} s")
+    bound = TIMEOUT_S + ELASTIC_GRACE_S + 5
+    out += _expect(t is None or t < bound, f"took {t:.1f} s, expected < {bound} s")
     out += _expect(
         "out of memory" not in s["stderr_last"],
         "the last line blames SIGKILL ('out of memory?') on the rank the drill only stopped",
@@ -490,7 +499,7 @@ def _check_restart(s: Sample, ctx: dict[str, Any]) -> list[str]:
     out = _expect(s["exit_code"] == 0, f"exit code {s['exit_code']}, expected 0")
     out += _expect(
         s.get("stderr_names_rank1") is True,
-        "stderr never names rank 1 or the restart (rank 0 says the launcher will)",
+        "stderr never announces the restart",
     )
     out += _expect(s.get("losses_equal_reference") is True, "losses != reference")
     return out
@@ -507,8 +516,8 @@ def _check_corrupt(s: Sample, ctx: dict[str, Any]) -> list[str]:
 
 def _check_nan(s: Sample, ctx: dict[str, Any]) -> list[str]:
     out = _expect(s["exit_code"] == 0, f"exit code {s['exit_code']}, expected 0")
-    out += _expect(s.get("skipped_steps") == [6], f"skipped steps {s.get('skipped_steps')}")
-    out += _expect(s.get("skipped_records") == [6], f"skipped records {s.get('skipped_records')}")
+    out += _expect(s.get("skipped_steps") == [5], f"skipped steps {s.get('skipped_steps')}")
+    out += _expect(s.get("skipped_records") == [5], f"skipped records {s.get('skipped_records')}")
     return out
 
 
@@ -555,13 +564,13 @@ SCENARIOS = [
     Scenario("7", "--max-restarts 1, kill -9 rank 1 in forward (step 6)", "whole run wall time",
              run_restart, _check_restart,
              lambda ss: [f"losses == reference: {_values(ss, 'losses_equal_reference')}",
-                         f"stderr names rank 1: {_values(ss, 'stderr_names_rank1')}",
+                         f"restart announced: {_values(ss, 'stderr_names_rank1')}",
                          f"reference run wall {_secs(ss, 'reference_wall_s')}"]),
     Scenario("8", "newest checkpoint corrupted (1 byte), then --resume", "resume wall time",
              run_corrupt, _check_corrupt,
              lambda ss: [f"losses == reference: {_values(ss, 'losses_equal_reference')}",
                          *_warning_unless_last(ss)]),
-    Scenario("9", "NaN loss on rank 1 in step 5 (0-based)", "whole run wall time",
+    Scenario("9", "NaN loss on rank 1 in step 5", "whole run wall time",
              run_nan, _check_nan,
              lambda ss: [f"steps with nonfinite_skipped: {_values(ss, 'skipped_steps')}",
                          f"non-empty stderr lines: {_values(ss, 'stderr_lines')}"]),

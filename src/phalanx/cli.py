@@ -122,6 +122,15 @@ def _add_train(commands: argparse._SubParsersAction) -> None:
         "good checkpoint",
     )
     p.add_argument(
+        "--stop-grace",
+        type=int,
+        default=30,
+        metavar="S",
+        help="when phalanx train itself gets SIGTERM or Ctrl-C: seconds the workers get to "
+        "finish a step and write the preemption checkpoint before SIGKILL (after a worker "
+        "failure torch elastic always waits 30 s for a worker that ignores SIGTERM)",
+    )
+    p.add_argument(
         "--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks"
     )
     _add_launch_flags(p)
@@ -218,6 +227,7 @@ def _train_launched(args: argparse.Namespace, run_dir: Path) -> int:
         master_addr=args.master_addr,
         master_port=args.master_port,
         max_restarts=args.max_restarts,
+        stop_grace_s=args.stop_grace,
         debug=args.debug,
     )
     worker_args = ["train"] + ([args.config] if args.config else [])

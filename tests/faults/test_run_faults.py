@@ -146,3 +146,19 @@ def test_restart_after_a_kill_resumes_and_matches(tmp_path: Path, reference: lis
     assert resumed.returncode == 0, resumed.stderr
     assert "resuming from step-0000008.pt" in resumed.stderr
     assert _losses(run_dir) == reference
+
+
+@pytest.mark.timeout(120)
+def test_injected_nan_is_skipped_or_aborts_naming_the_step(tmp_path: Path) -> None:
+    fault = "nan@forward:step=5:rank=1"
+    run_dir = tmp_path / "skip"
+    code, err = _finish(_start(run_dir, fault=fault), run_dir)
+    assert code == 0, err
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["nonfinite_skipped"]] == [5]
+    assert err.count("step 5: inf/NaN loss or gradients, update skipped") == 1
+    assert json.loads((run_dir / "summary.json").read_text())["nonfinite_steps"] == 1
+    run_dir = tmp_path / "abort"
+    code, err = _finish(_start(run_dir, "--set", "train.nonfinite=abort", fault=fault), run_dir)
+    assert code == 1
+    assert "step 5: loss or gradients are inf/NaN (nonfinite = 'abort')" in err.splitlines()[-1]

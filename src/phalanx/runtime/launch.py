@@ -30,6 +30,10 @@ class LaunchSpec:
     master_port: int = 0  # 0: pick a free port (single node only)
     threads: int = 1  # OMP_NUM_THREADS of each worker
     max_restarts: int = 0  # restart the whole group this many times after a worker dies
+    # When the launcher itself is signalled: seconds the workers get between the signal and
+    # SIGKILL, long enough for a step and the preemption checkpoint. (After a worker failure,
+    # torch elastic stops the rest with its own fixed 30 s.)
+    stop_grace_s: int = 30
     debug: bool = False
 
     def __post_init__(self) -> None:
@@ -39,6 +43,8 @@ class LaunchSpec:
             raise ValueError(f"--node-rank must be in [0, {self.nnodes}), got {self.node_rank}")
         if self.nnodes > 1 and self.master_port == 0:
             raise ValueError("--master-port is required with --nnodes > 1")
+        if self.stop_grace_s < 0:
+            raise ValueError(f"--stop-grace must be >= 0, got {self.stop_grace_s}")
         if self.max_restarts < 0:
             raise ValueError(f"--max-restarts must be >= 0, got {self.max_restarts}")
 
@@ -81,6 +87,7 @@ def launch(spec: LaunchSpec, python_args: list[str]) -> None:
         max_restarts=spec.max_restarts,
         monitor_interval=0.2,
         start_method="spawn",
+        **_grace_option(spec.stop_grace_s),
     )
     try:
         elastic_launch(config, sys.executable)("-u", *python_args)
@@ -88,6 +95,17 @@ def launch(spec: LaunchSpec, python_args: list[str]) -> None:
         raise WorkerError(*_describe(e.failures)) from None
     except SignalException as e:
         raise Interrupted(int(e.sigval)) from None
+
+
+def _grace_option(seconds: int) -> dict[str, int]:
+    """LaunchConfig's ``shutdown_timeout`` where this torch has it (older releases always
+    wait 30 s)."""
+    import dataclasses
+
+    from torch.distributed.launcher.api import LaunchConfig
+
+    names = {f.name for f in dataclasses.fields(LaunchConfig)}
+    return {"shutdown_timeout": seconds} if "shutdown_timeout" in names else {}
 
 
 def _quiet_elastic_loggers() -> None:
