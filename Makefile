@@ -5,7 +5,7 @@ TORCH ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.phalanx-installed
 
-.PHONY: demo test lint format bench clean install
+.PHONY: demo test lint format bench drill clean install
 
 install: $(STAMP)
 
@@ -34,6 +34,9 @@ format: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/phalanx bench exchange --nproc 2
+
+drill: $(STAMP)
+	$(BIN)/python tools/fault_drill.py --repeats 3
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache
