@@ -97,7 +97,8 @@ class Engine:
         self.strategy = make_strategy(exchange)
         self.strategy.codec = make_codec(compress)  # ConfigError listing the allowed values
         self.stats = StepStats()
-        self.num_steps = 0
+        self.num_steps = 0  # steps run (what fault points and guard messages count, 0-based)
+        self.num_updates = 0  # steps whose update was applied (the auto layout's schedule)
         self._broadcast_state()
         self.trainable = [p for p in self._module.parameters() if p.requires_grad]
         self.buckets = GradientBuckets(
@@ -176,10 +177,11 @@ class Engine:
         timer.mark("optimizer")
         self._count_nonfinite(skip)
         self._record(timer.read(), launched_in_backward)
-        if not skip:
+        if not skip:  # every rank skips alike: the layout schedule counts updates only
             self._maybe_rebuild_buckets()
             self._maybe_finish_trials()
             self._maybe_choose_threshold()
+            self.num_updates += 1
         self.num_steps += 1
         return total_loss
 
@@ -283,7 +285,7 @@ class Engine:
         Every rank takes part in the broadcast on step 0 whatever it observed, so ranks that
         saw different unused parameters still agree on one layout.
         """
-        if self.num_steps != 0:
+        if self.num_updates != 0:
             return
         seen = self.buckets.ready_order
         seen_set = set(seen)
@@ -299,7 +301,7 @@ class Engine:
         """bucket_mb = "auto": once the profiled steps are done (the same step on every rank),
         agree on rank 0's backward profile, choose the threshold and rebuild the buckets."""
         recorder = self._recorder
-        if recorder is None or self.num_steps + 1 != recorder.skip_steps + recorder.num_steps:
+        if recorder is None or self.num_updates + 1 != recorder.skip_steps + recorder.num_steps:
             return
         assert self.link is not None
         mine = recorder.profile() if recorder.done else None  # None on dedicated servers
@@ -388,6 +390,7 @@ class Engine:
             "model": self._module.state_dict(),
             "optimizer": self.strategy.optimizer_state_dict(self.optimizer, self.trainable),
             "num_steps": self.num_steps,
+            "num_updates": self.num_updates,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -397,6 +400,7 @@ class Engine:
                 self._state_tensor(name).copy_(value)
         self.strategy.load_optimizer_state_dict(self.optimizer, self.trainable, state["optimizer"])
         self.num_steps = int(state.get("num_steps", 0))
+        self.num_updates = int(state.get("num_updates", self.num_steps))
 
     def _state_tensor(self, name: str) -> torch.Tensor:
         tensors = dict(self._module.state_dict(keep_vars=True))

@@ -82,6 +82,18 @@ def _guarded(ctx: px.Context) -> dict:
             "count": engine.num_nonfinite_steps,
         }
         engine.close()
+    # A skip while bucket_mb="auto" profiles backward: the choice still comes, on every rank.
+    x, y = batches[0][0][:LOCAL_BATCH], batches[0][1][:LOCAL_BATCH]
+    for strategy in ("allreduce", "ps"):
+        loss_fn = PoisonedLoss(bad_rank, {1})
+        engine = px.Engine(_model(), loss_fn, ADAM, exchange=strategy, bucket_mb="auto",
+                           context=ctx)  # fmt: skip
+        num = 0
+        while not engine.auto_done and num < 80:
+            engine.step(x, y)
+            num += 1
+        out[f"auto_{strategy}"] = (engine.auto_done, engine.num_nonfinite_steps)
+        engine.close()
     # Consecutive skips beyond max_nonfinite stop training, naming the step.
     loss_fn = PoisonedLoss(0, {0, 1, 2})
     engine = px.Engine(_model(), loss_fn, ADAM, max_nonfinite=2, context=ctx)
@@ -113,6 +125,7 @@ def test_nan_on_one_rank_skips_the_step_everywhere(world_size: int) -> None:
             assert got["count"] == 1
             for name, value in expected.items():
                 torch.testing.assert_close(got["state"][name], value, atol=1e-6, rtol=1e-5)
+        assert result["auto_allreduce"] == result["auto_ps"] == (True, 1)
         assert result["limit"].startswith("step 3: loss or gradients are inf/NaN for 3 consecutive")
         assert result["abort"] == "step 2: loss or gradients are inf/NaN (nonfinite = 'abort')"
 
