@@ -22,6 +22,7 @@ from phalanx.exchange.base import ExchangeConfig
 from phalanx.fields import from_dict, join_key, option
 from phalanx.models.layers import ModelConfig
 from phalanx.optim.factory import OptimizerConfig
+from phalanx.optim.schedule import SchedulerConfig
 from phalanx.runtime.context import RuntimeConfig
 from phalanx.trainer import TrainConfig
 
@@ -41,6 +42,7 @@ class RunConfig:
     data: DataConfig = option(factory=DataConfig, doc="the training data ([data])")
     train: TrainConfig = option(factory=TrainConfig, doc="the loop ([train])")
     optimizer: OptimizerConfig = option(factory=OptimizerConfig, doc="the optimizer")
+    scheduler: SchedulerConfig = option(factory=SchedulerConfig, doc="learning-rate schedule")
     exchange: ExchangeConfig = option(factory=ExchangeConfig, doc="gradient exchange ([exchange])")
     checkpoint: CheckpointConfig = option(factory=CheckpointConfig, doc="checkpoints")
     runtime: RuntimeConfig = option(factory=RuntimeConfig, doc="process group and devices")

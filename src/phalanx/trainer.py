@@ -30,6 +30,7 @@ from phalanx.fields import option, require
 from phalanx.metrics import JsonlWriter, Progress
 from phalanx.models.layers import build_model
 from phalanx.optim.factory import make_optimizer_factory
+from phalanx.optim.schedule import build_scheduler
 from phalanx.runtime.context import Context, init
 
 if TYPE_CHECKING:
@@ -143,6 +144,9 @@ class Trainer:
             device=self.ctx.device, rank=self.shard[0], world_size=self.shard[1],
         )  # fmt: skip
         self.total_steps = config.train.steps or config.train.epochs * self.loader.steps_per_epoch
+        self.scheduler = build_scheduler(
+            config.scheduler, self.engine.optimizer, self.total_steps
+        )  # stepped once per optimizer step; its state goes into checkpoints
         self.step = 0
         self.preempted = False  # a SIGTERM arrived: checkpoint at the next step boundary, stop
         self._stop_requested = False
@@ -170,13 +174,16 @@ class Trainer:
                 t0 = time.perf_counter()
                 x, y = self.loader.next()
                 loss, self.preempted = self._global_mean(self.engine.step(x, y))
+                lr = self.engine.optimizer.param_groups[0]["lr"]  # the rate this step used
+                if self.scheduler is not None:
+                    self.scheduler.step()
                 self.engine.stats.input_wait_s = self.loader.last_wait_s
                 self.engine.stats.input_buffers_ready = self.loader.last_ready
                 elapsed = time.perf_counter() - t0
                 train_time += elapsed
                 self.step += 1
                 record = {"step": self.step, "loss": loss, "time_s": elapsed, **self._stats()}
-                record["lr"] = self.engine.optimizer.param_groups[0]["lr"]
+                record["lr"] = lr
                 if self._threshold_chosen_now() and is_main:
                     progress.write(f"step {self.step}: {self.engine.threshold.describe()}")
                     progress.write(f"step {self.step}: {self.engine.threshold_trials}")
@@ -186,7 +193,9 @@ class Trainer:
                     progress.write(f"step {self.step}: {format_metrics(metrics)}")
                 if writer:
                     writer.write(record)
-                progress.update(loss, global_batch / elapsed, _input_text(self.loader))
+                progress.update(
+                    loss, global_batch / elapsed, f"lr {lr:.3g}, {_input_text(self.loader)}"
+                )
                 if self._due(self.config.checkpoint.every) or self.preempted:
                     self._save()
         finally:
@@ -300,6 +309,7 @@ class Trainer:
                 "engine": engine_state,
                 "data": self.loader.state_dict(),
                 "rng": rng,
+                "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
             }
             checkpoint.save(
                 self.run_dir / "checkpoints", self.step, payload, keep=self.config.checkpoint.keep
@@ -312,6 +322,8 @@ class Trainer:
             (self.run_dir / PREEMPTED).unlink(missing_ok=True)
         self.engine.load_state_dict(payload["engine"])
         self.loader.load_state_dict(payload["data"])
+        if self.scheduler is not None and payload.get("scheduler") is not None:
+            self.scheduler.load_state_dict(payload["scheduler"])
         self.step = int(payload["step"])
         states = payload["rng"]
         if len(states) == self.ctx.world_size:  # same world: every rank continues its stream

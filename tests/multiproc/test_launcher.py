@@ -84,10 +84,12 @@ def test_failing_worker_is_reported_and_the_others_stop() -> None:
 
 
 def test_resume_continues_exactly(tmp_path: Path) -> None:
-    """Losses after --resume equal the uninterrupted run's, with dropout (RNG state restored)
-    and on 2 processes."""
+    """Losses after --resume equal the uninterrupted run's, with dropout (RNG state restored),
+    a learning-rate schedule with warm-up (its state restored) and on 2 processes."""
     config = str(ROOT / "configs" / "digits_cnn.toml")
     base = [*PHALANX, "train", config, "--nproc", "2", "--set", "checkpoint.every=5"]
+    base += ["--set", "scheduler.name=step", "--set", "scheduler.step_size=2",
+             "--set", "scheduler.gamma=0.7", "--set", "scheduler.warmup_steps=3"]  # fmt: skip
     full, part = tmp_path / "full", tmp_path / "part"
     assert _run([*base, "--set", "train.steps=12", "--run-dir", str(full)]).returncode == 0
     assert _run([*base, "--set", "train.steps=5", "--run-dir", str(part)]).returncode == 0
@@ -96,6 +98,9 @@ def test_resume_continues_exactly(tmp_path: Path) -> None:
     assert resumed.returncode == 0, resumed.stderr
     assert len(_losses(part)) == 12
     assert _losses(part) == _losses(full)  # exact, not approximate
+    rates = [json.loads(line)["lr"] for line in (part / "metrics.jsonl").read_text().splitlines()]
+    assert rates[:4] == pytest.approx([0.0005, 0.0170, 0.0335, 0.05], rel=1e-3)  # warm-up
+    assert rates[4:8] == pytest.approx([0.05, 0.035, 0.035, 0.0245])  # then x0.7 every 2 steps
 
 
 def test_demo_config_reaches_95_percent_on_two_workers(tmp_path: Path) -> None:
