@@ -90,8 +90,10 @@ def _report(error: BaseException, in_worker: bool) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
+    parser.add_argument("--version", action="version", version=_version())
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_train(commands)
+    _add_config(commands)
     _add_bench(commands)
     from phalanx.data import cli_data
 
@@ -133,8 +135,42 @@ def _add_train(commands: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks"
     )
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the resolved config, the model and the layout; start nothing",
+    )
     _add_launch_flags(p)
     p.set_defaults(handler=cmd_train)
+
+
+def _add_config(commands: argparse._SubParsersAction) -> None:
+    p = commands.add_parser("config", help="inspect configs")
+    actions = p.add_subparsers(dest="action", metavar="ACTION", required=True)
+    show = actions.add_parser("show", help="print a config with every default filled in")
+    show.add_argument("config", help="TOML config")
+    show.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    show.set_defaults(handler=cmd_config_show)
+
+
+def cmd_config_show(args: argparse.Namespace) -> int:
+    from phalanx.config import load_config
+
+    print(json.dumps(load_config(args.config, args.set).to_dict(), indent=2))
+    return 0
+
+
+def _version() -> str:
+    """phalanx's version and the torch it runs on, without importing torch."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        torch_version = version("torch")
+    except PackageNotFoundError:
+        torch_version = "not installed"
+    from phalanx import __version__
+
+    return f"{PROG} {__version__} (torch {torch_version})"
 
 
 def _add_bench(commands: argparse._SubParsersAction) -> None:
@@ -168,6 +204,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     in_worker = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     world_size = int(os.environ["WORLD_SIZE"]) if in_worker else args.nproc * args.nnodes
     config.exchange.check_world(world_size)  # before any process group work
+    if args.dry_run:
+        from phalanx.dryrun import describe_run
+
+        print(describe_run(config, world_size, str(run_dir)))
+        return 0
     if args.resume and not in_worker:
         checkpoint.load(run_dir / "checkpoints", warn=False)  # fail early; rank 0 warns
     if in_worker or (args.nproc == 1 and args.nnodes == 1):

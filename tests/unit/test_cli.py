@@ -270,3 +270,38 @@ def test_script_debug_shows_the_traceback(tmp_path):
     assert result.returncode != 0
     assert "Traceback (most recent call last)" in result.stderr
     assert "ConfigError: config file not found: missing.toml" in result.stderr
+
+
+# -- --version, config show, --dry-run ------------------------------------------------------------
+
+
+def test_version(capsys):
+    assert run_main(["--version"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("phalanx 0.1.0 (torch ") and out.strip().endswith(")")
+
+
+def test_config_show_prints_every_default_and_the_overrides(capsys):
+    assert run_main(["config", "show", EXAMPLE, "--set", "scheduler.name=cosine"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["scheduler"]["name"] == "cosine"
+    assert shown["train"]["nonfinite"] == "skip"  # a default the file does not mention
+    assert shown == load_config(EXAMPLE, ["scheduler.name=cosine"]).to_dict()
+
+
+def test_config_show_bad_key_exits_2(capsys):
+    assert run_main(["config", "show", EXAMPLE, "--set", "train.lr=0.1"]) == 2
+    assert_one_line_error(capsys.readouterr().err, "train.lr: unknown key")
+
+
+def test_dry_run_describes_the_run_and_starts_nothing(tmp_path, capsys):
+    run_dir = tmp_path / "never"
+    argv = ["train", EXAMPLE, "--nproc", "3", "--dry-run", "--run-dir", str(run_dir),
+            "--set", "exchange.strategy=ps", "--set", "exchange.options={servers=1}"]  # fmt: skip
+    assert run_main(argv) == 0
+    out = capsys.readouterr().out
+    assert "processes: 3 (2 training on data, 1 parameter servers)" in out
+    batch = load_config(EXAMPLE).data.batch_size
+    assert f"global batch: {batch} x 2 = {2 * batch}" in out
+    assert "Conv2d(" in out and "parameters: " in out
+    assert not run_dir.exists() and not dist.is_initialized()

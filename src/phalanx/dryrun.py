@@ -1,0 +1,56 @@
+"""What ``phalanx train CONFIG --dry-run`` prints: the resolved config, the model with its
+parameter counts and the layout of the run, with nothing started (no process group, no
+workers, no run directory)."""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from phalanx.config import RunConfig
+
+
+def describe_run(config: RunConfig, world_size: int, run_dir: str) -> str:
+    """Lines a user reads before starting a run (builds the model and opens the data)."""
+    from phalanx.data.readers import training_reader
+    from phalanx.data.sources import load_source
+    from phalanx.exchange.base import make_strategy
+    from phalanx.models.layers import build_model
+
+    model = build_model(config.model)
+    total = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    strategy = make_strategy(config.exchange.strategy, config.exchange.options)
+    servers = int(getattr(getattr(strategy, "config", None), "servers", 0) or 0)
+    data_ranks = world_size - servers
+    global_batch = config.data.batch_size * data_ranks
+    num_samples = len(training_reader(config.data.path, load_source(config.data)))
+    steps_per_epoch = num_samples // global_batch
+    steps = config.train.steps or config.train.epochs * steps_per_epoch
+    exchange = config.exchange
+    lines = [
+        "resolved config:",
+        json.dumps(config.to_dict(), indent=2),
+        "",
+        "model:",
+        str(model),
+        f"parameters: {total:,} ({trainable:,} trainable, {4 * trainable / 2**20:.2f} MiB fp32)",
+        "",
+        "layout:",
+        f"  processes: {world_size} ({data_ranks} training on data"
+        + (f", {servers} parameter servers)" if servers else ")"),
+        f"  exchange: {exchange.strategy}, bucket_mb {exchange.bucket_mb}, "
+        f"compress {exchange.compress}, options {exchange.options or '{}'}",
+        f"  global batch: {config.data.batch_size} x {data_ranks} = {global_batch}",
+        f"  steps: {steps} ({num_samples:,} training samples, {steps_per_epoch} steps per epoch)",
+        f"  optimizer: {config.optimizer.name}, lr {config.optimizer.lr}; "
+        f"schedule: {config.scheduler.name}"
+        + (f" after {config.scheduler.warmup_steps} warm-up steps"
+           if config.scheduler.warmup_steps else ""),
+        f"  checkpoints: every {config.checkpoint.every or 'run end'}, "
+        f"keep {config.checkpoint.keep}",
+        f"  run directory: {run_dir}",
+        "dry run: nothing was started",
+    ]  # fmt: skip
+    return "\n".join(lines)
