@@ -204,6 +204,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     in_worker = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     world_size = int(os.environ["WORLD_SIZE"]) if in_worker else args.nproc * args.nnodes
     config.exchange.check_world(world_size)  # before any process group work
+    _check_clipping(config)
     if args.dry_run:
         from phalanx.dryrun import describe_run
 
@@ -215,6 +216,19 @@ def cmd_train(args: argparse.Namespace) -> int:
         resume = bool(args.resume) or _restarted_with_checkpoint(run_dir)
         return _train_here(config, run_dir, resume, quiet=in_worker and _launched())
     return _train_launched(args, run_dir)
+
+
+def _check_clipping(config: Any) -> None:
+    """train.max_grad_norm needs a strategy that can clip (one-line error before any start)."""
+    from phalanx.exchange.base import STRATEGIES
+
+    strategy = STRATEGIES.get(config.exchange.strategy)
+    if config.train.max_grad_norm and not getattr(strategy, "supports_clipping", True):
+        raise PhalanxError(
+            f"train.max_grad_norm: exchange.strategy {config.exchange.strategy!r} updates "
+            "parameters while gradients still arrive, before their global norm exists; use "
+            "another strategy or max_grad_norm = 0"
+        )
 
 
 def _restarted_with_checkpoint(run_dir: Path) -> bool:

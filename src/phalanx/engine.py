@@ -75,6 +75,7 @@ class Engine:
         broadcast_buffers: bool = True,
         nonfinite: str | None = "skip",
         max_nonfinite: int = 10,
+        max_grad_norm: float | None = None,
         context: Context | None = None,
     ) -> None:
         if bucket_mb != AUTO and (isinstance(bucket_mb, str) or not bucket_mb > 0):
@@ -85,7 +86,11 @@ class Engine:
             raise ConfigError(f"nonfinite: got {nonfinite!r}; allowed: 'skip', 'abort' or None")
         if max_nonfinite < 0:
             raise ConfigError(f"max_nonfinite: must be >= 0, got {max_nonfinite}")
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise ConfigError(f"max_grad_norm: must be > 0 or None, got {max_grad_norm}")
         self.nonfinite, self.max_nonfinite = nonfinite, max_nonfinite
+        self.max_grad_norm = max_grad_norm
+        self.grad_norm = float("nan")  # the last step's global gradient norm (with clipping)
         self.num_nonfinite_steps = 0  # steps skipped over the run
         self.consecutive_nonfinite = 0
         self.ctx = context or current_context()
@@ -95,6 +100,11 @@ class Engine:
         self.accumulate_steps = accumulate_steps
         self.broadcast_buffers = broadcast_buffers and any(True for _ in model.buffers())
         self.strategy = make_strategy(exchange)
+        if max_grad_norm is not None and not self.strategy.supports_clipping:
+            raise ConfigError(
+                f"max_grad_norm: {type(self.strategy).__name__} updates parameters while "
+                "gradients still arrive, before their global norm exists; use another exchange"
+            )
         self.strategy.codec = make_codec(compress)  # ConfigError listing the allowed values
         self.stats = StepStats()
         self.num_steps = 0  # steps run (what fault points and guard messages count, 0-based)
@@ -170,7 +180,7 @@ class Engine:
             # Phase 4: wait for the exchange; parameters no rank used get no gradient.
             self.strategy.finish()
             timer.mark("exchange")
-            skip = self._nonfinite_after_exchange()
+            skip = self._inspect_gradients()
         # Phase 5: update (not for a step whose loss or gradients hold inf/NaN on any rank).
         if not skip:
             self.strategy.update(self.optimizer)
@@ -207,9 +217,19 @@ class Engine:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.ctx.group)
         return bool(flag.item() > 0)
 
-    def _nonfinite_after_exchange(self) -> bool:
-        """The strategy's common verdict on the exchanged gradients (phalanx.exchange.base)."""
-        return self.nonfinite is not None and self.strategy.nonfinite_after_exchange()
+    def _inspect_gradients(self) -> bool:
+        """The strategy's common verdict on the exchanged gradients (phalanx.exchange.base) and,
+        with ``max_grad_norm``, their global norm, clipped as ``clip_grad_norm_`` does; returns
+        whether the step must be skipped."""
+        want_norm = self.max_grad_norm is not None
+        if self.nonfinite is None and not want_norm:
+            return False
+        bad, norm = self.strategy.inspect_gradients(want_norm)
+        if norm is not None and self.max_grad_norm is not None:
+            self.grad_norm = norm
+            if not bad:
+                self.strategy.scale_gradients(min(1.0, self.max_grad_norm / (norm + 1e-6)))
+        return bad and self.nonfinite is not None
 
     def _count_nonfinite(self, skipped: bool) -> None:
         if not skipped:
@@ -277,6 +297,7 @@ class Engine:
             buckets_launched_in_backward=launched_in_backward,
             nonfinite_messages=self.strategy.codec.num_nonfinite,
             nonfinite_skipped=self.consecutive_nonfinite > 0,
+            grad_norm=self.grad_norm,
         )
 
     def _maybe_rebuild_buckets(self) -> None:

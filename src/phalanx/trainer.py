@@ -55,6 +55,9 @@ class TrainConfig:
         "skip", "a step with inf/NaN loss or gradients: skip its update on every rank, or stop"
     )
     max_nonfinite: int = option(10, "stop after this many consecutive skipped steps")
+    max_grad_norm: float = option(
+        0.0, "clip the global gradient norm over all ranks to this (0: no clipping)"
+    )
 
     def __post_init__(self) -> None:
         require(self.steps >= 0, "steps", f"must be >= 0, got {self.steps}")
@@ -67,6 +70,7 @@ class TrainConfig:
         )
         require(self.val_every >= 0, "val_every", f"must be >= 0, got {self.val_every}")
         require(self.max_nonfinite >= 0, "max_nonfinite", f"must be >= 0, got {self.max_nonfinite}")
+        require(self.max_grad_norm >= 0, "max_grad_norm", f"must be >= 0, got {self.max_grad_norm}")
 
 
 def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -133,6 +137,7 @@ class Trainer:
             accumulate_steps=config.train.accumulate_steps,
             nonfinite=config.train.nonfinite,
             max_nonfinite=config.train.max_nonfinite,
+            max_grad_norm=config.train.max_grad_norm or None,
             context=self.ctx,
         )
         # Data is sharded over the ranks that train (dedicated parameter servers don't).
@@ -295,6 +300,7 @@ class Trainer:
             "input_wait_s": stats.input_wait_s,
             "input_buffers_ready": stats.input_buffers_ready,
             "nonfinite_skipped": stats.nonfinite_skipped,
+            **({"grad_norm": stats.grad_norm} if self.config.train.max_grad_norm else {}),
         }
 
     # -- checkpoints --------------------------------------------------------------------------

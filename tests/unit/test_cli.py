@@ -305,3 +305,9 @@ def test_dry_run_describes_the_run_and_starts_nothing(tmp_path, capsys):
     assert f"global batch: {batch} x 2 = {2 * batch}" in out
     assert "Conv2d(" in out and "parameters: " in out
     assert not run_dir.exists() and not dist.is_initialized()
+
+
+def test_clipping_with_a_strategy_that_cannot_clip_exits_2(capsys):
+    argv = ["train", EXAMPLE, "--set", "train.max_grad_norm=1.0", "--set", "exchange.strategy=ps"]
+    assert run_main(argv) == 2
+    assert_one_line_error(capsys.readouterr().err, "train.max_grad_norm: exchange.strategy 'ps'")

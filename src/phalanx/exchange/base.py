@@ -88,6 +88,10 @@ def strategy_config(name: str, options: dict[str, Any]) -> Any:
 class Strategy(ABC):
     """Base class of exchange strategies (see the module docstring for the phases)."""
 
+    # Whether gradients can be clipped by their global norm before the update (False where
+    # updates start while gradients are still arriving, so no global norm exists in time).
+    supports_clipping: bool = True
+
     def __init__(self) -> None:
         self.ctx: Context | None = None
         self.buckets: list[Bucket] = []
@@ -120,13 +124,21 @@ class Strategy(ABC):
         flag before the exchanging backward and skips the exchange when it is set."""
         return False
 
-    def nonfinite_after_exchange(self) -> bool:
-        """After ``finish()``: whether the exchanged gradients hold inf/NaN, the same verdict on
-        every rank. Here every rank holds the whole mean gradient, and a rank whose loss was
-        bad wrote NaN into its usage flags (``buckets.poison``), so a local check agrees with
-        no extra message."""
-        finite = [torch.isfinite(b.flat).all() for b in self.buckets]
-        return not bool(torch.stack(finite).all())
+    def inspect_gradients(self, want_norm: bool) -> tuple[bool, float | None]:
+        """After ``finish()``: (whether the exchanged gradients hold inf/NaN, their global L2
+        norm if ``want_norm``), the same on every rank. Here every rank holds the whole mean
+        gradient, and a rank whose loss was bad wrote NaN into its usage flags
+        (``buckets.poison``), so local checks agree with no extra message."""
+        finite = torch.stack([torch.isfinite(b.flat).all() for b in self.buckets]).all()
+        if not want_norm:
+            return not bool(finite), None
+        squares = torch.stack([b.grads.float().square().sum() for b in self.buckets]).sum()
+        return not bool(finite), float(squares.sqrt())
+
+    def scale_gradients(self, factor: float) -> None:
+        """Multiply the exchanged mean gradient by ``factor`` (gradient clipping)."""
+        for bucket in self.buckets:
+            bucket.grads.mul_(factor)
 
     def data_parallel(self) -> tuple[int, int]:
         """(index, count) of this rank among the ranks that train on data."""

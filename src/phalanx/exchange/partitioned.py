@@ -238,19 +238,35 @@ class Partitioned(OwnerUpdateStrategy):
             b: self._pending_reduce.pop(b).result() for b in sorted(self._pending_reduce)
         }
 
-    def nonfinite_after_exchange(self) -> bool:
+    def inspect_gradients(self, want_norm: bool) -> tuple[bool, float | None]:
         """Each owner checks the partitions it reduced (a bad loss elsewhere arrives as NaN
-        usage flags in the last partition); one 1-element all-reduce makes the verdict
-        common, since no rank holds the whole gradient."""
-        assert self.ctx is not None
-        local = torch.zeros(1, device=self.ctx.device)
+        usage flags in the last partition) and sums the squares of its shards' gradients; one
+        2-element all-reduce makes both global, since no rank holds the whole gradient."""
+        assert self.ctx is not None and self.sharded is not None
+        local = torch.zeros(2, dtype=torch.float64, device=self.ctx.device)
         for b, (buffer, offset) in self._reduced.items():
             layout = self.layouts[b]
             for (lo, hi), owner in zip(layout.ranges, layout.owners):
                 if owner == self.ctx.rank and hi > lo:
-                    local += (~torch.isfinite(buffer[lo - offset : hi - offset])).any()
-        dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.ctx.group)
-        return bool(local.item() > 0)
+                    local[0] += (~torch.isfinite(buffer[lo - offset : hi - offset])).any()
+        if want_norm:
+            for grad in self._owned_grads():
+                local[1] += grad.double().square().sum()
+        dist.all_reduce(local, group=self.ctx.group)
+        return bool(local[0].item() > 0), (float(local[1].sqrt()) if want_norm else None)
+
+    def scale_gradients(self, factor: float) -> None:
+        for grad in self._owned_grads():
+            grad.mul_(factor)
+
+    def _owned_grads(self) -> list[torch.Tensor]:
+        """This rank's shards' reduced gradients (views; usage flags and padding excluded)."""
+        assert self.sharded is not None
+        out = []
+        for shard in self.sharded.shards:
+            buffer, offset = self._reduced[shard.bucket]
+            out.append(buffer[shard.start - offset : shard.end - offset])
+        return out
 
     # -- phase 3: update and send back --------------------------------------------------------
     def update(self, optimizer: torch.optim.Optimizer) -> None:
