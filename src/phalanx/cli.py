@@ -223,7 +223,7 @@ def _check_clipping(config: Any) -> None:
     from phalanx.exchange.base import STRATEGIES
 
     strategy = STRATEGIES.get(config.exchange.strategy)
-    if config.train.max_grad_norm and not getattr(strategy, "supports_clipping", True):
+    if config.train.max_grad_norm and not getattr(strategy, "can_rescale_gradients", True):
         raise PhalanxError(
             f"train.max_grad_norm: exchange.strategy {config.exchange.strategy!r} updates "
             "parameters while gradients still arrive, before their global norm exists; use "

@@ -19,6 +19,7 @@ from phalanx.exchange.link import LinkModel, calibrate
 from phalanx.exchange.threshold import BackwardRecorder, Choice, agree_profile, choose_bucket_bytes
 from phalanx.faults import fault_at
 from phalanx.metrics import PhaseTimer, StepStats
+from phalanx.precision import Precision
 from phalanx.runtime.context import Context, current_context, on_shutdown
 
 logger = logging.getLogger("phalanx")
@@ -76,6 +77,7 @@ class Engine:
         nonfinite: str | None = "skip",
         max_nonfinite: int = 10,
         max_grad_norm: float | None = None,
+        precision: str = "fp32",
         context: Context | None = None,
     ) -> None:
         if bucket_mb != AUTO and (isinstance(bucket_mb, str) or not bucket_mb > 0):
@@ -100,11 +102,8 @@ class Engine:
         self.accumulate_steps = accumulate_steps
         self.broadcast_buffers = broadcast_buffers and any(True for _ in model.buffers())
         self.strategy = make_strategy(exchange)
-        if max_grad_norm is not None and not self.strategy.supports_clipping:
-            raise ConfigError(
-                f"max_grad_norm: {type(self.strategy).__name__} updates parameters while "
-                "gradients still arrive, before their global norm exists; use another exchange"
-            )
+        self.precision = Precision(precision, self.ctx.device)
+        self._check_rescaling(max_grad_norm)
         self.strategy.codec = make_codec(compress)  # ConfigError listing the allowed values
         self.stats = StepStats()
         self.num_steps = 0  # steps run (what fault points and guard messages count, 0-based)
@@ -136,6 +135,25 @@ class Engine:
             self.buckets.on_ready = self._recorder.record
         self._timer = PhaseTimer(self.ctx.device)
 
+    def _check_rescaling(self, max_grad_norm: float | None) -> None:
+        """Clipping and fp16 unscaling need the whole gradient before the update."""
+        name = type(self.strategy).__name__
+        if max_grad_norm is not None and not self.strategy.can_rescale_gradients:
+            raise ConfigError(
+                f"max_grad_norm: {name} updates parameters while gradients still arrive, "
+                "before their global norm exists; use another exchange"
+            )
+        if self.precision.scaled and not self.strategy.can_rescale_gradients:
+            raise ConfigError(
+                f"precision: fp16 needs its loss scale removed before the update, which {name} "
+                "starts while gradients still arrive; use bf16 or another exchange"
+            )
+        if self.precision.scaled and self.nonfinite == "abort":
+            raise ConfigError(
+                "nonfinite: 'abort' with precision fp16 would stop at the loss scale's first "
+                "overflow; use 'skip' (max_nonfinite still bounds consecutive skips)"
+            )
+
     # -- the step -----------------------------------------------------------------------------
     def step(self, inputs: Any, targets: torch.Tensor) -> torch.Tensor:
         """Train on one batch; returns this rank's mean loss (a detached 0-dim tensor)."""
@@ -150,7 +168,8 @@ class Engine:
             micro = self._split(self._to_device(inputs), self._to_device(targets))
         total_loss = torch.zeros((), device=self.ctx.device)
         # Folding 1/p into the loss makes the exchanged sums means without a pass over buckets.
-        scale = self.strategy.gradient_scale() / max(1, len(micro))
+        # fp16 multiplies by its loss scale too; the exchanged mean is unscaled after Phase 4.
+        scale = self.strategy.gradient_scale() / max(1, len(micro)) * self.precision.scale
         if self.broadcast_buffers:
             self._broadcast_buffers()
         self.buckets.arm(launch=True)  # a server runs no backward: flush launches every bucket
@@ -196,7 +215,8 @@ class Engine:
         return total_loss
 
     def _forward(self, x: Any, y: torch.Tensor) -> torch.Tensor:
-        loss = self.loss_fn(self._module(x), y)
+        with self.precision.autocast():
+            loss = self.loss_fn(self._module(x), y)
         if fault_at("forward", self.num_steps + 1) == "nan":
             loss = loss * float("nan")
         return loss
@@ -222,14 +242,18 @@ class Engine:
         with ``max_grad_norm``, their global norm, clipped as ``clip_grad_norm_`` does; returns
         whether the step must be skipped."""
         want_norm = self.max_grad_norm is not None
-        if self.nonfinite is None and not want_norm:
+        scaled = self.precision.scaled
+        if self.nonfinite is None and not want_norm and not scaled:
             return False
         bad, norm = self.strategy.inspect_gradients(want_norm)
+        factor = 1.0 / self.precision.scale  # fp16: unscale (1 otherwise)
         if norm is not None and self.max_grad_norm is not None:
-            self.grad_norm = norm
-            if not bad:
-                self.strategy.scale_gradients(min(1.0, self.max_grad_norm / (norm + 1e-6)))
-        return bad and self.nonfinite is not None
+            self.grad_norm = norm * factor
+            factor *= min(1.0, self.max_grad_norm / (self.grad_norm + 1e-6))
+        if not bad and factor != 1.0:
+            self.strategy.scale_gradients(factor)
+        self.precision.update(overflow=bad)
+        return bad and (self.nonfinite is not None or scaled)
 
     def _count_nonfinite(self, skipped: bool) -> None:
         if not skipped:
@@ -240,8 +264,13 @@ class Engine:
         for p in self.trainable:
             p.grad = None
         if self.ctx.is_main:  # the verdict is the same on every rank: say it once
+            scale = (
+                f"; fp16 loss scale now {self.precision.scale:g}" if self.precision.scaled else ""
+            )
             logger.warning(
-                "phalanx: step %d: inf/NaN loss or gradients, update skipped", self.num_steps + 1
+                "phalanx: step %d: inf/NaN loss or gradients, update skipped%s",
+                self.num_steps + 1,
+                scale,
             )
         if self.nonfinite == "abort" or self.consecutive_nonfinite > self.max_nonfinite:
             raise NonFiniteError(
@@ -412,6 +441,7 @@ class Engine:
             "optimizer": self.strategy.optimizer_state_dict(self.optimizer, self.trainable),
             "num_steps": self.num_steps,
             "num_updates": self.num_updates,
+            "precision": self.precision.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -422,6 +452,7 @@ class Engine:
         self.strategy.load_optimizer_state_dict(self.optimizer, self.trainable, state["optimizer"])
         self.num_steps = int(state.get("num_steps", 0))
         self.num_updates = int(state.get("num_updates", self.num_steps))
+        self.precision.load_state_dict(state.get("precision", {}))
 
     def _state_tensor(self, name: str) -> torch.Tensor:
         tensors = dict(self._module.state_dict(keep_vars=True))

@@ -58,6 +58,9 @@ class TrainConfig:
     max_grad_norm: float = option(
         0.0, "clip the global gradient norm over all ranks to this (0: no clipping)"
     )
+    precision: Literal["fp32", "bf16", "fp16"] = option(
+        "fp32", "forward under torch.autocast: bf16, or fp16 with a dynamic loss scale"
+    )
 
     def __post_init__(self) -> None:
         require(self.steps >= 0, "steps", f"must be >= 0, got {self.steps}")
@@ -138,6 +141,7 @@ class Trainer:
             nonfinite=config.train.nonfinite,
             max_nonfinite=config.train.max_nonfinite,
             max_grad_norm=config.train.max_grad_norm or None,
+            precision=config.train.precision,
             context=self.ctx,
         )
         # Data is sharded over the ranks that train (dedicated parameter servers don't).

@@ -88,9 +88,9 @@ def strategy_config(name: str, options: dict[str, Any]) -> Any:
 class Strategy(ABC):
     """Base class of exchange strategies (see the module docstring for the phases)."""
 
-    # Whether gradients can be clipped by their global norm before the update (False where
-    # updates start while gradients are still arriving, so no global norm exists in time).
-    supports_clipping: bool = True
+    # Whether the whole exchanged gradient can be inspected and rescaled before the update
+    # (clipping, fp16 unscaling); False where updates start while gradients still arrive.
+    can_rescale_gradients: bool = True
 
     def __init__(self) -> None:
         self.ctx: Context | None = None

@@ -61,7 +61,7 @@ class ParameterServer(OwnerUpdateStrategy):
     """Push, update at the server, pull, per bucket (see the module docstring)."""
 
     Config = ParamServerConfig
-    supports_clipping = False  # servers update each bucket as it arrives (F8)
+    can_rescale_gradients = False  # servers update each bucket as it arrives (F8)
 
     def __init__(self, **options: Any) -> None:
         super().__init__()
@@ -125,7 +125,7 @@ class ParameterServer(OwnerUpdateStrategy):
         return True
 
     def inspect_gradients(self, want_norm: bool) -> tuple[bool, float | None]:
-        assert not want_norm, "supports_clipping is False: the Engine refuses max_grad_norm"
+        assert not want_norm, "can_rescale_gradients is False: the Engine refuses max_grad_norm"
         return False, None  # decided before the exchange; partitions are checked at the servers
 
     # -- the per-bucket job -------------------------------------------------------------------
