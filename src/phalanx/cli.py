@@ -94,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_train(commands)
     _add_config(commands)
+    _add_plot(commands)
     _add_bench(commands)
     from phalanx.data import cli_data
 
@@ -151,6 +152,21 @@ def _add_config(commands: argparse._SubParsersAction) -> None:
     show.add_argument("config", help="TOML config")
     show.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     show.set_defaults(handler=cmd_config_show)
+
+
+def _add_plot(commands: argparse._SubParsersAction) -> None:
+    p = commands.add_parser("plot", help="loss, validation and throughput curves of runs (PNG)")
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories to compare")
+    p.add_argument("-o", "--output", default="runs.png", help="PNG to write (default runs.png)")
+    p.set_defaults(handler=cmd_plot)
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from phalanx.viz import plot_runs
+
+    plot_runs([Path(d) for d in args.run_dirs], Path(args.output))
+    print(f"wrote {args.output}")
+    return 0
 
 
 def cmd_config_show(args: argparse.Namespace) -> int:

@@ -25,6 +25,7 @@ from phalanx.optim.factory import OptimizerConfig
 from phalanx.optim.schedule import SchedulerConfig
 from phalanx.runtime.context import RuntimeConfig
 from phalanx.trainer import TrainConfig
+from phalanx.viz import LogConfig
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -46,6 +47,7 @@ class RunConfig:
     exchange: ExchangeConfig = option(factory=ExchangeConfig, doc="gradient exchange ([exchange])")
     checkpoint: CheckpointConfig = option(factory=CheckpointConfig, doc="checkpoints")
     runtime: RuntimeConfig = option(factory=RuntimeConfig, doc="process group and devices")
+    log: LogConfig = option(factory=LogConfig, doc="TensorBoard beside metrics.jsonl ([log])")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

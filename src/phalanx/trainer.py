@@ -32,6 +32,7 @@ from phalanx.models.layers import build_model
 from phalanx.optim.factory import make_optimizer_factory
 from phalanx.optim.schedule import build_scheduler
 from phalanx.runtime.context import Context, init
+from phalanx.viz import MetricsWriter
 
 if TYPE_CHECKING:
     from phalanx.config import RunConfig
@@ -174,6 +175,11 @@ class Trainer:
         ctx, train = self.ctx, self.config.train
         is_main = ctx.is_main
         writer = JsonlWriter(self.run_dir / "metrics.jsonl") if is_main else None
+        board = (
+            MetricsWriter(self.run_dir / "tensorboard")
+            if is_main and self.config.log.tensorboard
+            else None
+        )
         progress = Progress(self.total_steps, self.step, enabled=is_main and train.progress)
         global_batch = self.loader.global_batch
         train_time, metrics, start_step = 0.0, {}, self.step
@@ -202,6 +208,8 @@ class Trainer:
                     progress.write(f"step {self.step}: {format_metrics(metrics)}")
                 if writer:
                     writer.write(record)
+                if board:
+                    board.write(record)
                 progress.update(
                     loss, global_batch / elapsed, f"lr {lr:.3g}, {_input_text(self.loader)}"
                 )
@@ -213,6 +221,8 @@ class Trainer:
             progress.close()
             if writer:
                 writer.close()
+            if board:
+                board.close()
         if self.preempted:
             return self._stop_preempted(start_step, train_time)
         if not metrics:  # nothing validated yet (e.g. resumed at the end)

@@ -311,3 +311,15 @@ def test_clipping_with_a_strategy_that_cannot_clip_exits_2(capsys):
     argv = ["train", EXAMPLE, "--set", "train.max_grad_norm=1.0", "--set", "exchange.strategy=ps"]
     assert run_main(argv) == 2
     assert_one_line_error(capsys.readouterr().err, "train.max_grad_norm: exchange.strategy 'ps'")
+
+
+def test_tensorboard_scalars_beside_metrics_and_plot(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    argv = ["train", EXAMPLE, "--run-dir", str(run_dir), "--set", "train.steps=4",
+            "--set", "log.tensorboard=true", "--set", "train.progress=false"]  # fmt: skip
+    assert run_main(argv) == 0
+    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    assert run_main(["plot", str(run_dir), "-o", str(tmp_path / "p.png")]) == 0
+    assert (tmp_path / "p.png").stat().st_size > 0
+    assert run_main(["plot", str(tmp_path / "nothing")]) == 2
+    assert_one_line_error(capsys.readouterr().err, "no metrics.jsonl")
