@@ -423,14 +423,12 @@ class Engine:
 
     # -- state --------------------------------------------------------------------------------
     def _broadcast_state(self) -> None:
-        with torch.no_grad():
-            for tensor in [*self._module.parameters(), *self._module.buffers()]:
-                dist.broadcast(tensor.data, src=0, group=self.ctx.group)
+        """Rank 0's parameters and buffers everywhere: one broadcast."""
+        broadcast_together([*self._module.parameters(), *self._module.buffers()], self.ctx.group)
 
     def _broadcast_buffers(self) -> None:
-        with torch.no_grad():
-            for buffer in self._module.buffers():
-                dist.broadcast(buffer, src=0, group=self.ctx.group)
+        """Rank 0's buffers (e.g. BatchNorm statistics) everywhere, each step: one broadcast."""
+        broadcast_together(list(self._module.buffers()), self.ctx.group)
 
     def state_dict(self) -> dict[str, Any]:
         """Model, optimizer (per-parameter format whatever the strategy) and step count.
@@ -508,3 +506,27 @@ def _close_if_alive(ref: weakref.ref) -> Callable[[], None]:
             engine.close()
 
     return teardown
+
+
+PACK_ALIGN = 16  # bytes: every tensor starts aligned in the packed buffer, so views are legal
+
+
+@torch.no_grad()
+def broadcast_together(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> None:
+    """Rank 0's values of ``tensors`` (any dtypes and shapes, one device) on every rank with a
+    single broadcast: their bytes travel packed in one uint8 buffer."""
+    if not tensors or dist.get_world_size(group) == 1:
+        return
+    sizes = [t.numel() * t.element_size() for t in tensors]
+    padded = [-(-n // PACK_ALIGN) * PACK_ALIGN for n in sizes]
+    packed = torch.zeros(sum(padded), dtype=torch.uint8, device=tensors[0].device)
+    offset = 0
+    for tensor, size, room in zip(tensors, sizes, padded):
+        packed[offset : offset + size] = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+        offset += room
+    dist.broadcast(packed, src=dist.get_global_rank(group, 0), group=group)
+    offset = 0
+    for tensor, size, room in zip(tensors, sizes, padded):
+        piece = packed[offset : offset + size].view(tensor.dtype).view(tensor.shape)
+        tensor.data.copy_(piece)
+        offset += room
