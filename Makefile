@@ -5,7 +5,7 @@ TORCH ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.phalanx-installed
 
-.PHONY: demo test lint format bench drill clean install
+.PHONY: demo test test-fast lint format bench drill clean install
 
 install: $(STAMP)
 
@@ -23,6 +23,10 @@ test: $(STAMP)
 	$(BIN)/ruff check src tests examples tools
 	$(BIN)/ruff format --check src tests examples tools
 	$(BIN)/python -m pytest -q tests
+
+test-fast: $(STAMP)
+	$(BIN)/ruff check src tests examples tools
+	$(BIN)/python -m pytest -q -m "unit and not slow" tests
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests examples tools

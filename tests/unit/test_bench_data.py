@@ -18,6 +18,7 @@ def _positive(x: float) -> bool:
     return isinstance(x, float) and math.isfinite(x) and x > 0
 
 
+@pytest.mark.slow  # spawns processes: not in make test-fast
 def test_tiny_run_writes_every_number(tmp_path, capsys):
     path = tmp_path / "bench.json"
     argv = ["bench", "data", "--rounds", "2", "--batches", "2", "--batch-size", "8", "--warmup",

@@ -16,6 +16,7 @@ def _positive(x: float) -> bool:
     return isinstance(x, float) and math.isfinite(x) and x > 0
 
 
+@pytest.mark.slow  # spawns processes: not in make test-fast
 def test_two_ranks_digits_json(tmp_path, capsys):
     """One real spawned run (2 ranks, tiny): every number positive and finite, JSON written."""
     path = tmp_path / "out" / "bench.json"
@@ -44,6 +45,7 @@ def test_two_ranks_digits_json(tmp_path, capsys):
     assert stats["exchange_s"] >= 0 and math.isfinite(stats["exchange_s"])
 
 
+@pytest.mark.slow  # spawns processes: not in make test-fast
 def test_worker_error_names_the_rank():
     """A contender failing inside the ranks is raised in the parent; nothing hangs."""
     bad = bench.ContenderSpec("bad", "phalanx", (("exchange", "no-such-strategy"),))
@@ -107,6 +109,7 @@ def test_config_validation_direct():
         bench.BenchConfig(rounds=0).validate()
 
 
+@pytest.mark.slow  # spawns processes: not in make test-fast
 def test_strategies_axis(tmp_path, capsys):
     """--strategies adds one phalanx contender per strategy, each with its own counters."""
     path = tmp_path / "bench.json"

@@ -251,6 +251,7 @@ def run_phalanx(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow  # spawns processes: not in make test-fast
 def test_script_missing_config_exits_2_without_traceback(tmp_path):
     result = run_phalanx("train", "missing.toml", cwd=tmp_path)
     assert result.returncode == 2
@@ -258,6 +259,7 @@ def test_script_missing_config_exits_2_without_traceback(tmp_path):
     assert result.stdout == ""
 
 
+@pytest.mark.slow  # spawns processes: not in make test-fast
 def test_script_unknown_set_key_exits_2_without_traceback(tmp_path):
     result = run_phalanx("train", EXAMPLE, "--set", "train.lr=0.1", cwd=tmp_path)
     assert result.returncode == 2
@@ -265,6 +267,7 @@ def test_script_unknown_set_key_exits_2_without_traceback(tmp_path):
     assert not (tmp_path / "runs").exists()  # failed before creating a run directory
 
 
+@pytest.mark.slow  # spawns processes: not in make test-fast
 def test_script_debug_shows_the_traceback(tmp_path):
     result = run_phalanx("train", "missing.toml", "--debug", cwd=tmp_path)
     assert result.returncode != 0

@@ -320,6 +320,7 @@ def test_buffer_occupancy_and_input_wait_are_reported():
         assert pipe.last_ready == 2 and pipe.last_wait_s >= 0.0
 
 
+@pytest.mark.slow  # spawns processes: not in make test-fast
 def test_process_pool_matches_threads_fails_cleanly_and_leaves_no_process():
     import multiprocessing
 
@@ -344,6 +345,7 @@ def _rank_batches(ctx, seed: int) -> tuple[int, int, list[list[int]]]:
         return pipe.rank, pipe.world_size, take(pipe, 2 * pipe.steps_per_epoch)
 
 
+@pytest.mark.slow  # spawns processes: not in make test-fast
 def test_ranks_of_a_process_group_split_each_global_batch():
     from tests.helpers.spawn import run_ranks
 

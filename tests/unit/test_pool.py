@@ -214,6 +214,7 @@ def child_pids() -> set[int]:
     return {int(pid) for task in tasks for pid in (task / "children").read_text().split()}
 
 
+@pytest.mark.slow  # spawns processes: not in make test-fast
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_a_worker_that_cannot_bind_its_device_fails_the_start_naming_the_rank():
     before = child_pids()
@@ -229,6 +230,7 @@ def test_run_on_checks_the_rank(pool):
 
 
 # -- broken pools -----------------------------------------------------------------------------
+@pytest.mark.slow  # spawns processes: not in make test-fast
 def test_worker_that_exits_is_named_and_the_others_are_stopped():
     pool = px.WorkerPool(2)
     pids = pool.pids
@@ -243,6 +245,7 @@ def test_worker_that_exits_is_named_and_the_others_are_stopped():
     pool.close()  # idempotent
 
 
+@pytest.mark.slow  # spawns processes: not in make test-fast
 def test_killed_worker_is_detected_without_a_hang():
     pool = px.WorkerPool(2)
     pids = pool.pids
@@ -258,6 +261,7 @@ def test_killed_worker_is_detected_without_a_hang():
     pool.close()
 
 
+@pytest.mark.slow  # spawns processes: not in make test-fast
 def test_ranks_stuck_after_a_peer_raised_are_stopped_after_the_grace_period():
     pool = px.WorkerPool(2, error_grace_s=1.0)
     pids = pool.pids
@@ -279,6 +283,7 @@ assert pool.run(lambda: 1) == [1] * pool.num_workers
 """
 
 
+@pytest.mark.slow  # spawns processes: not in make test-fast
 def test_no_orphans_when_the_controller_exits_or_is_killed(tmp_path):
     script = tmp_path / "controller.py"
     script.write_text(textwrap.dedent(CONTROLLER))
