@@ -90,6 +90,13 @@ def _train(ctx: px.Context) -> dict:
                 "dtypes": set(dtypes),
             }
             engine.close()
+    # Compression composes with precision: bf16 forward, fp16 gradient messages.
+    engine = px.Engine(copy.deepcopy(_model()), nn.functional.cross_entropy, ADAM,
+                       precision="bf16", compress="fp16", context=ctx)  # fmt: skip
+    for x, y in batches:
+        engine.step(x[lo : lo + LOCAL_BATCH], y[lo : lo + LOCAL_BATCH])
+    out["bf16+fp16 messages"] = engine.module.state_dict()
+    engine.close()
     for kwargs in ({"exchange": "ps"}, {"nonfinite": "abort"}):
         try:
             px.Engine(_model(), nn.functional.cross_entropy, ADAM, precision="fp16",
@@ -119,6 +126,8 @@ def test_bf16_and_fp16_equal_one_process(world_size: int) -> None:
                 state = result[(strategy, precision)]["state"]
                 for name, value in expected[precision].items():
                     torch.testing.assert_close(state[name], value, atol=tolerance, rtol=0)
+        for name, value in expected["bf16"].items():
+            torch.testing.assert_close(result["bf16+fp16 messages"][name], value, atol=2e-3, rtol=0)
         assert result[str({"exchange": "ps"})].startswith("precision: fp16 needs its loss scale")
         assert result[str({"nonfinite": "abort"})].startswith("nonfinite: 'abort' with precision")
 
