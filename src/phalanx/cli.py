@@ -95,6 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train(commands)
     _add_config(commands)
     _add_plot(commands)
+    _add_export(commands)
     _add_bench(commands)
     from phalanx.data import cli_data
 
@@ -166,6 +167,21 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
     plot_runs([Path(d) for d in args.run_dirs], Path(args.output))
     print(f"wrote {args.output}")
+    return 0
+
+
+def _add_export(commands: argparse._SubParsersAction) -> None:
+    p = commands.add_parser("export", help="a run's model weights as safetensors")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="run directory")
+    p.add_argument("-o", "--output", default="model.safetensors", help="file to write")
+    p.set_defaults(handler=cmd_export)
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from phalanx.export import export_weights
+
+    step, count = export_weights(Path(args.run_dir), Path(args.output))
+    print(f"wrote {args.output}: {count} tensors from the step-{step} checkpoint")
     return 0
 
 

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from phalanx import checkpoint
@@ -326,3 +327,39 @@ def test_tensorboard_scalars_beside_metrics_and_plot(tmp_path, capsys):
     assert (tmp_path / "p.png").stat().st_size > 0
     assert run_main(["plot", str(tmp_path / "nothing")]) == 2
     assert_one_line_error(capsys.readouterr().err, "no metrics.jsonl")
+
+
+PLAIN_LOAD = """
+import sys
+sys.modules["phalanx"] = None  # prove it: importing phalanx now fails
+import torch
+from safetensors.torch import load_file
+from torch import nn
+model = nn.Sequential(
+    nn.Conv2d(1, 32, 3, padding=1), nn.ReLU(), nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(),
+    nn.MaxPool2d(2), nn.Flatten(), nn.Linear(1024, 128), nn.ReLU(), nn.Dropout(0.1),
+    nn.Linear(128, 10),
+)
+model.load_state_dict(load_file(sys.argv[1]), strict=True)
+torch.save({k: v.clone() for k, v in model.state_dict().items()}, sys.argv[2])
+"""
+
+
+def test_export_loads_into_plain_pytorch(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    argv = ["train", EXAMPLE, "--run-dir", str(run_dir), "--set", "train.steps=3",
+            "--set", "train.progress=false"]  # fmt: skip
+    assert run_main(argv) == 0
+    weights = tmp_path / "out" / "model.safetensors"
+    assert run_main(["export", str(run_dir), "-o", str(weights)]) == 0
+    assert "8 tensors from the step-3 checkpoint" in capsys.readouterr().out
+    loaded = tmp_path / "loaded.pt"
+    done = subprocess.run([sys.executable, "-c", PLAIN_LOAD, str(weights), str(loaded)],
+                          capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    expected = checkpoint.load(run_dir / "checkpoints")["engine"]["model"]
+    got = torch.load(loaded, weights_only=True)
+    assert got.keys() == expected.keys()
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
+    assert run_main(["export", str(tmp_path / "nothing")]) == 2
+    assert_one_line_error(capsys.readouterr().err, "no checkpoint in")

@@ -1,0 +1,37 @@
+"""``phalanx export RUN_DIR -o model.safetensors``: the newest good checkpoint's model weights as
+a safetensors file, which plain PyTorch loads with no phalanx installed::
+
+    from safetensors.torch import load_file
+    model.load_state_dict(load_file("model.safetensors"))
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from phalanx import checkpoint
+from phalanx.errors import CheckpointError
+
+
+def export_weights(run_dir: Path, output: Path) -> tuple[int, int]:
+    """Write the weights; returns (checkpoint step, number of tensors). CheckpointError when
+    the run has no good checkpoint (load falls back past damaged ones, with a warning)."""
+    from safetensors.torch import save_file
+
+    payload = checkpoint.load(run_dir / "checkpoints")
+    try:
+        model = payload["engine"]["model"]
+    except (KeyError, TypeError):
+        raise CheckpointError(f"{run_dir}: the checkpoint holds no model weights") from None
+    # Tied weights share storage, which safetensors refuses: each key gets its own copy.
+    tensors = {name: value.detach().contiguous().clone() for name, value in model.items()}
+    metadata = {"step": str(payload.get("step", "")), "source": str(run_dir)}
+    config = run_dir / "config.json"
+    if config.is_file():
+        metadata["config"] = json.dumps(json.loads(config.read_text(encoding="utf-8")))
+    output.parent.mkdir(parents=True, exist_ok=True)
+    tmp = output.with_name(f".{output.name}.tmp")
+    save_file(tensors, str(tmp), metadata=metadata)
+    tmp.replace(output)  # atomic: a reader never sees half a file
+    return int(payload.get("step", 0)), len(tensors)
