@@ -236,7 +236,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     in_worker = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     world_size = int(os.environ["WORLD_SIZE"]) if in_worker else args.nproc * args.nnodes
     config.exchange.check_world(world_size)  # before any process group work
-    _check_clipping(config)
+    _check_rescaling(config)
     if args.dry_run:
         from phalanx.dryrun import describe_run
 
@@ -250,17 +250,22 @@ def cmd_train(args: argparse.Namespace) -> int:
     return _train_launched(args, run_dir)
 
 
-def _check_clipping(config: Any) -> None:
-    """train.max_grad_norm needs a strategy that can clip (one-line error before any start)."""
+def _check_rescaling(config: Any) -> None:
+    """Clipping and fp16 need a strategy that sees the whole gradient (one-line error before
+    any worker starts; the Engine applies the same rule)."""
+    from phalanx.engine import rescaling_problem
     from phalanx.exchange.base import STRATEGIES
 
-    strategy = STRATEGIES.get(config.exchange.strategy)
-    if config.train.max_grad_norm and not getattr(strategy, "can_rescale_gradients", True):
-        raise PhalanxError(
-            f"train.max_grad_norm: exchange.strategy {config.exchange.strategy!r} updates "
-            "parameters while gradients still arrive, before their global norm exists; use "
-            "another strategy or max_grad_norm = 0"
-        )
+    name = config.exchange.strategy
+    problem = rescaling_problem(
+        STRATEGIES.get(name).updates_during_exchange,
+        f"exchange.strategy {name!r}",
+        max_grad_norm=config.train.max_grad_norm,
+        precision=config.train.precision,
+        nonfinite=config.train.nonfinite,
+    )
+    if problem is not None:
+        raise PhalanxError(f"train.{problem[0]}: {problem[1]}")
 
 
 def _restarted_with_checkpoint(run_dir: Path) -> bool:

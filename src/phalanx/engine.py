@@ -136,23 +136,15 @@ class Engine:
         self._timer = PhaseTimer(self.ctx.device)
 
     def _check_rescaling(self, max_grad_norm: float | None) -> None:
-        """Clipping and fp16 unscaling need the whole gradient before the update."""
-        name = type(self.strategy).__name__
-        if max_grad_norm is not None and not self.strategy.can_rescale_gradients:
-            raise ConfigError(
-                f"max_grad_norm: {name} updates parameters while gradients still arrive, "
-                "before their global norm exists; use another exchange"
-            )
-        if self.precision.scaled and not self.strategy.can_rescale_gradients:
-            raise ConfigError(
-                f"precision: fp16 needs its loss scale removed before the update, which {name} "
-                "starts while gradients still arrive; use bf16 or another exchange"
-            )
-        if self.precision.scaled and self.nonfinite == "abort":
-            raise ConfigError(
-                "nonfinite: 'abort' with precision fp16 would stop at the loss scale's first "
-                "overflow; use 'skip' (max_nonfinite still bounds consecutive skips)"
-            )
+        problem = rescaling_problem(
+            self.strategy.updates_during_exchange,
+            type(self.strategy).__name__,
+            max_grad_norm=max_grad_norm,
+            precision=self.precision.name,
+            nonfinite=self.nonfinite,
+        )
+        if problem is not None:
+            raise ConfigError(f"{problem[0]}: {problem[1]}")
 
     # -- the step -----------------------------------------------------------------------------
     def step(self, inputs: Any, targets: torch.Tensor) -> torch.Tensor:
@@ -230,7 +222,7 @@ class Engine:
         if self.nonfinite is None:
             return False
         local_bad = self.strategy.is_trainer and not bool(torch.isfinite(loss))
-        if not self.strategy.agrees_before_exchange:
+        if not self.strategy.updates_during_exchange:
             self.buckets.poison = local_bad
             return False
         flag = torch.tensor([float(local_bad)], device=self.ctx.device)
@@ -494,6 +486,33 @@ class Engine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def rescaling_problem(
+    updates_during_exchange: bool,
+    who: str,
+    *,
+    max_grad_norm: float | None,
+    precision: str,
+    nonfinite: str | None,
+) -> tuple[str, str] | None:
+    """(key, reason) when these options cannot work together, else None. Clipping and fp16
+    unscaling need the whole gradient before the update; the Engine and the CLI (which checks
+    before starting workers, naming ``who``) share this rule."""
+    if max_grad_norm and updates_during_exchange:
+        reason = "updates parameters while gradients still arrive, before their global norm exists"
+        return "max_grad_norm", f"{who} {reason}; use another strategy"
+    if precision == "fp16" and updates_during_exchange:
+        return "precision", (
+            f"fp16 needs its loss scale removed before the update, which {who} starts while "
+            "gradients still arrive; use bf16 or another strategy"
+        )
+    if precision == "fp16" and nonfinite == "abort":
+        return "nonfinite", (
+            "'abort' with precision fp16 would stop at the loss scale's first overflow; use "
+            "'skip' (max_nonfinite still bounds consecutive skips)"
+        )
+    return None
 
 
 def _close_if_alive(ref: weakref.ref) -> Callable[[], None]:

@@ -311,10 +311,17 @@ def test_dry_run_describes_the_run_and_starts_nothing(tmp_path, capsys):
     assert not run_dir.exists() and not dist.is_initialized()
 
 
-def test_clipping_with_a_strategy_that_cannot_clip_exits_2(capsys):
-    argv = ["train", EXAMPLE, "--set", "train.max_grad_norm=1.0", "--set", "exchange.strategy=ps"]
+@pytest.mark.parametrize(
+    ("setting", "fragment"),
+    [
+        ("train.max_grad_norm=1.0", "train.max_grad_norm: exchange.strategy 'ps'"),
+        ("train.precision=fp16", "train.precision: fp16 needs its loss scale removed"),
+    ],
+)
+def test_rescaling_with_a_strategy_that_updates_during_exchange_exits_2(setting, fragment, capsys):
+    argv = ["train", EXAMPLE, "--set", setting, "--set", "exchange.strategy=ps"]
     assert run_main(argv) == 2
-    assert_one_line_error(capsys.readouterr().err, "train.max_grad_norm: exchange.strategy 'ps'")
+    assert_one_line_error(capsys.readouterr().err, fragment)
 
 
 def test_tensorboard_scalars_beside_metrics_and_plot(tmp_path, capsys):

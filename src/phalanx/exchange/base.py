@@ -88,9 +88,10 @@ def strategy_config(name: str, options: dict[str, Any]) -> Any:
 class Strategy(ABC):
     """Base class of exchange strategies (see the module docstring for the phases)."""
 
-    # Whether the whole exchanged gradient can be inspected and rescaled before the update
-    # (clipping, fp16 unscaling); False where updates start while gradients still arrive.
-    can_rescale_gradients: bool = True
+    # True where parameters are updated while gradients still arrive (no rank ever holds the
+    # whole exchanged gradient before an update). Then a bad loss is agreed before the
+    # exchange, and nothing can rescale the gradient first (no clipping, no fp16 unscaling).
+    updates_during_exchange: bool = False
 
     def __init__(self) -> None:
         self.ctx: Context | None = None
@@ -117,13 +118,6 @@ class Strategy(ABC):
         return True
 
     # -- the non-finite guard (the Engine skips a step whose loss or gradients hold inf/NaN) --
-    @property
-    def agrees_before_exchange(self) -> bool:
-        """Whether ranks must agree on a bad loss before the exchange starts (strategies that
-        update parameters while gradients are still arriving); the Engine then all-reduces one
-        flag before the exchanging backward and skips the exchange when it is set."""
-        return False
-
     def inspect_gradients(self, want_norm: bool) -> tuple[bool, float | None]:
         """After ``finish()``: (whether the exchanged gradients hold inf/NaN, their global L2
         norm if ``want_norm``), the same on every rank. Here every rank holds the whole mean

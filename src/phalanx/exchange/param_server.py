@@ -61,7 +61,7 @@ class ParameterServer(OwnerUpdateStrategy):
     """Push, update at the server, pull, per bucket (see the module docstring)."""
 
     Config = ParamServerConfig
-    can_rescale_gradients = False  # servers update each bucket as it arrives (F8)
+    updates_during_exchange = True  # servers update each bucket as it arrives (F8)
 
     def __init__(self, **options: Any) -> None:
         super().__init__()
@@ -117,16 +117,11 @@ class ParameterServer(OwnerUpdateStrategy):
         self.optimizer = optimizer  # the servers step the user's optimizer object
 
     # -- the non-finite guard ------------------------------------------------------------------
-    @property
-    def agrees_before_exchange(self) -> bool:
-        """Servers update each bucket as soon as it arrives (F8), so a bad loss must be known
-        to all before the first push; gradients that turn inf/NaN with a finite loss are caught
-        by each server on its own partitions (see ``_update``)."""
-        return True
-
     def inspect_gradients(self, want_norm: bool) -> tuple[bool, float | None]:
-        assert not want_norm, "can_rescale_gradients is False: the Engine refuses max_grad_norm"
-        return False, None  # decided before the exchange; partitions are checked at the servers
+        """A bad loss was agreed before the exchange; gradients that turn inf/NaN under a finite
+        loss are caught by each server on its own partitions (see ``_update``)."""
+        assert not want_norm, "updates_during_exchange: the Engine refuses max_grad_norm"
+        return False, None
 
     # -- the per-bucket job -------------------------------------------------------------------
     def launch(self, bucket: Bucket) -> None:
