@@ -20,13 +20,8 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
-import queue
 import statistics
-import sys
-import tempfile
 import time
-import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -146,7 +141,7 @@ class BenchConfig:
     seed: int = 0
     contenders: tuple[ContenderSpec, ...] = DEFAULT_CONTENDERS
     timeout_s: float = 120.0  # collective timeout: a stuck rank fails after this
-    debug: bool = False
+    debug: bool = False  # --debug: the CLI shows the error with the rank's traceback
 
     def validate(self) -> None:
         for key in ("nproc", "rounds", "batch_size"):
@@ -337,107 +332,30 @@ def bench_model(ctx: Context, cfg: BenchConfig, model: BenchModel) -> dict[str, 
     return {"model": model.name, "params": params, "steps": steps, "rounds": rounds}
 
 
-def _worker(rank: int, cfg: BenchConfig, init_method: str, results: Any) -> None:
-    """Entry of a spawned rank: join the group, run every model, rank 0 sends the raw results."""
-    import phalanx
-    from phalanx.runtime.context import RuntimeConfig
-
-    try:
-        torch.set_num_threads(1)
-        ctx = phalanx.init(
-            RuntimeConfig(threads=1, timeout_s=cfg.timeout_s),
-            init_method=init_method,
-            rank=rank,
-            world_size=cfg.nproc,
-        )
-        raw = [bench_model(ctx, cfg, BENCH_MODELS[name]) for name in cfg.models]
-        env = {"backend": ctx.backend, "threads": torch.get_num_threads()}
-        if rank == 0:
-            results.put(("ok", rank, {"env": env, "models": raw}))
-    except BaseException as e:  # reported to the parent, which names the rank
-        results.put(("error", rank, f"{type(e).__name__}: {e}", traceback.format_exc()))
-        sys.exit(1)
-    finally:
-        phalanx.shutdown()
+def _worker(ctx: Context, cfg: BenchConfig) -> dict[str, Any] | None:
+    """One rank: run every model; rank 0 returns the raw results."""
+    torch.set_num_threads(1)  # on CUDA too (phalanx.init sets it for CPU processes)
+    raw = [bench_model(ctx, cfg, BENCH_MODELS[name]) for name in cfg.models]
+    env = {"backend": ctx.backend, "threads": torch.get_num_threads()}
+    return {"env": env, "models": raw} if ctx.rank == 0 else None
 
 
 # -- the parent: spawn, collect, summarise ----------------------------------------------------
 def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
     """Spawn ``cfg.nproc`` ranks once, run every model, return the summarised results.
 
-    A rank's exception is raised here as WorkerError naming the rank; a rank that dies stops
-    the others, so the call never hangs on a dead peer.
+    A rank's exception is raised here as WorkerError (``RankFailed``) naming the rank; a rank
+    that dies stops the others, so the call never hangs on a dead peer.
     """
-    import torch.multiprocessing as mp
+    from phalanx.runtime.context import RuntimeConfig
+    from phalanx.runtime.spawn import run_ranks
 
     cfg.validate()
-    spawn = mp.get_context("spawn")
-    results = spawn.Queue()
     started = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="phalanx-bench-") as tmp:
-        init_method = f"file://{os.path.join(tmp, 'rendezvous')}"
-        procs = [
-            spawn.Process(target=_worker, args=(r, cfg, init_method, results), daemon=True)
-            for r in range(cfg.nproc)
-        ]
-        for p in procs:
-            p.start()
-        finished = False
-        try:
-            raw = _collect(procs, results, cfg.debug)
-            finished = True
-        finally:  # after a failure the others may sit in a collective: stop them at once
-            _stop(procs, timeout_s=30.0 if finished else 0.0)
+    runtime = RuntimeConfig(threads=1, timeout_s=cfg.timeout_s)
+    raw = run_ranks(_worker, cfg.nproc, cfg, timeout=None, runtime=runtime)[0]
     meta = _meta(cfg, raw["env"], time.perf_counter() - started)
     return {"meta": meta, "models": [summarize(m, cfg) for m in raw["models"]]}
-
-
-def _collect(procs: list[Any], results: Any, debug: bool) -> dict[str, Any]:
-    """Wait for rank 0's result, polling exit codes; raise WorkerError for a failed rank."""
-    while True:
-        try:
-            return _receive(results.get(timeout=0.2), procs, debug)
-        except queue.Empty:
-            pass
-        for rank, p in enumerate(procs):
-            if p.exitcode is None or (p.exitcode == 0 and rank != 0):
-                continue
-            try:  # the rank may have sent its result or error just before exiting
-                return _receive(results.get(timeout=2.0), procs, debug)
-            except queue.Empty:
-                reason = "without sending results" if p.exitcode == 0 else f"code {p.exitcode}"
-                raise WorkerError(rank, f"process exited with {reason}") from None
-
-
-def _receive(message: tuple, procs: list[Any], debug: bool) -> dict[str, Any]:
-    """Rank 0's results from an "ok" message; WorkerError from an "error" message.
-
-    A peer's error is often only the echo of a rank killed by a signal (connection reset):
-    then the killed rank is named as the cause.
-    """
-    if message[0] == "ok":
-        return message[2]
-    _, rank, text, tb = message
-    time.sleep(0.1)  # let a killed peer's exit code show
-    killed = [r for r, p in enumerate(procs) if p.exitcode is not None and p.exitcode < 0]
-    if killed and killed[0] != rank:
-        text = f"killed by signal {-procs[killed[0]].exitcode} (rank {rank} saw: {text})"
-        rank = killed[0]
-    raise WorkerError(rank, f"{text}\n{tb}" if debug else text)
-
-
-def _stop(procs: list[Any], timeout_s: float = 30.0) -> None:
-    """Join every rank (they exit on their own after a result); terminate stragglers."""
-    deadline = time.monotonic() + timeout_s
-    for p in procs:
-        p.join(timeout=max(0.0, deadline - time.monotonic()))
-    for p in procs:
-        if p.is_alive():
-            p.terminate()
-            p.join(timeout=5.0)
-        if p.is_alive():
-            p.kill()
-            p.join(timeout=5.0)
 
 
 def _meta(cfg: BenchConfig, env: dict[str, Any], wall_s: float) -> dict[str, Any]:

@@ -1,0 +1,284 @@
+"""``run_ranks``: run one function in ``world_size`` fresh processes joined in one process group.
+
+    results = run_ranks(fn, 2, arg)   # fn(ctx, arg) in ranks 0 and 1; results in rank order
+
+The one process runner of the benchmarks and the test harness (the WorkerPool, runtime/pool.py,
+is the other: persistent workers driven call by call). Ranks are started by torch's
+``torch.multiprocessing.start_processes`` (spawn start method; a rank dies with its parent) and
+rendezvous through a file in a private temporary directory (no ports, so parallel runs don't
+race). Each rank calls ``phalanx.init``, then ``fn(ctx, *args)``, then ``phalanx.shutdown`` (the
+process group is closed cleanly before the result is handed over); results and errors travel
+as files in that directory.
+
+A rank that raises or dies is raised here as ``RankFailed`` naming the rank (its remote
+traceback chained as the cause), and every other rank is stopped at once: a rank waiting in a
+collective for a dead peer never holds the caller up. When several ranks fail, the cause is
+chosen as the launcher does: a rank killed by a signal, else an error that is not merely a lost
+connection to a peer, else the earliest. A run past ``timeout`` stops every rank and raises
+``TimeoutError``. No process outlives the call.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from phalanx.errors import WorkerError
+from phalanx.runtime.context import RuntimeConfig
+from phalanx.runtime.launch import PEER_LOSS
+from phalanx.runtime.pool import RemoteTraceback
+
+POLL_S = 0.2  # how often the caller looks for error files (exits are seen at once)
+SETTLE_S = 0.2  # after a first failure: time for a peer's error or signal to show
+STOP_GRACE_S = 30.0  # after every result: time for the ranks to exit on their own
+
+
+class RankFailed(WorkerError):
+    """A rank raised or died; the others were stopped. ``exception`` is the rank's original
+    exception (when it could be unpickled), ``remote_traceback`` its formatted traceback ("" for
+    a rank that died without one), ``exit_code`` its exit status (negative: killed by a
+    signal; None: it was still running when stopped)."""
+
+    def __init__(
+        self,
+        rank: int,
+        message: str,
+        *,
+        exception: BaseException | None = None,
+        remote_traceback: str = "",
+        exit_code: int | None = None,
+    ) -> None:
+        super().__init__(rank, message)
+        self.exception = exception
+        self.remote_traceback = remote_traceback
+        self.exit_code = exit_code
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float | None = 120.0,
+    runtime: RuntimeConfig | None = None,
+    env: Mapping[str, str] | None = None,
+) -> list[Any]:
+    """``fn(ctx, *args)`` in each of ``world_size`` ranks; their return values in rank order.
+
+    ``fn`` and ``args`` must be picklable (``fn`` a module-level function); results travel with
+    ``torch.save``. ``ctx`` is the rank's phalanx Context. ``timeout``: seconds for the whole
+    run (None: no limit; a rank stuck in a collective still fails after ``runtime.timeout_s``).
+    ``runtime``: how each rank joins (default: one thread, a 60 s collective timeout). ``env``:
+    variables set in each rank before ``phalanx.init`` (``LOCAL_RANK`` is the rank).
+    """
+    import torch.multiprocessing as mp
+
+    if world_size < 1:
+        raise ValueError(f"run_ranks world_size: must be >= 1, got {world_size}")
+    runtime = runtime or RuntimeConfig(threads=1, timeout_s=60.0)
+    with tempfile.TemporaryDirectory(prefix="phalanx-ranks-") as tmp:
+        init_method = f"file://{os.path.join(tmp, 'rendezvous')}"
+        entry_args = (fn, args, world_size, init_method, runtime, dict(env or {}), tmp)
+        procs = mp.start_processes(
+            _rank_main, entry_args, nprocs=world_size, join=False, daemon=True
+        ).processes
+        finished = False
+        try:
+            _wait(procs, tmp, timeout)
+            finished = True
+        finally:  # after a failure the others may sit in a collective: stop them at once
+            _stop(procs, grace_s=STOP_GRACE_S if finished else 0.0)
+        return [_load(_result_path(tmp, r)) for r in range(world_size)]
+
+
+# -- in each rank -------------------------------------------------------------------------------
+def _rank_main(
+    rank: int,
+    fn: Callable[..., Any],
+    args: tuple,
+    world_size: int,
+    init_method: str,
+    runtime: RuntimeConfig,
+    env: dict[str, str],
+    out_dir: str,
+) -> None:
+    """Join, run, shut down, then hand the result over; an error is reported before shutdown
+    (so the caller stops the other ranks at once) and the rank exits with code 1."""
+    import io
+
+    import torch
+
+    from phalanx.runtime import context
+
+    os.environ.update(env)
+    os.environ["LOCAL_RANK"] = str(rank)  # phalanx.init binds cuda:LOCAL_RANK
+    payload, failed = b"", False
+    try:
+        ctx = context.init(runtime, init_method=init_method, rank=rank, world_size=world_size)
+        buffer = io.BytesIO()
+        torch.save(fn(ctx, *args), buffer)
+        payload = buffer.getvalue()
+    except BaseException as e:
+        _write_error(out_dir, rank, e)
+        failed = True
+    try:
+        context.shutdown()
+    except BaseException as e:
+        if not failed:
+            _write_error(out_dir, rank, e)
+            failed = True
+    if failed:
+        sys.exit(1)
+    _write_atomic(_result_path(out_dir, rank), payload)
+
+
+def _write_error(out_dir: str, rank: int, error: BaseException) -> None:
+    try:
+        exception = pickle.dumps(error)
+    except Exception:
+        exception = None
+    info = {
+        "summary": f"{type(error).__name__}: {error}",
+        "traceback": traceback.format_exc(),
+        "exception": exception,
+        "time": time.time(),
+    }
+    _write_atomic(_error_path(out_dir, rank), pickle.dumps(info))
+
+
+def _write_atomic(path: str, data: bytes) -> None:
+    with open(path + ".tmp", "wb") as f:
+        f.write(data)
+    os.replace(path + ".tmp", path)
+
+
+def _result_path(out_dir: str, rank: int) -> str:
+    return os.path.join(out_dir, f"rank{rank}.result")
+
+
+def _error_path(out_dir: str, rank: int) -> str:
+    return os.path.join(out_dir, f"rank{rank}.error")
+
+
+# -- in the caller ------------------------------------------------------------------------------
+def _wait(procs: list[Any], out_dir: str, timeout: float | None) -> None:
+    """Until every rank has handed over its result; raise for the first failure or timeout."""
+    from multiprocessing.connection import wait
+
+    deadline = None if timeout is None else time.monotonic() + timeout
+    pending = set(range(len(procs)))
+    while pending:
+        running = [procs[r].sentinel for r in pending if procs[r].exitcode is None]
+        if running:
+            wait(running, timeout=POLL_S)  # wakes as soon as a rank exits
+        pending = {r for r in pending if not os.path.exists(_result_path(out_dir, r))}
+        if any(_failed(procs, out_dir, r) for r in pending):
+            time.sleep(SETTLE_S)
+            raise _failure(procs, out_dir)
+        if deadline is not None and pending and time.monotonic() > deadline:
+            raise TimeoutError(
+                f"ranks {sorted(pending)} did not finish within {timeout} s; every rank was stopped"
+            )
+
+
+def _failed(procs: list[Any], out_dir: str, rank: int) -> bool:
+    exited = procs[rank].exitcode is not None
+    return os.path.exists(_error_path(out_dir, rank)) or (
+        exited and not os.path.exists(_result_path(out_dir, rank))
+    )
+
+
+@dataclass
+class _Failure:
+    rank: int
+    exit_code: int | None
+    info: dict[str, Any] | None  # the rank's error file, if it wrote one
+
+    @property
+    def signal_name(self) -> str | None:
+        if self.exit_code is None or self.exit_code >= 0:
+            return None
+        try:
+            return signal.Signals(-self.exit_code).name
+        except ValueError:
+            return str(-self.exit_code)
+
+    @property
+    def message(self) -> str:
+        if self.info is not None:
+            return self.info["summary"]
+        if self.signal_name is not None:
+            return f"killed by signal {self.signal_name}"
+        if self.exit_code == 0:
+            return "process exited without sending results"
+        return f"process exited with exit code {self.exit_code}"
+
+    def key(self) -> tuple[bool, bool, bool, float, int]:
+        """Sort key, cause first: killed by a signal, own error, any error, earliest, rank."""
+        consequence = any(p in self.message.lower() for p in PEER_LOSS)
+        when = self.info["time"] if self.info is not None else float("inf")
+        return (self.signal_name is None, consequence, self.info is None, when, self.rank)
+
+
+def _failure(procs: list[Any], out_dir: str) -> RankFailed:
+    """RankFailed for the root cause among the failed ranks."""
+    failures = []
+    for rank, p in enumerate(procs):
+        if _failed(procs, out_dir, rank):
+            info = None
+            if os.path.exists(_error_path(out_dir, rank)):
+                with open(_error_path(out_dir, rank), "rb") as f:
+                    info = pickle.load(f)
+            failures.append(_Failure(rank, p.exitcode, info))
+    cause = min(failures, key=_Failure.key)
+    others = [f for f in failures if f is not cause]
+    message = cause.message
+    seen = [f for f in others if f.info is not None]
+    if cause.info is None and seen:  # a rank that died: what a peer saw explains it
+        message += f" (rank {seen[0].rank} saw: {seen[0].info['summary']})"
+    elif others:
+        message += f" (ranks {[f.rank for f in others]} failed too)"
+    info = cause.info or {}
+    exception = None
+    if info.get("exception") is not None:
+        try:
+            exception = pickle.loads(info["exception"])
+        except Exception:
+            exception = None
+    remote = info.get("traceback", "")
+    error = RankFailed(
+        cause.rank,
+        message,
+        exception=exception,
+        remote_traceback=remote,
+        exit_code=cause.exit_code,
+    )
+    if remote:
+        error.__cause__ = RemoteTraceback(remote)
+    return error
+
+
+def _stop(procs: list[Any], grace_s: float) -> None:
+    """Join every rank within ``grace_s``; terminate, then kill, what is left; reap all."""
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
+    for stop in ("terminate", "kill"):
+        alive = [p for p in procs if p.is_alive()]
+        for p in alive:
+            getattr(p, stop)()
+        for p in alive:
+            p.join(timeout=5.0)
+
+
+def _load(path: str) -> Any:
+    import torch
+
+    return torch.load(path, weights_only=False)
