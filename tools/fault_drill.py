@@ -387,11 +387,11 @@ def run_restart(work: Path, ctx: dict[str, Any]) -> Sample:
 
 
 def run_corrupt(work: Path, ctx: dict[str, Any]) -> Sample:
-    """Scenario 8: a clean run, the middle byte of step-0000012.pt flipped, then --resume; time
-    is the resume's wall time."""
+    """Scenario 8: a clean run, the middle byte of step-0000012's rank-1 shard file flipped,
+    then --resume; time is the resume's wall time."""
     first = Launch(work, train_args(work)).finish()
     sample: Sample = {"first_exit_code": first.exit, "first_wall_s": first.wall_s}
-    newest = work / "run" / "checkpoints" / f"step-{STEPS:07d}.pt"
+    newest = work / "run" / "checkpoints" / f"step-{STEPS:07d}" / "__1_0.distcp"
     if first.code != 0 or not newest.is_file():
         sample.update(base_sample(first))
         sample["note"] = f"the clean run failed or left no {newest.name}"
@@ -508,7 +508,7 @@ def _check_restart(s: Sample, ctx: dict[str, Any]) -> list[str]:
 def _check_corrupt(s: Sample, ctx: dict[str, Any]) -> list[str]:
     out = _expect(s["exit_code"] == 0, f"resume exit code {s['exit_code']}, expected 0")
     out += _expect(
-        "resuming from step-0000008.pt" in (s.get("warning") or ""), f"warning: {s.get('warning')}"
+        "resuming from step-0000008" in (s.get("warning") or ""), f"warning: {s.get('warning')}"
     )
     out += _expect(s.get("losses_equal_reference") is True, "losses != reference")
     return out

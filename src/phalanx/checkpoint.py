@@ -1,51 +1,80 @@
-"""Checkpoints that survive crashes and corruption, in ``RUN_DIR/checkpoints``.
+"""Checkpoints that survive crashes and corruption, in ``RUN_DIR/checkpoints``, written with
+torch.distributed.checkpoint (DCP).
 
-Each checkpoint is three kinds of file:
+A checkpoint is a directory and two records:
 
-- ``step-NNNNNNN.pt``: the payload, written with ``torch.save`` and read back with
-  ``torch.load(weights_only=True)``, so a file cannot run code when loaded.
-- ``step-NNNNNNN.json``: its integrity record (a "sidecar"), ``{file, step, sha256, bytes}``.
+- ``step-NNNNNNN/``: what ``dcp.save`` writes. Every rank writes its own shard files
+  (``__RANK_N.distcp``) in parallel; rank 0 adds DCP's ``.metadata``. The state is keyed by name
+  (``trainer.engine.model.fc.weight``, ``trainer.engine.optimizer.state.fc.weight.exp_avg``),
+  and optimizer state a sharded strategy splits between owner ranks is stored as chunks of
+  the full per-parameter tensor (``Slices``), so each owner writes only its own share and a
+  run resumes on any world size with any strategy: DCP reads each rank exactly the pieces it
+  needs. Any PyTorch loads it: ``dcp.load`` or ``format_utils.dcp_to_torch_save``.
+- ``step-NNNNNNN.json``: its integrity record (a "sidecar"), ``{dir, step, files}`` with the
+  SHA-256 and size of every file in the directory.
 - ``latest.json``: a copy of the newest checkpoint's record, which points at it.
 
-Every file is written to a temporary ``.NAME.*.tmp``, fsynced, renamed into place, and then the
-directory is fsynced. The order is fixed: the .pt, then its sidecar, then latest.json. A crash at
-any point therefore leaves complete checkpoints, plus perhaps a stray temporary file or a .pt
-without a sidecar. Neither is ever loaded (the second is an interrupted write), and the next
-``save`` deletes both.
+Order of a save: every rank writes into ``.step-NNNNNNN.tmp/``; when all have finished (DCP's
+last collective), rank 0 renames the directory into place, then writes the sidecar, then
+latest.json (each file atomically: temporary file, fsync, rename, directory fsync). A crash at
+any point leaves complete checkpoints plus perhaps a temporary directory or a directory
+without a sidecar; neither is ever loaded, and the next save deletes both. ``save_async``
+does the writing on a background thread (``[checkpoint] async_save``).
 
-``load`` tries latest.json's checkpoint first, then the others newest first. Each is checked
-against its own record: size, SHA-256, then ``torch.load``. If it has to fall back past a damaged
-checkpoint, it logs one warning naming the damaged file and the one it resumed from. If none is
-good, CheckpointError names the directory and what was wrong with the first one it tried.
-latest.json also stands in as the record of the file it names when that file has no sidecar
-(checkpoints written before sidecars existed).
+``restore`` (every rank): rank 0 picks the checkpoint, trying latest.json's first, then the
+others newest first, each checked against its record (every file's size and SHA-256, then
+DCP's metadata); past a damaged one it logs one warning naming it and the one it resumed from;
+with none good, CheckpointError names the directory. Rank 0 broadcasts the choice, so every
+rank loads the same one. Single-file ``step-NNNNNNN.pt`` checkpoints of earlier versions
+(``torch.save`` payload, sidecar ``{file, step, sha256, bytes}``) still load.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import inspect
 import io
 import json
 import logging
+import math
 import os
 import re
+import shutil
 import tempfile
-from collections.abc import Callable
+import threading
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from phalanx.errors import CheckpointError
-from phalanx.faults import fault_at
 from phalanx.fields import option, require
 
 LATEST = "latest.json"
-_STEP_FILE = re.compile(r"step-(\d+)\.(pt|json)")
-_TEMP_PATTERNS = (".step-*.tmp", f".{LATEST}.*.tmp")  # what atomic_write_bytes leaves on a crash
+METADATA = ".metadata"  # DCP's index of the directory, written by rank 0 last
+_STEP_ENTRY = re.compile(r"step-(\d+)(\.pt|\.json)?")
+_TEMP_PATTERNS = (".step-*.tmp", f".{LATEST}.*.tmp")  # what a crash mid-write leaves behind
 
 logger = logging.getLogger("phalanx")
+
+
+def _d() -> Any:
+    """torch.distributed.checkpoint and phalanx's planners, imported on first use (importing
+    DCP takes most of a second; many commands never write a checkpoint)."""
+    from phalanx import _dcp
+
+    return _dcp
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("SavePlanner", "LoadPlanner"):  # DCP planners that know Slices
+        return getattr(_d(), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass(kw_only=True)
@@ -54,10 +83,18 @@ class CheckpointConfig:
 
     every: int = option(0, "write a checkpoint every this many steps (0: only at the end)")
     keep: int = option(2, "how many recent checkpoints to keep (older ones are deleted)")
+    async_save: bool = option(
+        False,
+        "write checkpoints on a background thread while training continues (the state is "
+        "copied to host memory first; the run's last checkpoint is always written in place)",
+    )
 
     def __post_init__(self) -> None:
         require(self.every >= 0, "every", f"must be >= 0, got {self.every}")
         require(self.keep >= 1, "keep", f"must be >= 1, got {self.keep}")
+
+
+# -- atomic files ---------------------------------------------------------------------------------
 
 
 def atomic_write_bytes(path: Path, data: bytes, midway: Callable[[], object] | None = None) -> None:
@@ -105,179 +142,743 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def save(directory: Path, step: int, payload: dict[str, Any], keep: int = 2) -> Path:
-    """Write ``payload`` as the checkpoint of ``step``, then its sidecar, then latest.json; the
-    sidecar comes after the .pt so that a crash never leaves a record for a partial file."""
-    buffer = io.BytesIO()
-    torch.save(payload, buffer)
-    data = buffer.getvalue()
-    path = directory / _step_name(step, "pt")
-    atomic_write_bytes(path, data, midway=lambda: fault_at("checkpoint", step))
+# -- pieces of a tensor several ranks share -------------------------------------------------------
+
+
+def _boxes(shape: Sequence[int], lo: int, hi: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """The flat range [lo, hi) of a row-major tensor of ``shape`` as boxes (offsets, sizes), each
+    itself a contiguous flat range, in order: at most 2 * ndim - 1 of them."""
+    if lo >= hi:
+        return []
+    if len(shape) <= 1:
+        return [((lo,), (hi - lo,))] if shape else [((), ())]
+    inner = math.prod(shape[1:])
+    first, last = lo // inner, (hi - 1) // inner
+    rest = [0] * (len(shape) - 1)
+
+    def row(r: int, a: int, b: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+        return [((r, *o), (1, *s)) for o, s in _boxes(shape[1:], a, b)]
+
+    if first == last:
+        return row(first, lo - first * inner, hi - first * inner)
+    out = row(first, lo % inner, inner) if lo % inner else []
+    full_from = first + (1 if lo % inner else 0)
+    full_to = last + 1 if hi % inner == 0 else last
+    if full_to > full_from:
+        out.append(((full_from, *rest), (full_to - full_from, *shape[1:])))
+    if hi % inner:
+        out += row(last, 0, hi - last * inner)
+    return out
+
+
+class Slices:
+    """This rank's pieces of a tensor that several ranks hold parts of (a parameter's optimizer
+    state split between owners), for DCP: each piece is a box (offsets, sizes) of the full
+    tensor, so the checkpoint holds the full tensor's shape and any box of it can be read back
+    (on another world size too). Built from flat ranges of the row-major tensor, which
+    ``_boxes`` cuts into at most 2 * ndim - 1 boxes each. Save with ``SavePlanner``, load with
+    ``LoadPlanner``."""
+
+    def __init__(
+        self,
+        shape: Sequence[int],
+        dtype: torch.dtype,
+        boxes: list[tuple[tuple[int, ...], torch.Tensor]],
+    ) -> None:
+        self.shape = torch.Size(shape)
+        self.dtype = dtype
+        self.boxes = boxes  # (offsets, tensor of the box's sizes)
+
+    @classmethod
+    def from_flat(cls, shape: Sequence[int], pieces: list[tuple[int, torch.Tensor]]) -> Slices:
+        """From (flat start, 1-D tensor) pieces; the boxes are views of them (no copy)."""
+        boxes = []
+        for start, flat in pieces:
+            for offsets, sizes in _boxes(shape, start, start + flat.numel()):
+                at = _flat_offset(shape, offsets) - start
+                boxes.append((offsets, flat[at : at + math.prod(sizes)].view(sizes)))
+        return cls(shape, pieces[0][1].dtype, boxes)
+
+    @classmethod
+    def empty(
+        cls, shape: Sequence[int], dtype: torch.dtype, ranges: list[tuple[int, int]]
+    ) -> Slices:
+        """Room for the flat ``ranges`` of the tensor, for DCP to load into."""
+        return cls.from_flat(shape, [(lo, torch.empty(hi - lo, dtype=dtype)) for lo, hi in ranges])
+
+    def size(self) -> torch.Size:
+        return self.shape
+
+    def flat_pieces(self) -> list[tuple[int, torch.Tensor]]:
+        """The pieces as (flat start, 1-D tensor)."""
+        return [(_flat_offset(self.shape, o), t.reshape(-1)) for o, t in self.boxes]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for _, t in self.boxes)
+
+    def chunks(self) -> list[Any]:
+        """DCP's description of the pieces (ChunkStorageMetadata)."""
+        return _d().chunks(self)
+
+    def write_items(self, fqn: str) -> list[Any]:
+        """What DCP writes for the pieces (one WriteItem each)."""
+        return _d().write_items(self, fqn)
+
+    def piece(self, index: Any) -> torch.Tensor:
+        """The piece DCP's MetadataIndex names."""
+        for offsets, tensor in self.boxes:
+            if torch.Size(offsets) == index.offset:
+                return tensor
+        raise ValueError(f"{index.fqn}: no piece at {index.offset}")
+
+
+def _flat_offset(shape: Sequence[int], offsets: Sequence[int]) -> int:
+    flat, stride = 0, 1
+    for size, offset in zip(reversed(shape), reversed(offsets)):
+        flat += offset * stride
+        stride *= size
+    return flat
+
+
+def template(stored: Any) -> Any:
+    """Room to load the stored structure ``stored`` (from ``restore``) into: empty tensors for
+    tensors, None for other values (DCP replaces them)."""
+    if isinstance(stored, Mapping):
+        return {k: template(v) for k, v in stored.items()}
+    if isinstance(stored, _d().TensorStorageMetadata):
+        return torch.empty(stored.size, dtype=stored.properties.dtype)
+    return None
+
+
+# -- saving ---------------------------------------------------------------------------------------
+
+
+def _step_name(step: int, suffix: str = "") -> str:
+    return f"step-{step:07d}{suffix}"
+
+
+def _states(state: Mapping[str, Any]) -> dict[str, Any]:
+    """What DCP saves: each Stateful's ``state_dict()``, other values as they are."""
+    return {k: v.state_dict() if _is_stateful(v) else v for k, v in state.items()}
+
+
+def _is_stateful(value: Any) -> bool:
+    return callable(getattr(value, "state_dict", None)) and callable(
+        getattr(value, "load_state_dict", None)
+    )
+
+
+def _distributed(group: Any) -> tuple[bool, Any, int]:
+    """(whether a process group is in use, the group, this rank in it)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return False, None, 0
+    group = group if group is not None else dist.group.WORLD
+    return True, group, dist.get_rank(group)
+
+
+def _dcp_kwargs(function: Callable, distributed: bool, group: Any) -> dict[str, Any]:
+    """The process group, or ``no_dist`` where this torch has it (2.4 infers it)."""
+    if distributed:
+        return {"process_group": group}
+    return {"no_dist": True} if "no_dist" in inspect.signature(function).parameters else {}
+
+
+@contextlib.contextmanager
+def _quiet_single_process(distributed: bool) -> Iterator[None]:
+    """DCP warns that it assumes one process when there is no group: that is the intent."""
+    if distributed:
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed.*", category=UserWarning)
+        yield
+
+
+def _digest(path: Path) -> dict[str, Any]:
+    sha, size = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            sha.update(block)
+            size += len(block)
+    return {"sha256": sha.hexdigest(), "bytes": size}
+
+
+def _complete(directory: Path, step: int, files: dict[str, dict[str, Any]], keep: int) -> Path:
+    """Rank 0, once every rank has written: rename the directory into place, then the sidecar,
+    then latest.json, then prune."""
+    name = _step_name(step)
+    tmp, final, sidecar = directory / f".{name}.tmp", directory / name, directory / f"{name}.json"
+    files = {**files, METADATA: _digest(tmp / METADATA)}
     record = {
-        "file": path.name,
+        "dir": name,
         "step": step,
-        "sha256": hashlib.sha256(data).hexdigest(),
-        "bytes": len(data),
+        "files": dict(sorted(files.items())),
+        "bytes": sum(entry["bytes"] for entry in files.values()),
     }
+    if final.exists():  # a stale checkpoint of this step (an earlier run): its record goes first
+        sidecar.unlink(missing_ok=True)
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _fsync_dir(directory)
     text = json.dumps(record, indent=2) + "\n"
-    atomic_write_text(directory / _step_name(step, "json"), text)
+    atomic_write_text(sidecar, text)
     atomic_write_text(directory / LATEST, text)
     _prune(directory, step, keep)
+    return final
+
+
+def _save(
+    directory: Path, step: int, states: dict[str, Any], keep: int, group: Any, barrier: bool
+) -> Path:
+    distributed, group, rank = _distributed(group)
+    tmp = directory / f".{_step_name(step)}.tmp"
+    if rank == 0:  # a crashed save of this step; every rank writes after DCP's first collective
+        directory.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+    d = _d()
+    writer = d.Writer(tmp, step)
+    with _quiet_single_process(distributed):
+        d.dcp.save(
+            states,
+            storage_writer=writer,
+            planner=d.SavePlanner(),
+            **_dcp_kwargs(d.dcp.save, distributed, group),
+        )
+    files = {name: _digest(tmp / name) for name in writer.written}  # each rank its own files
+    if distributed:
+        everyone: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, files, group=group)
+        files = {name: entry for part in everyone for name, entry in part.items()}
+    path = _complete(directory, step, files, keep) if rank == 0 else directory / _step_name(step)
+    if distributed and barrier:
+        dist.barrier(group=group)  # the checkpoint is complete when save returns, on every rank
     return path
 
 
-def _step_name(step: int, suffix: str) -> str:
-    return f"step-{step:07d}.{suffix}"
+def save(
+    directory: Path, step: int, state: Mapping[str, Any], keep: int = 2, group: Any = None
+) -> Path:
+    """Write ``state`` (e.g. ``{"trainer": trainer}``: Stateful objects are asked for their
+    ``state_dict()``) as the checkpoint of ``step``; returns its directory. Every rank of
+    ``group`` (default: the world; none: one process) calls it and writes its own part; it
+    returns when the checkpoint is complete."""
+    return _save(Path(directory), step, _states(state), keep, group, barrier=True)
 
 
-def _step_files(directory: Path) -> dict[int, dict[str, Path]]:
-    """``{step: {"pt": path, "json": path}}`` for the step files present (either may be absent)."""
+class PendingSave:
+    """A checkpoint being written on a background thread; ``wait()`` for it (re-raises what
+    went wrong)."""
+
+    def __init__(self, run: Callable[[], Path]) -> None:
+        self.path: Path | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(run,), daemon=True)
+        self._thread.name = "phalanx-checkpoint"
+        self._thread.start()
+
+    def _run(self, run: Callable[[], Path]) -> None:
+        try:
+            self.path = run()
+        except BaseException as e:  # noqa: BLE001 - re-raised by wait()
+            self._error = e
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def wait(self) -> Path:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        assert self.path is not None
+        return self.path
+
+
+def save_async(
+    directory: Path, step: int, state: Mapping[str, Any], keep: int = 2, group: Any = None
+) -> PendingSave:
+    """``save`` on a background thread: the state is copied to host memory now (the caller
+    may change it as soon as this returns), then written while the caller goes on. ``group``
+    must be a process group used by nothing else meanwhile (its collectives run on the
+    thread), e.g. ``dist.new_group(backend="gloo")``; wait for one save before the next."""
+    snapshot = _snapshot(_states(state))
+    return PendingSave(lambda: _save(Path(directory), step, snapshot, keep, group, barrier=False))
+
+
+def _snapshot(value: Any) -> Any:
+    """A host-memory copy of a state dict (tensors and Slices copied, other values kept)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, Slices):
+        return Slices(value.shape, value.dtype, [(o, _snapshot(t)) for o, t in value.boxes])
+    if isinstance(value, Mapping):
+        return {k: _snapshot(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_snapshot(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_snapshot(v) for v in value)
+    return value
+
+
+# -- which checkpoints exist, and pruning -----------------------------------------------------
+
+
+def _step_entries(directory: Path) -> dict[int, dict[str, Path]]:
+    """``{step: {"dir" | ".pt" | ".json": path}}`` for the step entries present."""
     found: dict[int, dict[str, Path]] = {}
+    if not directory.is_dir():
+        return found
     for path in directory.glob("step-*"):
-        match = _STEP_FILE.fullmatch(path.name)
-        if match:
-            found.setdefault(int(match.group(1)), {})[match.group(2)] = path
+        match = _STEP_ENTRY.fullmatch(path.name)
+        if match and (match.group(2) or path.is_dir()):
+            found.setdefault(int(match.group(1)), {})[match.group(2) or "dir"] = path
     return found
+
+
+def _has_payload(kinds: Mapping[str, Path]) -> bool:
+    return "dir" in kinds or ".pt" in kinds
 
 
 def _prune(directory: Path, step: int, keep: int) -> None:
     """Keep ``step`` and the keep-1 newest earlier checkpoints; later ones are stale (an old run
-    in the same directory) and go too, as do sidecars without a .pt and stray temporary files
-    (left by a crash mid-write)."""
-    files = _step_files(directory)
-    earlier = sorted(s for s, kinds in files.items() if s < step and "pt" in kinds)
+    in the same directory) and go too, as do sidecars without a checkpoint and temporary files
+    and directories (left by a crash mid-write)."""
+    entries = _step_entries(directory)
+    earlier = sorted(s for s, kinds in entries.items() if s < step and _has_payload(kinds))
     kept = {step, *earlier[max(0, len(earlier) - keep + 1) :]}
-    for old in sorted(set(files) - kept):
-        for suffix in ("json", "pt"):  # sidecar first: a .pt without one is never loaded
-            if suffix in files[old]:
-                files[old][suffix].unlink(missing_ok=True)
+    for old in sorted(set(entries) - kept):
+        for kind in (".json", ".pt", "dir"):  # the record first: what it names is never loaded
+            path = entries[old].get(kind)
+            if path is not None:
+                _remove(path)
     for pattern in _TEMP_PATTERNS:
         for stray in directory.glob(pattern):
-            stray.unlink(missing_ok=True)
+            _remove(stray)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+# -- choosing and loading -----------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class _Candidate:
-    """A checkpoint ``load`` may try: its .pt and the file holding its integrity record."""
+    """A checkpoint ``choose`` may try: its step and the file holding its integrity record."""
 
     step: int
-    path: Path
     record: Path
 
 
 class _Damaged(Exception):
-    """One checkpoint is unusable; the message says why, worded to follow its file name."""
+    """One checkpoint is unusable; the message says why, worded to follow its name."""
+
+
+@dataclass(frozen=True)
+class Found:
+    """The checkpoint ``choose`` picked: its step and directory (or ``.pt`` file, ``legacy``)."""
+
+    step: int
+    path: Path
+    legacy: bool = False
+
+
+def _record_target(record: Any) -> str | None:
+    if not isinstance(record, dict):
+        return None
+    target = record.get("dir", record.get("file"))
+    return target if isinstance(target, str) else None
 
 
 def _pointed_step(directory: Path) -> int | None:
     """The step latest.json names, or None if it is missing or garbled (the sidecars suffice)."""
     try:
-        record = json.loads((directory / LATEST).read_text(encoding="utf-8"))
-        match = _STEP_FILE.fullmatch(record["file"])
-    except (OSError, ValueError, KeyError, TypeError):
+        target = _record_target(json.loads((directory / LATEST).read_text(encoding="utf-8")))
+    except (OSError, ValueError):
         return None
-    return int(match.group(1)) if match and match.group(2) == "pt" else None
+    match = _STEP_ENTRY.fullmatch(target or "")
+    return int(match.group(1)) if match and match.group(2) in (None, ".pt") else None
 
 
 def _candidates(directory: Path) -> list[_Candidate]:
-    """Checkpoints in the order ``load`` tries them: latest.json's first, then the others newest
-    first. Only steps with a record count: a .pt without one is an interrupted write."""
-    files = _step_files(directory)
+    """Checkpoints in the order ``choose`` tries them: latest.json's first, then the others
+    newest first. Only steps with a record count: a checkpoint without one is an interrupted
+    write (latest.json stands in for the record of a pre-sidecar ``.pt``)."""
+    entries = _step_entries(directory)
     pointed = _pointed_step(directory)
-    steps = sorted((s for s, kinds in files.items() if "json" in kinds), reverse=True)
+    steps = sorted((s for s, kinds in entries.items() if ".json" in kinds), reverse=True)
     if pointed is not None:
         steps = [pointed] + [s for s in steps if s != pointed]
-    return [
-        _Candidate(
-            step=s,
-            path=directory / _step_name(s, "pt"),
-            record=files.get(s, {}).get("json", directory / LATEST),
-        )
-        for s in steps
-    ]
+    return [_Candidate(s, entries.get(s, {}).get(".json", directory / LATEST)) for s in steps]
 
 
-def _read_record(candidate: _Candidate) -> dict[str, Any]:
-    """The integrity record of ``candidate``, checked to describe its file."""
+def _path_of(candidate: _Candidate, record: Any) -> Path:
+    """The checkpoint a record describes (its directory, or a legacy .pt)."""
+    directory = candidate.record.parent
+    match = _STEP_ENTRY.fullmatch(_record_target(record) or "")
+    if match and int(match.group(1)) == candidate.step and match.group(2) in (None, ".pt"):
+        return directory / match.group(0)
+    legacy = directory / _step_name(candidate.step, ".pt")
+    return legacy if legacy.exists() else directory / _step_name(candidate.step)
+
+
+def _read_record(candidate: _Candidate) -> tuple[Path, dict[str, Any]]:
+    """The checkpoint ``candidate`` names and its integrity record, checked to describe it."""
     try:
         record = json.loads(candidate.record.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         record = None
-    if (
-        isinstance(record, dict)
-        and record.get("file") == candidate.path.name
-        and isinstance(record.get("sha256"), str)
-        and isinstance(record.get("bytes", 0), int)
+    path = _path_of(candidate, record)
+    if not isinstance(record, dict) or _record_target(record) != path.name:
+        raise _Damaged(path, f"has an unreadable integrity record ({candidate.record.name})")
+    if path.suffix == ".pt":
+        if isinstance(record.get("sha256"), str) and isinstance(record.get("bytes", 0), int):
+            return path, record
+    elif isinstance(record.get("files"), dict) and all(
+        isinstance(e, dict) and isinstance(e.get("sha256"), str) and isinstance(e.get("bytes"), int)
+        for e in record["files"].values()
     ):
-        return record
-    raise _Damaged(f"has an unreadable integrity record ({candidate.record.name})")
+        return path, record
+    raise _Damaged(path, f"has an unreadable integrity record ({candidate.record.name})")
 
 
-def _load_one(candidate: _Candidate) -> dict[str, Any]:
-    """``candidate``'s payload, after checking size and SHA-256 against its record (cheap, and
-    specific about what is wrong) and before trusting ``torch.load`` with the bytes."""
-    record = _read_record(candidate)
+def _check_bytes(data_len: int, expected: int, sha: str, expected_sha: str, what: str) -> None:
+    if data_len < expected:
+        raise _Damaged(None, f"is corrupted ({what}truncated to {data_len} of {expected} bytes)")
+    if data_len != expected:
+        raise _Damaged(None, f"is corrupted ({what}{data_len} bytes, expected {expected})")
+    if sha != expected_sha:
+        raise _Damaged(None, f"is corrupted ({what}SHA-256 mismatch)")
+
+
+def _verify(candidate: _Candidate) -> tuple[Found, Any]:
+    """Check ``candidate`` against its record; returns it and, for a legacy .pt, its payload."""
+    path, record = _read_record(candidate)
     try:
-        data = candidate.path.read_bytes()
+        if path.suffix == ".pt":
+            return Found(candidate.step, path, legacy=True), _verify_pt(path, record)
+        _verify_dir(path, record)
+        return Found(candidate.step, path), None
+    except _Damaged as e:
+        raise _Damaged(path, e.args[1]) from None
+
+
+def _verify_pt(path: Path, record: dict[str, Any]) -> Any:
+    """A legacy checkpoint's payload, after checking size and SHA-256 (cheap, and specific
+    about what is wrong) and before trusting ``torch.load`` with the bytes."""
+    try:
+        data = path.read_bytes()
     except FileNotFoundError:
-        raise _Damaged("does not exist") from None
+        raise _Damaged(path, "does not exist") from None
     except OSError as e:
-        raise _Damaged(f"is unreadable ({e.strerror})") from None
-    expected = record.get("bytes", len(data))
-    if len(data) < expected:
-        raise _Damaged(f"is corrupted (truncated to {len(data)} of {expected} bytes)")
-    if len(data) != expected:
-        raise _Damaged(f"is corrupted ({len(data)} bytes, expected {expected})")
-    if hashlib.sha256(data).hexdigest() != record["sha256"]:
-        raise _Damaged("is corrupted (SHA-256 mismatch)")
+        raise _Damaged(path, f"is unreadable ({e.strerror})") from None
+    sha = hashlib.sha256(data).hexdigest()
+    _check_bytes(len(data), record.get("bytes", len(data)), sha, record["sha256"], "")
     try:
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - any unpickling failure means a bad file
-        raise _Damaged(f"is unreadable ({type(e).__name__})") from None
+        raise _Damaged(path, f"is unreadable ({type(e).__name__})") from None
 
 
-def load(directory: Path, warn: bool = True) -> dict[str, Any]:
-    """The newest good checkpoint in ``directory``. Falling back past damaged ones (with one
-    warning, unless ``warn`` is False: every rank loads, one says it) lets a run resume after a
-    crash or bit rot instead of stopping; CheckpointError only when there is no good checkpoint
-    at all."""
+def _verify_dir(path: Path, record: dict[str, Any]) -> None:
+    """Every file the record lists, by size and SHA-256; then DCP's metadata must load."""
+    if not path.is_dir():
+        raise _Damaged(path, "does not exist")
+    files = record["files"]
+    if METADATA not in files:
+        raise _Damaged(path, f"has an unreadable integrity record (no {METADATA})")
+    for name, entry in sorted(files.items()):
+        try:
+            digest = _digest(path / name)
+        except FileNotFoundError:
+            raise _Damaged(path, f"is incomplete ({name} is missing)") from None
+        except OSError as e:
+            raise _Damaged(path, f"is unreadable ({name}: {e.strerror})") from None
+        _check_bytes(digest["bytes"], entry["bytes"], digest["sha256"], entry["sha256"], f"{name} ")
+    try:
+        _d().dcp.FileSystemReader(str(path)).read_metadata()
+    except Exception as e:  # noqa: BLE001 - whatever it is, the checkpoint cannot be read
+        raise _Damaged(path, f"is unreadable ({METADATA}: {type(e).__name__})") from None
+
+
+def _choose(directory: Path, warn: bool) -> tuple[Found, Any]:
     candidates = _candidates(directory)
     if not candidates:
         raise CheckpointError(f"no checkpoint in {directory}{_orphans_note(directory)}")
     first: tuple[Path, str] | None = None
     for candidate in candidates:
         try:
-            payload = _load_one(candidate)
+            found, payload = _verify(candidate)
         except _Damaged as e:
-            first = first or (candidate.path, str(e))
+            first = first or (e.args[0], e.args[1])
             continue
-        if first is not None:
-            if warn:
-                logger.warning(
-                    "phalanx: checkpoint %s %s; resuming from %s",
-                    first[0],
-                    first[1],
-                    candidate.path.name,
-                )
-        return payload
+        if first is not None and warn:
+            logger.warning(
+                "phalanx: checkpoint %s %s; resuming from %s", first[0], first[1], found.path.name
+            )
+        return found, payload
     assert first is not None
     others = len(candidates) - 1
     also = f" ({others} other checkpoint{'s' * (others > 1)} also bad)" if others else ""
     raise CheckpointError(f"no good checkpoint in {directory}: {first[0]} {first[1]}{also}")
 
 
+def choose(directory: Path, warn: bool = True) -> Found:
+    """The newest good checkpoint in ``directory``, verified (every file's size and SHA-256)
+    but not loaded. Falling back past damaged ones (with one warning, unless ``warn`` is False)
+    lets a run resume after a crash or bit rot instead of stopping; CheckpointError only when
+    there is no good checkpoint at all."""
+    return _choose(Path(directory), warn)[0]
+
+
 def _orphans_note(directory: Path) -> str:
-    """Why a directory with .pt files has no checkpoint: they were never completed."""
-    orphans = sorted(k["pt"].name for k in _step_files(directory).values() if "pt" in k)
+    """Why a directory with checkpoint payloads has no checkpoint: they were never completed."""
+    orphans = sorted(
+        path.name
+        for kinds in _step_entries(directory).values()
+        for kind, path in kinds.items()
+        if kind in ("dir", ".pt")
+    )
     if not orphans:
         return ""
     return f" ({', '.join(orphans)}: no integrity record, an interrupted write)"
 
 
 def latest_step(directory: Path) -> int | None:
-    """The step ``load`` would try first, without reading it, so that a restart can decide
+    """The step ``choose`` would try first, without reading it, so that a restart can decide
     cheaply whether to resume; None when there is no complete-looking checkpoint."""
+    directory = Path(directory)
     for candidate in _candidates(directory):
-        if candidate.path.is_file():
+        try:
+            record = json.loads(candidate.record.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            record = None
+        if _path_of(candidate, record).exists():
             return candidate.step
     return None
+
+
+def stored_structure(path: Path) -> dict[str, Any]:
+    """The nested structure a DCP checkpoint directory holds, its leaves DCP's storage
+    metadata (TensorStorageMetadata: shape, dtype and chunks; BytesStorageMetadata)."""
+    d = _d()
+    metadata = d.dcp.FileSystemReader(str(path)).read_metadata()
+    mappings = metadata.planner_data or {}
+    tree: dict[str, Any] = {}
+    for key, value in metadata.state_dict_metadata.items():
+        d.set_element(tree, mappings.get(key, (key,)), value)
+    return tree
+
+
+class _Prepared:
+    """A Stateful object about to be loaded: its ``state_dict(stored=...)`` (when it takes
+    ``stored``) describes what this rank reads from the checkpoint's structure."""
+
+    def __init__(self, obj: Any, stored: Any) -> None:
+        self.obj, self.stored = obj, stored
+
+    def state_dict(self) -> Any:
+        if "stored" in inspect.signature(self.obj.state_dict).parameters:
+            return self.obj.state_dict(stored=self.stored if self.stored is not None else {})
+        return self.obj.state_dict()
+
+    def load_state_dict(self, state: Any) -> None:
+        self.obj.load_state_dict(state)
+
+
+def restore(
+    directory: Path,
+    state: dict[str, Any],
+    group: Any = None,
+    warn: bool = True,
+    legacy: Callable[[dict[str, Any]], None] | None = None,
+) -> Found:
+    """Load the newest good checkpoint into ``state`` (Stateful objects load in place, other
+    values are replaced), on every rank of ``group``: rank 0 chooses (warning once if it
+    falls back) and tells the others, then each rank reads what it needs. A legacy ``.pt``
+    checkpoint's payload goes to ``legacy``. CheckpointError (one line) when none is good."""
+    directory = Path(directory)
+    distributed, group, rank = _distributed(group)
+    found: Found | None = None
+    payload, error = None, None
+    if rank == 0:
+        try:
+            found, payload = _choose(directory, warn)
+        except CheckpointError as e:
+            error = str(e)
+    if distributed:
+        box = [found, error]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+        found, error = box
+    if error is not None:
+        raise CheckpointError(error)
+    assert found is not None
+    if found.legacy:
+        if legacy is None:
+            raise CheckpointError(f"{found.path}: a single-file checkpoint; load() reads it")
+        legacy(payload if payload is not None else _verify_pt_unchecked(found.path))
+        return found
+    try:
+        stored = stored_structure(found.path)
+        prepared = {
+            k: _Prepared(v, stored.get(k)) if _is_stateful(v) else v for k, v in state.items()
+        }
+        d = _d()
+        with _quiet_single_process(distributed):
+            d.dcp.load(
+                prepared,
+                storage_reader=d.dcp.FileSystemReader(str(found.path)),
+                planner=d.LoadPlanner(),
+                **_dcp_kwargs(d.dcp.load, distributed, group),
+            )
+    except CheckpointError:
+        raise
+    except BaseException as e:
+        _reraise_unless_load_error(e)
+        raise CheckpointError(f"cannot load {found.path}: {_one_line(e)}") from e
+    for key, value in prepared.items():
+        if not isinstance(value, _Prepared):
+            state[key] = value
+    return found
+
+
+def _verify_pt_unchecked(path: Path) -> Any:
+    """A legacy payload rank 0 has verified: the other ranks only read it."""
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def _reraise_unless_load_error(error: BaseException) -> None:
+    """Errors that mean "this checkpoint cannot be loaded" (DCP's CheckpointException is a
+    BaseException); anything else (KeyboardInterrupt, SystemExit) goes on as it is."""
+    if not isinstance(error, (Exception, _d().CheckpointException)):
+        raise error
+
+
+def _one_line(error: BaseException) -> str:
+    """What went wrong, in one line (DCP's first failing rank's error)."""
+    if isinstance(error, _d().CheckpointException) and error.failures:
+        rank, (cause, _) = min(error.failures.items(), key=lambda item: item[0])
+        return f"rank {rank}: {_one_line(cause)}"
+    text = f"{type(error).__name__}: {' '.join(str(error).split())}".rstrip(": ")
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def load(directory: Path, warn: bool = True, only: Sequence[str] | None = None) -> dict[str, Any]:
+    """The newest good checkpoint's whole state as nested dicts of CPU tensors, in this process
+    (no process group needed), e.g. ``load(d)["trainer"]["step"]``; ``only``: the dotted
+    prefixes to read (``"trainer.engine.model"``). Sharded optimizer state comes back whole.
+    A legacy ``.pt`` checkpoint's payload comes back as it was saved."""
+    found, payload = _choose(Path(directory), warn)
+    if found.legacy:
+        return payload
+    d = _d()
+    metadata = d.dcp.FileSystemReader(str(found.path)).read_metadata()
+    mappings = metadata.planner_data or {}
+    state: dict[str, Any] = {}
+    for key, stored in metadata.state_dict_metadata.items():
+        if only is None or any(key == p or key.startswith(p + ".") for p in only):
+            d.set_element(state, mappings.get(key, (key,)), template(stored))
+    try:
+        with _quiet_single_process(False):
+            d.dcp.load(
+                state,
+                storage_reader=d.dcp.FileSystemReader(str(found.path)),
+                planner=d.LoadPlanner(),
+                **_dcp_kwargs(d.dcp.load, False, None),
+            )
+    except BaseException as e:
+        _reraise_unless_load_error(e)
+        raise CheckpointError(f"cannot load {found.path}: {_one_line(e)}") from e
+    return state
+
+
+# -- optimizer state in per-parameter form --------------------------------------------------------
+
+
+def optimizer_to_dcp(
+    state: dict[int, dict[str, Any]],
+    groups: list[dict[str, Any]],
+    params: list[torch.nn.Parameter],
+    names: list[str],
+) -> dict[str, Any]:
+    """A strategy's ``optimizer_shards`` keyed by parameter name for DCP: per-element state as
+    the parameter's shape (a plain tensor where this rank holds all of it, else ``Slices``),
+    the hyperparameter groups as one value (parameters by name)."""
+    out: dict[str, Any] = {}
+    for i, entry in state.items():
+        p = params[i]
+        out[names[i]] = {key: _to_dcp(value, p) for key, value in entry.items()}
+    hyper = tuple({**g, "params": [names[i] for i in g["params"]]} for g in groups)
+    return {"state": out, "param_groups": hyper}
+
+
+def _to_dcp(value: Any, p: torch.Tensor) -> Any:
+    if not isinstance(value, list):
+        return value
+    if len(value) == 1 and value[0][0] == 0 and value[0][1].numel() == p.numel():
+        return value[0][1].view(p.shape)
+    return Slices.from_flat(p.shape, value)
+
+
+def optimizer_template(
+    stored: Any,
+    ranges: dict[int, list[tuple[int, int]]],
+    params: list[torch.nn.Parameter],
+    names: list[str],
+) -> dict[str, Any]:
+    """Room for the optimizer state a rank needs from a checkpoint's ``stored`` structure:
+    the flat ``ranges`` of each parameter it keeps state for (per-element state), and the
+    other per-parameter values of those parameters."""
+    stored = stored if isinstance(stored, Mapping) else {}
+    on_disk = stored.get("state", {})
+    out: dict[str, Any] = {}
+    for i, p in enumerate(params):
+        own, entry = ranges.get(i), on_disk.get(names[i])
+        if not own or not isinstance(entry, Mapping):
+            continue
+        room: dict[str, Any] = {}
+        for key, md in entry.items():
+            if not isinstance(md, _d().TensorStorageMetadata):
+                room[key] = None
+            elif len(md.size) > 0 and tuple(md.size) == tuple(p.shape):
+                if own == [(0, p.numel())]:
+                    room[key] = torch.empty(md.size, dtype=md.properties.dtype)
+                else:
+                    room[key] = Slices.empty(p.shape, md.properties.dtype, own)
+            else:
+                room[key] = torch.empty(md.size, dtype=md.properties.dtype)
+        out[names[i]] = room
+    result: dict[str, Any] = {"state": out}
+    if "param_groups" in stored:
+        result["param_groups"] = None
+    return result
+
+
+def optimizer_from_dcp(
+    state: Mapping[str, Any], params: list[torch.nn.Parameter], names: list[str]
+) -> tuple[dict[int, dict[str, Any]], list[dict[str, Any]]]:
+    """What ``optimizer_to_dcp`` or ``optimizer_template`` hold, after a load, back in the
+    strategies' form: ``({param index: {key: pieces or value}}, groups)``."""
+    index = {name: i for i, name in enumerate(names)}
+    out: dict[int, dict[str, Any]] = {}
+    for name, entry in (state.get("state") or {}).items():
+        i = index.get(name)
+        if i is None:
+            raise CheckpointError(f"checkpoint has optimizer state for {name!r}, not a parameter")
+        out[i] = {key: _from_dcp(value, params[i]) for key, value in entry.items()}
+    groups = [
+        {**g, "params": [index[n] for n in g.get("params", ()) if n in index]}
+        for g in (state.get("param_groups") or ())
+    ]
+    return out, groups
+
+
+def _from_dcp(value: Any, p: torch.Tensor) -> Any:
+    if isinstance(value, Slices):
+        return value.flat_pieces()
+    if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == p.shape:
+        return [(0, value.reshape(-1))]
+    return value

@@ -220,6 +220,11 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
     from phalanx.bench import link
 
     link.add_arguments(targets.add_parser("link", help="link latency/bandwidth and threshold"))
+    from phalanx.bench import pipeline
+
+    pipeline.add_arguments(
+        targets.add_parser("pipeline", help="pipeline schedules vs torch.distributed.pipelining")
+    )
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -235,7 +240,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     run_dir = Path(args.resume or args.run_dir or config.train.run_dir or _default_run_dir(args))
     in_worker = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     world_size = int(os.environ["WORLD_SIZE"]) if in_worker else args.nproc * args.nnodes
-    config.exchange.check_world(world_size)  # before any process group work
+    config.check_world(world_size)  # before any process group work
     _check_rescaling(config)
     if args.dry_run:
         from phalanx.dryrun import describe_run
@@ -243,7 +248,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(describe_run(config, world_size, str(run_dir)))
         return 0
     if args.resume and not in_worker:
-        checkpoint.load(run_dir / "checkpoints", warn=False)  # fail early; rank 0 warns
+        checkpoint.choose(run_dir / "checkpoints", warn=False)  # fail early; rank 0 warns
     if in_worker or (args.nproc == 1 and args.nnodes == 1):
         resume = bool(args.resume) or _restarted_with_checkpoint(run_dir)
         return _train_here(config, run_dir, resume, quiet=in_worker and _launched())

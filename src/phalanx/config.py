@@ -19,10 +19,11 @@ from phalanx.checkpoint import CheckpointConfig
 from phalanx.data.sources import DataConfig
 from phalanx.errors import ConfigError
 from phalanx.exchange.base import ExchangeConfig
-from phalanx.fields import from_dict, join_key, option
+from phalanx.fields import ConfigValueError, from_dict, join_key, option
 from phalanx.models.layers import ModelConfig
 from phalanx.optim.factory import OptimizerConfig
 from phalanx.optim.schedule import SchedulerConfig
+from phalanx.parallel.layout import ParallelConfig, check_stage_count, stages_from_layers
 from phalanx.runtime.context import RuntimeConfig
 from phalanx.trainer import TrainConfig
 from phalanx.viz import LogConfig
@@ -48,9 +49,46 @@ class RunConfig:
     checkpoint: CheckpointConfig = option(factory=CheckpointConfig, doc="checkpoints")
     runtime: RuntimeConfig = option(factory=RuntimeConfig, doc="process group and devices")
     log: LogConfig = option(factory=LogConfig, doc="TensorBoard beside metrics.jsonl ([log])")
+    parallel: ParallelConfig = option(
+        factory=ParallelConfig, doc="data x pipeline layout, micro-batches, schedule"
+    )
+
+    def __post_init__(self) -> None:
+        """Checks that span tables: the stage keys of [[model.layers]] against [parallel]
+        (with pipeline = 1 they are not used: a config cut for P stages also runs whole)."""
+        parallel, layers = self.parallel, self.model.layers
+        if parallel.enabled:
+            if layers:
+                stages_from_layers(layers, parallel.num_stages)
+            check_stage_count(
+                len(layers) if layers else _num_layers(self.model), parallel.num_stages
+            )
+            parallel.check_batch(self.data.batch_size // self.train.accumulate_steps)
+
+    def check_world(self, world_size: int) -> None:
+        """One-line errors for a layout this many processes cannot run: P must divide the
+        world; the exchange runs among the D replicas of each stage."""
+        try:
+            replicas = self.parallel.replicas(world_size)
+        except ConfigValueError as e:
+            raise ConfigError(f"parallel.{e.key}: {e.reason}") from None
+        self.exchange.check_world(replicas)
+
+    def stage_of_layers(self) -> list[int] | None:
+        """Each layer's stage from the config's ``stage`` keys (None: split by [parallel],
+        or no pipeline)."""
+        if not (self.parallel.enabled and self.model.layers):
+            return None
+        return stages_from_layers(self.model.layers, self.parallel.num_stages)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def _num_layers(model: ModelConfig) -> int:
+    from phalanx.models.layers import build_model
+
+    return len(list(build_model(model).children()))
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:

@@ -5,7 +5,7 @@ workers, no run directory)."""
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from phalanx.config import RunConfig
@@ -19,11 +19,14 @@ def describe_run(config: RunConfig, world_size: int, run_dir: str) -> str:
     from phalanx.models.layers import build_model
 
     model = build_model(config.model)
+    shown, pipeline_lines = model, []
+    if config.parallel.enabled:
+        shown, pipeline_lines = _pipeline(config, model, world_size)
     total = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     strategy = make_strategy(config.exchange.strategy, config.exchange.options)
     servers = int(getattr(getattr(strategy, "config", None), "servers", 0) or 0)
-    data_ranks = world_size - servers
+    data_ranks = world_size // config.parallel.pipeline - servers
     global_batch = config.data.batch_size * data_ranks
     num_samples = len(training_reader(config.data.path, load_source(config.data)))
     steps_per_epoch = num_samples // global_batch
@@ -34,12 +37,13 @@ def describe_run(config: RunConfig, world_size: int, run_dir: str) -> str:
         json.dumps(config.to_dict(), indent=2),
         "",
         "model:",
-        str(model),
+        str(shown),
         f"parameters: {total:,} ({trainable:,} trainable, {4 * trainable / 2**20:.2f} MiB fp32)",
         "",
         "layout:",
         f"  processes: {world_size} ({data_ranks} training on data"
         + (f", {servers} parameter servers)" if servers else ")"),
+        *pipeline_lines,
         f"  exchange: {exchange.strategy}, bucket_mb {exchange.bucket_mb}, "
         f"compress {exchange.compress}, options {exchange.options or '{}'}",
         f"  global batch: {config.data.batch_size} x {data_ranks} = {global_batch}",
@@ -54,3 +58,38 @@ def describe_run(config: RunConfig, world_size: int, run_dir: str) -> str:
         "dry run: nothing was started",
     ]  # fmt: skip
     return "\n".join(lines)
+
+
+def _pipeline(config: RunConfig, model: Any, world_size: int) -> tuple[Any, list[str]]:
+    """The model with its transfer layers, and the layout lines of a pipelined run."""
+    import torch
+
+    from phalanx.data.sources import load_source
+    from phalanx.parallel.pipeline import (
+        describe_stages,
+        pipelined_view,
+        split_here,
+        trace_boundaries,
+    )
+    from phalanx.parallel.schedules import schedule_kind
+    from phalanx.trainer import _sample_microbatch
+
+    parallel = config.parallel
+    if config.runtime.threads > 0:  # time layers for split = "auto" as a worker would
+        torch.set_num_threads(config.runtime.threads)
+    layers = list(model.children())
+    sample = _sample_microbatch(config, load_source(config.data))
+    given = config.stage_of_layers()
+    stage_of, measured = (given, "") if given else split_here(layers, parallel, sample)
+    boundaries = trace_boundaries(layers, stage_of, sample)
+    kind = schedule_kind(parallel.schedule)
+    m, p = parallel.num_microbatches, parallel.pipeline
+    bubble = kind.bubble_fraction(p, m, parallel.stages_per_rank)
+    lines = [
+        f"  pipeline: {world_size // p} replica(s) x {p} pipeline ranks, "
+        f"{parallel.num_stages} stages, schedule {parallel.schedule}, {m} micro-batches of "
+        f"{len(sample)} (bubble in theory {100 * bubble:.1f}%)",
+        *([f"  split = auto measured: {measured}"] if measured else []),
+        describe_stages(stage_of, boundaries, p),
+    ]
+    return pipelined_view(layers, stage_of, boundaries), lines

@@ -14,11 +14,14 @@ from phalanx.errors import ConfigError, NonFiniteError
 from phalanx.exchange.autotune import LayoutTrials
 from phalanx.exchange.base import OptimizerFactory, Strategy, make_strategy
 from phalanx.exchange.buckets import FIRST_BUCKET_BYTES, GradientBuckets, plan_buckets
+from phalanx.exchange.comm import global_rank
 from phalanx.exchange.compression import make_codec
 from phalanx.exchange.link import LinkModel, calibrate
 from phalanx.exchange.threshold import BackwardRecorder, Choice, agree_profile, choose_bucket_bytes
 from phalanx.faults import fault_at
 from phalanx.metrics import PhaseTimer, StepStats
+from phalanx.parallel.layout import ParallelConfig
+from phalanx.parallel.pipeline import PipelineParallel, build_pipeline
 from phalanx.precision import Precision
 from phalanx.runtime.context import Context, current_context, on_shutdown
 
@@ -79,6 +82,9 @@ class Engine:
         max_grad_norm: float | None = None,
         precision: str = "fp32",
         context: Context | None = None,
+        parallel: ParallelConfig | None = None,
+        stages: list[int] | None = None,
+        sample_input: Any = None,
     ) -> None:
         if bucket_mb != AUTO and (isinstance(bucket_mb, str) or not bucket_mb > 0):
             raise ConfigError(f"bucket_mb: got {bucket_mb!r}; allowed: a size > 0 (MiB) or 'auto'")
@@ -91,11 +97,24 @@ class Engine:
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ConfigError(f"max_grad_norm: must be > 0 or None, got {max_grad_norm}")
         self.nonfinite, self.max_nonfinite = nonfinite, max_nonfinite
+        self._launch_in_pipeline = False  # this accumulation step's last backward launches
+        self._pipeline_loss_bad = False  # the last stage's loss was inf/NaN (pipeline > 1)
         self.max_grad_norm = max_grad_norm
         self.grad_norm = float("nan")  # the last step's global gradient norm (with clipping)
         self.num_nonfinite_steps = 0  # steps skipped over the run
         self.consecutive_nonfinite = 0
         self.ctx = context or current_context()
+        self.world = self.ctx  # every process; self.ctx becomes the data-parallel group
+        self.pipeline: PipelineParallel | None = None
+        if parallel is not None and parallel.enabled:
+            if bucket_mb == AUTO:
+                raise ConfigError(
+                    "bucket_mb: 'auto' profiles one whole backward pass, which a pipeline "
+                    "splits over ranks; give a size in MiB with pipeline > 1"
+                )
+            self.pipeline = build_pipeline(model, loss_fn, parallel, self.ctx, sample_input, stages)
+            model, self.ctx = self.pipeline.local, self.pipeline.data_context
+            self.pipeline.before_backward = self._before_pipeline_backward
         self._closed = False
         self._module = model.to(self.ctx.device)
         self.loss_fn = loss_fn
@@ -118,6 +137,11 @@ class Engine:
             first_bucket_bytes=int((first_bucket_mb or FIRST_BUCKET_BYTES / 2**20) * 2**20),
         )
         self.strategy.setup(self.ctx, self.buckets.buckets)
+        if self.pipeline is not None and self.strategy.data_parallel()[1] != self.ctx.world_size:
+            raise ConfigError(
+                "exchange.strategy: dedicated parameter servers train no stage; with pipeline "
+                "> 1 every rank must train (ps with servers = 0)"
+            )
         self._optimizer_factory = optimizer
         self.optimizer = self.strategy.build_optimizer(self.trainable, optimizer)
         self.strategy.register_module(self._module)
@@ -167,6 +191,10 @@ class Engine:
         self.buckets.arm(launch=True)  # a server runs no backward: flush launches every bucket
         # Phase 2: forward/backward; only the last micro-step launches the exchange.
         skip = False
+        if self.pipeline is not None:
+            total_loss, skip = self._pipeline_forward_backward(micro, scale)
+            timer.mark("backward")
+            micro = []  # done: the loop below is the one-stage path
         for i, (x, y) in enumerate(micro):
             loss = self._forward(x, y)
             total_loss += loss.detach() / len(micro)
@@ -181,7 +209,7 @@ class Engine:
             if self._recorder is not None:
                 self._recorder.stop()
             timer.mark("backward")
-        if not micro:  # a dedicated server joins the agreement the trainers make
+        if not self.strategy.is_trainer:  # a dedicated server joins the trainers' agreement
             skip = self._nonfinite_before_exchange(total_loss)
         launched_in_backward = sum(b.launched for b in self.buckets.buckets)
         if not skip:
@@ -205,6 +233,59 @@ class Engine:
             self.num_updates += 1
         self.num_steps += 1
         return total_loss
+
+    def _pipeline_forward_backward(
+        self, micro: list[tuple[Any, torch.Tensor]], scale: float
+    ) -> tuple[torch.Tensor, bool]:
+        """Phase 2 with pipeline > 1: torch's schedule runs each accumulation step's
+        micro-batches through the stages; the buckets launch during the last backward
+        (``_before_pipeline_backward``). Returns (mean loss, skip) where the loss is this
+        replica's on the rank with the last stage and 0 elsewhere."""
+        assert self.pipeline is not None
+        total_loss = torch.zeros((), device=self.ctx.device)
+        self.pipeline.reset_counts()
+        for i, (x, y) in enumerate(micro):
+            self._launch_in_pipeline = i == len(micro) - 1 and self._pipeline_overlaps
+            with self.precision.autocast():
+                loss = self.pipeline.step(x, y, scale)
+            total_loss += loss / len(micro)
+        if self.pipeline.holds_last and fault_at("forward", self.num_steps + 1) == "nan":
+            total_loss = total_loss * float("nan")
+        return total_loss, self._pipeline_verdict_before_exchange(total_loss)
+
+    @property
+    def _pipeline_overlaps(self) -> bool:
+        """Buckets launch inside the schedule's last backward when one set of buckets sees one
+        stage's backward passes in order, and no agreement must come first."""
+        assert self.pipeline is not None
+        agree_first = self.strategy.updates_during_exchange and self.nonfinite is not None
+        return len(self.pipeline.stage_ids) == 1 and not agree_first
+
+    def _before_pipeline_backward(self, last_backward: bool) -> None:
+        self.buckets.arm(launch=last_backward and self._launch_in_pipeline)
+
+    def _pipeline_verdict_before_exchange(self, loss: torch.Tensor) -> bool:
+        """Strategies that update while gradients arrive agree on the loss's health before
+        anything is exchanged: one flag all-reduced over the world (the last stages know)."""
+        if self.nonfinite is None or not self.strategy.updates_during_exchange:
+            if self.pipeline is not None and self.pipeline.holds_last:
+                self._pipeline_loss_bad = not bool(torch.isfinite(loss))
+            return False
+        flag = torch.tensor([float(not bool(torch.isfinite(loss)))], device=self.ctx.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.world.group)
+        return bool(flag.item() > 0)
+
+    def _combine_over_stages(self, bad: bool, norm: float | None) -> tuple[bool, float | None]:
+        """Each stage's verdict and norm cover its own parameters: one all-reduce over the
+        world makes them the whole model's. Replicas hold the same exchanged gradients, so the
+        world's sum of squares counts each stage D times."""
+        assert self.pipeline is not None
+        bad = bad or self._pipeline_loss_bad
+        self._pipeline_loss_bad = False
+        squares = 0.0 if norm is None else norm * norm / self.pipeline.num_replicas
+        value = torch.tensor([float(bad), squares], dtype=torch.float64, device=self.ctx.device)
+        dist.all_reduce(value, group=self.world.group)
+        return bool(value[0].item() > 0), None if norm is None else float(value[1].item()) ** 0.5
 
     def _forward(self, x: Any, y: torch.Tensor) -> torch.Tensor:
         with self.precision.autocast():
@@ -238,6 +319,8 @@ class Engine:
         if self.nonfinite is None and not want_norm and not scaled:
             return False
         bad, norm = self.strategy.inspect_gradients(want_norm)
+        if self.pipeline is not None:
+            bad, norm = self._combine_over_stages(bad, norm)
         factor = 1.0 / self.precision.scale  # fp16: unscale (1 otherwise)
         if norm is not None and self.max_grad_norm is not None:
             self.grad_norm = norm * factor
@@ -281,6 +364,12 @@ class Engine:
         return self.strategy.is_trainer
 
     @property
+    def reports_loss(self) -> bool:
+        """Whether this rank's ``step`` returns its replica's loss (a trainer; with a pipeline,
+        the rank holding the last stage)."""
+        return self.is_trainer and (self.pipeline is None or self.pipeline.holds_last)
+
+    @property
     def data_rank(self) -> int:
         """This rank's index among the ranks that train on data (for sharding the data)."""
         return self.strategy.data_parallel()[0]
@@ -319,6 +408,7 @@ class Engine:
             nonfinite_messages=self.strategy.codec.num_nonfinite,
             nonfinite_skipped=self.consecutive_nonfinite > 0,
             grad_norm=self.grad_norm,
+            transfer_bytes=0 if self.pipeline is None else self.pipeline.transfer_bytes(),
         )
 
     def _maybe_rebuild_buckets(self) -> None:
@@ -333,7 +423,7 @@ class Engine:
         seen_set = set(seen)
         missing = [i for i in reversed(range(len(self.trainable))) if i not in seen_set]
         order = torch.tensor(seen + missing, dtype=torch.int64, device=self.ctx.device)
-        dist.broadcast(order, src=0, group=self.ctx.group)
+        dist.broadcast(order, global_rank(self.ctx.group, 0), group=self.ctx.group)
         observed = order.tolist()
         expected = list(reversed(range(len(self.trainable))))
         if observed != expected:
@@ -422,27 +512,66 @@ class Engine:
         """Rank 0's buffers (e.g. BatchNorm statistics) everywhere, each step: one broadcast."""
         broadcast_together(list(self._module.buffers()), self.ctx.group)
 
-    def state_dict(self) -> dict[str, Any]:
-        """Model, optimizer (per-parameter format whatever the strategy) and step count.
-        Collective for sharded strategies: call it on every rank."""
+    def state_dict(self, stored: dict[str, Any] | None = None) -> dict[str, Any]:
+        """This rank's part of the Engine's state, as torch.distributed.checkpoint saves it
+        (``dcp.save({"engine": engine}, planner=phalanx.checkpoint.SavePlanner())``): the
+        model, the optimizer state per parameter name (per-element state in the parameter's
+        shape; a sharded strategy's ranks each give only the pieces they own, as
+        ``phalanx.checkpoint.Slices``, so no rank gathers the others'), the hyperparameters,
+        step counts and precision state. Collective for sharded strategies: call it on every
+        rank. ``stored``: the structure of a checkpoint about to be loaded (from
+        ``phalanx.checkpoint.restore``); the result then says what this rank reads from it,
+        on any world size and strategy."""
+        from phalanx import checkpoint
+        from phalanx.errors import CheckpointError
+
         self.strategy.sync()
-        return {
-            "model": self._module.state_dict(),
-            "optimizer": self.strategy.optimizer_state_dict(self.optimizer, self.trainable),
-            "num_steps": self.num_steps,
-            "num_updates": self.num_updates,
-            "precision": self.precision.state_dict(),
-        }
+        named = {id(p): name for name, p in self._module.named_parameters()}
+        names = [named[id(p)] for p in self.trainable]
+        model = self._module.state_dict()  # loads in place: the parameters themselves
+        if stored is None:
+            shards, groups = self.strategy.optimizer_shards(self.optimizer, self.trainable)
+            return {
+                "model": model,
+                "optimizer": checkpoint.optimizer_to_dcp(shards, groups, self.trainable, names),
+                "num_steps": self.num_steps,
+                "num_updates": self.num_updates,
+                "precision": self.precision.state_dict(),
+            }
+        extra = sorted(set(stored.get("model", {})) - set(model))
+        if extra and getattr(self, "pipeline", None) is None:  # a stage reads its layers only
+            raise CheckpointError(f"checkpoint has {extra[0]!r}, which the model does not")
+        ranges = self.strategy.owned_ranges(self.trainable)
+        optimizer = checkpoint.optimizer_template(
+            stored.get("optimizer"), ranges, self.trainable, names
+        )
+        small = ("num_steps", "num_updates", "precision")
+        rest = {k: checkpoint.template(stored[k]) for k in small if k in stored}
+        return {"model": model, "optimizer": optimizer, **rest}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load what ``state_dict`` describes (also the gathered form of earlier versions)."""
+        from phalanx import checkpoint
+
         self.strategy.sync()
         with torch.no_grad():  # in place: parameters may be views of strategy buffers
             for name, value in state["model"].items():
-                self._state_tensor(name).copy_(value)
-        self.strategy.load_optimizer_state_dict(self.optimizer, self.trainable, state["optimizer"])
+                target = self._state_tensor(name)
+                if target.data_ptr() != value.data_ptr() or target.shape != value.shape:
+                    target.copy_(value)
+        optimizer = state["optimizer"]
+        if any(isinstance(k, int) for k in optimizer.get("state", {})) or (
+            optimizer.get("param_groups") and isinstance(optimizer["param_groups"], list)
+        ):  # the gathered per-index form (single-file checkpoints)
+            self.strategy.load_optimizer_state_dict(self.optimizer, self.trainable, optimizer)
+        else:
+            named = {id(p): name for name, p in self._module.named_parameters()}
+            names = [named[id(p)] for p in self.trainable]
+            shards, groups = checkpoint.optimizer_from_dcp(optimizer, self.trainable, names)
+            self.strategy.load_optimizer_shards(self.optimizer, self.trainable, shards, groups)
         self.num_steps = int(state.get("num_steps", 0))
         self.num_updates = int(state.get("num_updates", self.num_steps))
-        self.precision.load_state_dict(state.get("precision", {}))
+        self.precision.load_state_dict(state.get("precision") or {})
 
     def _state_tensor(self, name: str) -> torch.Tensor:
         tensors = dict(self._module.state_dict(keep_vars=True))

@@ -1,5 +1,7 @@
 """``phalanx export RUN_DIR -o model.safetensors``: the newest good checkpoint's model weights as
-a safetensors file, which plain PyTorch loads with no phalanx installed::
+a safetensors file, which plain PyTorch loads with no phalanx installed. The checkpoint (a
+torch.distributed.checkpoint directory) is read in this one process, no process group, and
+only its model tensors::
 
     from safetensors.torch import load_file
     model.load_state_dict(load_file("model.safetensors"))
@@ -19,14 +21,17 @@ def export_weights(run_dir: Path, output: Path) -> tuple[int, int]:
     the run has no good checkpoint (load falls back past damaged ones, with a warning)."""
     from safetensors.torch import save_file
 
-    payload = checkpoint.load(run_dir / "checkpoints")
+    payload = checkpoint.load(
+        run_dir / "checkpoints", only=("trainer.step", "trainer.engine.model")
+    )  # reads the model's tensors only (a single-file checkpoint of earlier versions: all)
+    state = payload.get("trainer", payload)
     try:
-        model = payload["engine"]["model"]
+        model = state["engine"]["model"]
     except (KeyError, TypeError):
         raise CheckpointError(f"{run_dir}: the checkpoint holds no model weights") from None
     # Tied weights share storage, which safetensors refuses: each key gets its own copy.
     tensors = {name: value.detach().contiguous().clone() for name, value in model.items()}
-    metadata = {"step": str(payload.get("step", "")), "source": str(run_dir)}
+    metadata = {"step": str(state.get("step", "")), "source": str(run_dir)}
     config = run_dir / "config.json"
     if config.is_file():
         metadata["config"] = json.dumps(json.loads(config.read_text(encoding="utf-8")))
@@ -34,4 +39,4 @@ def export_weights(run_dir: Path, output: Path) -> tuple[int, int]:
     tmp = output.with_name(f".{output.name}.tmp")
     save_file(tensors, str(tmp), metadata=metadata)
     tmp.replace(output)  # atomic: a reader never sees half a file
-    return int(payload.get("step", 0)), len(tensors)
+    return int(state.get("step", 0)), len(tensors)

@@ -7,7 +7,8 @@ perform ACTION when it reaches POINT of step S (1-based, as ``step`` in metrics.
 Several faults are separated by commas.
 
 Points: ``forward`` (before a step's forward), ``exchange`` (after backward, while the exchange
-is in flight), ``checkpoint`` (a checkpoint file half written, before it is renamed into place).
+is in flight), ``checkpoint`` (this rank's shard file of a checkpoint written, before the
+checkpoint is complete).
 Actions: ``kill`` (SIGKILL this process, as the out-of-memory killer does), ``term`` (SIGTERM
 this process, as a scheduler's preemption does), ``nan`` (the loss becomes NaN).
 

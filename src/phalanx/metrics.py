@@ -33,6 +33,7 @@ class StepStats:
     nonfinite_messages: int = 0  # compressed gradient messages that held inf/NaN (reported)
     nonfinite_skipped: bool = False  # the update was skipped: inf/NaN loss or gradients
     grad_norm: float = float("nan")  # global L2 norm of the mean gradient (when clipping)
+    transfer_bytes: int = 0  # pipeline: bytes over this rank's transfer layers (fwd + bwd)
     input_wait_s: float = 0.0  # time the trainer blocked on the input pipeline (set by it)
     input_buffers_ready: int = 0  # pipeline buffers ready when the batch was asked for
 

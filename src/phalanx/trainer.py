@@ -7,11 +7,13 @@ writes the run directory: ``config.json``, ``metrics.jsonl`` (one record per ste
 
 from __future__ import annotations
 
+import datetime
 import json
 import math
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -84,26 +86,36 @@ def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def evaluate(
-    model: torch.nn.Module,
+    model: torch.nn.Module | Callable[[torch.Tensor], torch.Tensor | None],
     data: Dataset,
     ctx: Context,
     batch_size: int = 256,
     shard: tuple[int, int] | None = None,
+    scores: bool | None = None,
 ) -> dict[str, float]:
     """Validation metrics over the whole validation set, each rank scoring a strided shard and
     the sums all-reduced: val_accuracy, val_loss (mean cross entropy per target) and, for
     sequence targets (N, T), val_perplexity = exp(val_loss).
 
     ``shard`` = (index, count) among the ranks that hold a trained model (default: all ranks);
-    other ranks (dedicated parameter servers) take part in the sum with nothing."""
-    model.eval()
+    other ranks take part in the sum with nothing: ``scores = False``, or by default a rank
+    numbered past the shard count (a dedicated parameter server).
+
+    ``model`` may be a function returning logits, or None on ranks that hold no output (a
+    pipeline's stages before the last one)."""
+    if isinstance(model, torch.nn.Module):
+        model.eval()
     index, count = shard or (ctx.rank, ctx.world_size)
     x, y = data.x_val[index::count], data.y_val[index::count]
-    if shard is not None and ctx.rank >= count:  # a dedicated server scores nothing
+    if scores is None:
+        scores = shard is None or ctx.rank < count
+    if not scores:  # a dedicated server scores nothing
         x, y = x[:0], y[:0]
     sums = torch.zeros(3, dtype=torch.float64)  # correct, targets, summed loss
     for start in range(0, len(x), batch_size):
         logits = model(x[start : start + batch_size].to(ctx.device))
+        if logits is None:
+            continue
         logits = logits.reshape(-1, logits.shape[-1])
         target = y[start : start + batch_size].to(ctx.device).reshape(-1)
         sums[0] += (logits.argmax(-1) == target).sum().item()
@@ -144,6 +156,9 @@ class Trainer:
             max_grad_norm=config.train.max_grad_norm or None,
             precision=config.train.precision,
             context=self.ctx,
+            parallel=config.parallel,
+            stages=config.stage_of_layers(),
+            sample_input=_sample_microbatch(config, self.data),
         )
         # Data is sharded over the ranks that train (dedicated parameter servers don't).
         self.shard = (self.engine.data_rank, self.engine.data_world_size)
@@ -183,6 +198,8 @@ class Trainer:
         progress = Progress(self.total_steps, self.step, enabled=is_main and train.progress)
         global_batch = self.loader.global_batch
         train_time, metrics, start_step = 0.0, {}, self.step
+        if is_main and self.engine.pipeline is not None and self.step == 0:
+            progress.write(self.engine.pipeline.describe())
         restore_handler = self._catch_sigterm()
         try:
             while self.step < self.total_steps and not self.preempted:
@@ -203,7 +220,7 @@ class Trainer:
                     progress.write(f"step {self.step}: {self.engine.threshold.describe()}")
                     progress.write(f"step {self.step}: {self.engine.threshold_trials}")
                 if self._due(train.val_every):
-                    metrics = evaluate(self.engine.module, self.data, ctx, shard=self.shard)
+                    metrics = self._evaluate()
                     record.update(metrics)
                     progress.write(f"step {self.step}: {format_metrics(metrics)}")
                 if writer:
@@ -226,7 +243,7 @@ class Trainer:
         if self.preempted:
             return self._stop_preempted(start_step, train_time)
         if not metrics:  # nothing validated yet (e.g. resumed at the end)
-            metrics = evaluate(self.engine.module, self.data, ctx, shard=self.shard)
+            metrics = self._evaluate()
         if self.config.checkpoint.every == 0 or self.step % self.config.checkpoint.every:
             self._save()
         steps_run = self.step - start_step
@@ -245,6 +262,12 @@ class Trainer:
                 self.run_dir / "summary.json", json.dumps(summary, indent=2) + "\n"
             )
         return summary
+
+    def _evaluate(self) -> dict[str, float]:
+        """Validation on the trained model: the module, or the pipeline stage by stage."""
+        pipeline = self.engine.pipeline
+        model = self.engine.module if pipeline is None else pipeline.forward
+        return evaluate(model, self.data, self.ctx, shard=self.shard, scores=self.engine.is_trainer)
 
     def _threshold_chosen_now(self) -> bool:
         """bucket_mb = "auto" just chose its threshold: keep the link fit and the choice."""
@@ -269,7 +292,7 @@ class Trainer:
         any rank was asked to stop (SIGTERM): the same all-reduce carries both, so every rank
         stops at the same step boundary with no extra message."""
         value = torch.zeros(2, dtype=torch.float64, device=self.ctx.device)
-        value[0] = loss.detach().to(torch.float64) * float(self.engine.is_trainer)
+        value[0] = loss.detach().to(torch.float64) * float(self.engine.reports_loss)
         value[1] = float(self._stop_requested)
         dist.all_reduce(value, group=self.ctx.group)
         return float(value[0].item() / self.engine.data_world_size), bool(value[1].item() > 0)
@@ -315,43 +338,101 @@ class Trainer:
             "input_buffers_ready": stats.input_buffers_ready,
             "nonfinite_skipped": stats.nonfinite_skipped,
             **({"grad_norm": stats.grad_norm} if self.config.train.max_grad_norm else {}),
+            **({"transfer_bytes": stats.transfer_bytes} if self.engine.pipeline else {}),
         }
 
     # -- checkpoints --------------------------------------------------------------------------
-    def _save(self) -> None:
-        rng = [None] * self.ctx.world_size
-        dist.all_gather_object(rng, _rng_state(), group=self.ctx.group)
-        engine_state = self.engine.state_dict()  # collective for sharded strategies
-        if self.ctx.is_main:
-            payload = {
+    def state_dict(self, stored: dict[str, Any] | None = None) -> dict[str, Any]:
+        """This rank's part of the run's state, for torch.distributed.checkpoint (Trainer is
+        Stateful: ``dcp.save({"trainer": trainer}, planner=checkpoint.SavePlanner())``): the
+        step, the Engine's part, the input position, the scheduler and this rank's random
+        streams. ``stored``: a checkpoint's structure about to be loaded (see
+        ``checkpoint.restore``); the result then says what this rank reads."""
+        rank = str(self.ctx.rank)
+        if stored is None:
+            return {
                 "step": self.step,
                 "world_size": self.ctx.world_size,
-                "engine": engine_state,
+                "engine": self.engine.state_dict(),
                 "data": self.loader.state_dict(),
-                "rng": rng,
-                "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
+                "scheduler": (None if self.scheduler is None else self.scheduler.state_dict(),),
+                "rng": {rank: _rng_state()},  # every rank its own streams
             }
-            checkpoint.save(
-                self.run_dir / "checkpoints", self.step, payload, keep=self.config.checkpoint.keep
-            )
-        self.ctx.barrier()
+        small = {k: checkpoint.template(v) for k, v in stored.items() if k not in ("engine", "rng")}
+        streams = stored.get("rng", {})
+        if len(streams) == self.ctx.world_size and rank in streams:  # same world: continue them
+            small["rng"] = {rank: checkpoint.template(streams[rank])}
+        return {**small, "engine": self.engine.state_dict(stored=stored.get("engine", {}))}
 
-    def _restore(self) -> None:
-        payload = checkpoint.load(self.run_dir / "checkpoints", warn=self.ctx.is_main)
-        if self.ctx.is_main:
-            (self.run_dir / PREEMPTED).unlink(missing_ok=True)
-        self.engine.load_state_dict(payload["engine"])
-        self.loader.load_state_dict(payload["data"])
-        if self.scheduler is not None and payload.get("scheduler") is not None:
-            self.scheduler.load_state_dict(payload["scheduler"])
-        self.step = int(payload["step"])
-        states = payload["rng"]
-        if len(states) == self.ctx.world_size:  # same world: every rank continues its stream
-            _set_rng_state(states[self.ctx.rank])
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.engine.load_state_dict(state["engine"])
+        self.loader.load_state_dict(state["data"])
+        (scheduler,) = state.get("scheduler") or (None,)
+        if self.scheduler is not None and scheduler is not None:
+            self.scheduler.load_state_dict(scheduler)
+        self.step = int(state["step"])
+        mine = (state.get("rng") or {}).get(str(self.ctx.rank))
+        if mine is not None and int(state.get("world_size", 0)) == self.ctx.world_size:
+            _set_rng_state(mine)  # same world: every rank continues its stream
         else:
             torch.manual_seed(self.config.train.seed + self.step + self.ctx.rank)
+
+    def _save(self) -> None:
+        """Every rank writes its own part of the checkpoint. With ``checkpoint.async_save`` a
+        background thread writes it while training goes on (one at a time); the run's last
+        checkpoint (and a preemption's) is written before ``_save`` returns."""
+        directory, keep = self.run_dir / "checkpoints", self.config.checkpoint.keep
+        pending, self._pending_save = getattr(self, "_pending_save", None), None
+        if pending is not None:
+            pending.wait()
+        last = self.step >= self.total_steps or self.preempted
+        if self.config.checkpoint.async_save and not last:
+            self._pending_save = checkpoint.save_async(
+                directory, self.step, {"trainer": self}, keep=keep, group=self._save_group()
+            )
+        else:
+            checkpoint.save(
+                directory, self.step, {"trainer": self}, keep=keep, group=self.ctx.group
+            )
+
+    def _save_group(self) -> Any:
+        """The process group of background saves (their collectives run on their thread)."""
+        if getattr(self, "_async_group", None) is None:
+            timeout = datetime.timedelta(seconds=self.config.runtime.timeout_s)
+            self._async_group = dist.new_group(backend="gloo", timeout=timeout)
+        return self._async_group
+
+    def _restore(self) -> None:
+        checkpoint.restore(
+            self.run_dir / "checkpoints",
+            {"trainer": self},
+            group=self.ctx.group,
+            warn=self.ctx.is_main,
+            legacy=lambda payload: self.load_state_dict(_from_single_file(payload)),
+        )
         if self.ctx.is_main:
+            (self.run_dir / PREEMPTED).unlink(missing_ok=True)
             _truncate_metrics(self.run_dir / "metrics.jsonl", self.step)
+
+
+def _from_single_file(payload: dict[str, Any]) -> dict[str, Any]:
+    """A single-file checkpoint of earlier versions (rank 0 saved everything) in the form
+    ``Trainer.load_state_dict`` takes."""
+    streams = payload.get("rng") or []
+    return {
+        **payload,
+        "world_size": len(streams),
+        "scheduler": (payload.get("scheduler"),),
+        "rng": {str(r): state for r, state in enumerate(streams)},
+    }
+
+
+def _sample_microbatch(config: RunConfig, data: Dataset) -> torch.Tensor | None:
+    """One pipeline micro-batch of training inputs, for tracing the stage boundaries."""
+    if not config.parallel.enabled:
+        return None
+    size = config.data.batch_size // config.train.accumulate_steps
+    return data.x_train[: size // config.parallel.num_microbatches]
 
 
 def _input_text(loader: Pipeline) -> str:

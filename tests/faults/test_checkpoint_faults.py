@@ -1,5 +1,5 @@
-"""A real crash in the middle of writing a checkpoint: the process is SIGKILLed while it writes
-step 2, and the directory must still resume from step 1, exactly."""
+"""A real crash in the middle of writing a checkpoint: the process is SIGKILLed while DCP writes
+step 2's shard file, and the directory must still resume from step 1, exactly."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ import torch
 from phalanx import checkpoint
 
 # Saves step 1, then starts saving a 200 MB step 2. From then on fsync never returns, so however
-# fast the disk, step 2's temporary file cannot be renamed into place before the test kills the
-# process; the kill itself usually lands mid-write, while the file is still growing.
+# fast the disk, step 2's temporary directory cannot be completed and renamed into place before
+# the test kills the process; the kill itself usually lands mid-write, while the file grows.
 CHILD = """
 import os, sys, threading
 from pathlib import Path
@@ -30,7 +30,7 @@ os.fsync = lambda fd: threading.Event().wait()
 checkpoint.save(directory, 2, {"step": 2, "w": torch.ones(50_000_000)})
 """
 
-TEMP_GLOB = ".step-0000002.pt.*.tmp"
+TEMP_GLOB = ".step-0000002.tmp/__0_0.distcp"
 
 
 def wait_for_temp_file(proc: subprocess.Popen, directory: Path, timeout: float) -> Path:
@@ -67,13 +67,13 @@ def test_sigkill_while_writing_resumes_from_the_previous_checkpoint(tmp_path):
     assert proc.returncode is not None  # reaped: the child is gone
 
     assert temp.exists()
-    assert not (tmp_path / "step-0000002.pt").exists()
+    assert not (tmp_path / "step-0000002").exists()
     assert not (tmp_path / "step-0000002.json").exists()
     assert checkpoint.latest_step(tmp_path) == 1
     loaded = checkpoint.load(tmp_path)
     assert loaded.keys() == {"step", "w"} and loaded["step"] == 1
     assert torch.equal(loaded["w"], torch.arange(12.0).reshape(3, 4))
 
-    checkpoint.save(tmp_path, 2, {"step": 2})  # the next save removes the stray temporary file
-    assert not temp.exists()
-    assert checkpoint.load(tmp_path) == {"step": 2}
+    checkpoint.save(tmp_path, 3, {"step": 3})  # the next save removes the stray temporary files
+    assert not temp.parent.exists()
+    assert checkpoint.load(tmp_path) == {"step": 3}

@@ -89,7 +89,7 @@ def test_kill_9_names_the_rank_and_the_others_stop(tmp_path: Path, fault: str) -
         from phalanx import checkpoint
 
         assert checkpoint.latest_step(run_dir / "checkpoints") == 4
-        assert checkpoint.load(run_dir / "checkpoints")["step"] == 4
+        assert checkpoint.load(run_dir / "checkpoints")["trainer"]["step"] == 4
 
 
 @pytest.mark.timeout(120)
@@ -135,7 +135,7 @@ def test_restart_after_a_kill_resumes_and_matches(tmp_path: Path, reference: lis
     assert "phalanx: restart 1 after a worker failed: resuming from step 4" in err
     assert _losses(run_dir) == reference
     # The newest checkpoint corrupted: resume falls back to the one before, with a warning.
-    newest = run_dir / "checkpoints" / f"step-{STEPS:07d}.pt"
+    newest = run_dir / "checkpoints" / f"step-{STEPS:07d}" / "__1_0.distcp"
     data = bytearray(newest.read_bytes())
     data[len(data) // 2] ^= 0xFF
     newest.write_bytes(bytes(data))
@@ -144,7 +144,7 @@ def test_restart_after_a_kill_resumes_and_matches(tmp_path: Path, reference: lis
         cwd=ROOT, capture_output=True, text=True, timeout=120, check=False,
     )  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr
-    assert "resuming from step-0000008.pt" in resumed.stderr
+    assert "resuming from step-0000008" in resumed.stderr
     assert _losses(run_dir) == reference
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from phalanx import checkpoint
 from phalanx.errors import WorkerError
 from phalanx.runtime.launch import LaunchSpec, free_port, launch
 
@@ -28,9 +29,7 @@ def _run(args: list[str], timeout: float = 180) -> subprocess.CompletedProcess:
 
 
 def _final_params(run_dir: Path) -> dict[str, torch.Tensor]:
-    pointer = json.loads((run_dir / "checkpoints" / "latest.json").read_text())
-    payload = torch.load(run_dir / "checkpoints" / pointer["file"], weights_only=True)
-    return payload["engine"]["model"]
+    return checkpoint.load(run_dir / "checkpoints")["trainer"]["engine"]["model"]
 
 
 def _losses(run_dir: Path) -> list[float]:

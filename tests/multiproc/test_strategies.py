@@ -1,6 +1,6 @@
 """Every exchange strategy gives the same parameters as ``allreduce`` (world sizes 2, 3, 4;
-SGD, Adam, AdaGrad), holds ~1/p of the optimizer state where it shards it, and its sharded
-checkpoint resumes under another world size and strategy."""
+SGD, Adam, AdaGrad) and holds ~1/p of the optimizer state where it shards it (checkpoints
+that resume under another world size and strategy: test_checkpoints.py)."""
 
 from __future__ import annotations
 
@@ -110,41 +110,3 @@ def test_strategies_equal_allreduce(world_size: int) -> None:
     native = [r["optimizer_bytes"]["partitioned{'schedule': 'native'}/adam"] for r in results]
     assert all(b <= full / world_size * 1.05 + 64 for b in native), (native, full)
     assert abs(sum(native) - full) <= 64 * world_size, (native, full)
-
-
-def _save_partitioned(ctx: px.Context) -> dict:
-    torch.manual_seed(0)
-    engine = _engine(ctx, ReversedNet(), OPTIMIZERS["adam"], "partitioned", {"schedule": "native"})
-    _train(engine, _batches(ctx.world_size)[:3])
-    return engine.state_dict()  # collective: every rank takes part
-
-
-def _resume(ctx: px.Context, state: dict) -> list[torch.Tensor]:
-    torch.manual_seed(1)  # different initial weights: everything must come from the checkpoint
-    engine = _engine(ctx, ReversedNet(), OPTIMIZERS["adam"], "partitioned", {"schedule": "cyclic"})
-    engine.load_state_dict(state)
-    _train(engine, _batches(ctx.world_size, seed=7)[:3])
-    return _params(engine)
-
-
-def test_sharded_checkpoint_resumes_on_another_world_size() -> None:
-    state = run_ranks(_save_partitioned, 2)[0]
-    resumed = run_ranks(_resume, 3, state)
-    torch.manual_seed(0)
-    model = ReversedNet()
-    first, second = _batches(2)[:3], _batches(3, seed=7)[:3]
-    reference = _reference_continued(model, OPTIMIZERS["adam"], first, second)
-    for rank_params in resumed:
-        for a, b in zip(rank_params, reference.parameters()):
-            torch.testing.assert_close(a, b.detach(), rtol=1e-5, atol=2e-6)
-
-
-def _reference_continued(model: nn.Module, factory, first: list, second: list) -> nn.Module:
-    """One process: 3 steps on global batches of 16, then 3 on global batches of 24."""
-    model = copy.deepcopy(model)
-    opt = factory(model.parameters())
-    for x, y in first + second:
-        opt.zero_grad()
-        nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
-    return model

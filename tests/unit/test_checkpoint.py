@@ -1,5 +1,7 @@
-"""Checkpoints: atomic writes, sidecars and latest.json, pruning, verification on load, and
-falling back past damaged checkpoints."""
+"""Checkpoints (torch.distributed.checkpoint directories, here written by one process):
+sidecars and latest.json, pruning, verification of every file on load, falling back past
+damaged checkpoints, background saves, pieces of shared tensors, and the single-file
+checkpoints of earlier versions."""
 
 from __future__ import annotations
 
@@ -15,12 +17,14 @@ import pytest
 import torch
 
 from phalanx import checkpoint
-from phalanx.checkpoint import LATEST, atomic_write_bytes, atomic_write_text
+from phalanx.checkpoint import LATEST, Slices, _boxes, atomic_write_bytes, atomic_write_text
 from phalanx.errors import CheckpointError, ConfigError
+
+SHARD = "__0_0.distcp"  # the shard file of rank 0 (the only rank here)
 
 
 class NotWeights:
-    """An arbitrary object: ``torch.load(weights_only=True)`` must refuse to unpickle it."""
+    """An arbitrary object: ``weights_only=True`` loading must refuse to unpickle it."""
 
     def __init__(self) -> None:
         self.value = 1
@@ -48,8 +52,8 @@ def pointer(directory: Path) -> dict:
     return json.loads((directory / LATEST).read_text())
 
 
-def pt(directory: Path, step: int) -> Path:
-    return directory / f"step-{step:07d}.pt"
+def ckpt(directory: Path, step: int) -> Path:
+    return directory / f"step-{step:07d}"
 
 
 def sidecar(directory: Path, step: int) -> Path:
@@ -67,9 +71,16 @@ def truncate(path: Path) -> None:
     path.write_bytes(data[: len(data) // 2])
 
 
-def write_raw(directory: Path, step: int, data: bytes) -> Path:
-    """A checkpoint in the on-disk format with arbitrary bytes in the .pt."""
-    path = pt(directory, step)
+def torch_bytes(obj: object) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def write_single_file(directory: Path, step: int, data: bytes, pointer_only: bool = False) -> Path:
+    """A checkpoint in the single-file format of earlier versions: step-N.pt and its record."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"step-{step:07d}.pt"
     path.write_bytes(data)
     record = {
         "file": path.name,
@@ -77,15 +88,10 @@ def write_raw(directory: Path, step: int, data: bytes) -> Path:
         "sha256": hashlib.sha256(data).hexdigest(),
         "bytes": len(data),
     }
-    sidecar(directory, step).write_text(json.dumps(record))
+    if not pointer_only:
+        sidecar(directory, step).write_text(json.dumps(record))
     (directory / LATEST).write_text(json.dumps(record))
     return path
-
-
-def torch_bytes(obj: object) -> bytes:
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    return buffer.getvalue()
 
 
 def warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
@@ -99,7 +105,8 @@ def warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
 def test_round_trip(tmp_path):
     original = payload(7)
     path = checkpoint.save(tmp_path, 7, original)
-    assert path == tmp_path / "step-0000007.pt"
+    assert path == ckpt(tmp_path, 7)
+    assert sorted(p.name for p in path.iterdir()) == [".metadata", SHARD]
     loaded = checkpoint.load(tmp_path)
     assert loaded.keys() == original.keys()
     assert torch.equal(loaded["engine"]["model"]["w"], original["engine"]["model"]["w"])
@@ -107,20 +114,23 @@ def test_round_trip(tmp_path):
     assert loaded["data"] == {"epoch": 0, "step": 7}
     assert torch.equal(loaded["rng"][0]["cpu"], original["rng"][0]["cpu"])
     assert loaded["name"] == "tiny"
+    only = checkpoint.load(tmp_path, only=("engine.model", "step"))
+    assert only.keys() == {"engine", "step"} and only["engine"].keys() == {"model"}
 
 
-def test_latest_and_sidecar_record_the_newest_with_its_hash_and_size(tmp_path):
+def test_latest_and_sidecar_record_every_file_with_its_hash_and_size(tmp_path):
     for step in (1, 2, 3):
         checkpoint.save(tmp_path, step, payload(step), keep=5)
     record = pointer(tmp_path)
-    assert record["file"] == "step-0000003.pt" and record["step"] == 3
-    data = (tmp_path / record["file"]).read_bytes()
-    assert record["sha256"] == hashlib.sha256(data).hexdigest()
-    assert record["bytes"] == len(data)
+    assert record["dir"] == "step-0000003" and record["step"] == 3
+    assert set(record["files"]) == {".metadata", SHARD}
+    for name, entry in record["files"].items():
+        data = (ckpt(tmp_path, 3) / name).read_bytes()
+        assert entry == {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+    assert record["bytes"] == sum(e["bytes"] for e in record["files"].values())
     for step in (1, 2, 3):
         own = json.loads(sidecar(tmp_path, step).read_text())
-        assert own["file"] == pt(tmp_path, step).name and own["step"] == step
-        assert own["sha256"] == hashlib.sha256(pt(tmp_path, step).read_bytes()).hexdigest()
+        assert own["dir"] == ckpt(tmp_path, step).name and own["step"] == step
     assert json.loads(sidecar(tmp_path, 3).read_text()) == record
     assert checkpoint.load(tmp_path)["step"] == 3
 
@@ -129,60 +139,58 @@ def test_keep_two_prunes_older_with_their_sidecars(tmp_path):
     for step in (10, 20, 30, 40):
         checkpoint.save(tmp_path, step, payload(step), keep=2)
     names = sorted(p.name for p in tmp_path.glob("step-*"))
-    assert names == ["step-0000030.json", "step-0000030.pt", "step-0000040.json", "step-0000040.pt"]
+    assert names == ["step-0000030", "step-0000030.json", "step-0000040", "step-0000040.json"]
     assert checkpoint.load(tmp_path)["step"] == 40
-
-
-def test_keep_one(tmp_path):
-    for step in (1, 2):
-        checkpoint.save(tmp_path, step, payload(step), keep=1)
-    assert sorted(p.name for p in tmp_path.glob("step-*")) == [
-        "step-0000002.json",
-        "step-0000002.pt",
-    ]
 
 
 def test_save_never_deletes_the_checkpoint_it_just_wrote(tmp_path):
     checkpoint.save(tmp_path, 200, payload(200), keep=1)
     checkpoint.save(tmp_path, 4, payload(4), keep=1)
     assert checkpoint.load(tmp_path)["step"] == 4
-    assert sorted(p.name for p in tmp_path.glob("step-*")) == [
-        "step-0000004.json",
-        "step-0000004.pt",
-    ]
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-0000004", "step-0000004.json"]
 
 
-def test_prune_removes_sidecars_without_pt_and_pt_without_sidecar_later(tmp_path):
+def test_prune_removes_orphan_sidecars_checkpoints_without_one_and_single_files(tmp_path):
     checkpoint.save(tmp_path, 1, payload(1), keep=5)
-    sidecar(tmp_path, 2).write_text("{}")  # its .pt is gone
-    pt(tmp_path, 9).write_bytes(b"interrupted")  # no sidecar, later than the next save
-    checkpoint.save(tmp_path, 3, payload(3), keep=5)
+    sidecar(tmp_path, 2).write_text("{}")  # its checkpoint is gone
+    ckpt(tmp_path, 9).mkdir()  # no sidecar, later than the next save
+    write_single_file(tmp_path, 0, torch_bytes(payload(0)))  # older than keep allows
+    checkpoint.save(tmp_path, 3, payload(3), keep=2)
     names = sorted(p.name for p in tmp_path.glob("step-*"))
-    assert names == ["step-0000001.json", "step-0000001.pt", "step-0000003.json", "step-0000003.pt"]
+    assert names == ["step-0000001", "step-0000001.json", "step-0000003", "step-0000003.json"]
+
+
+def test_saving_a_step_again_replaces_it(tmp_path):
+    checkpoint.save(tmp_path, 5, payload(5))
+    checkpoint.save(tmp_path, 5, {**payload(5), "name": "again"})
+    assert checkpoint.load(tmp_path)["name"] == "again"
 
 
 # -- one checkpoint, damaged: CheckpointError, one line -------------------------------------------
 
 
-def test_truncated_file(tmp_path):
+@pytest.mark.parametrize(
+    ("damage", "reason"),
+    [
+        (flip_byte, f"is corrupted ({SHARD} SHA-256 mismatch)"),
+        (truncate, f"is corrupted ({SHARD} truncated to "),
+        (lambda p: p.write_bytes(p.read_bytes() + b"x"), f"is corrupted ({SHARD} "),
+        (lambda p: p.unlink(), f"is incomplete ({SHARD} is missing)"),
+    ],
+)
+def test_damaged_shard_file(tmp_path, damage, reason):
     path = checkpoint.save(tmp_path, 5, payload(5))
-    truncate(path)
+    damage(path / SHARD)
     message = load_error(tmp_path)
-    assert str(path) in message and "corrupted" in message and "truncated" in message
+    assert message.startswith(f"no good checkpoint in {tmp_path}: {path} {reason}")
+    with pytest.raises(CheckpointError, match="SHA-256|truncated|missing|expected"):
+        checkpoint.choose(tmp_path)
 
 
-def test_flipped_byte(tmp_path):
+def test_damaged_metadata(tmp_path):
     path = checkpoint.save(tmp_path, 5, payload(5))
-    flip_byte(path)
-    message = load_error(tmp_path)
-    assert str(path) in message and "corrupted (SHA-256 mismatch)" in message
-
-
-def test_grown_file(tmp_path):
-    path = checkpoint.save(tmp_path, 5, payload(5))
-    path.write_bytes(path.read_bytes() + b"x")
-    message = load_error(tmp_path)
-    assert str(path) in message and "corrupted" in message and "expected" in message
+    flip_byte(path / ".metadata")
+    assert "is corrupted (.metadata SHA-256 mismatch)" in load_error(tmp_path)
 
 
 def test_missing_directory(tmp_path):
@@ -197,9 +205,11 @@ def test_empty_directory(tmp_path):
     assert checkpoint.latest_step(tmp_path) is None
 
 
-def test_pt_named_but_missing(tmp_path):
+def test_checkpoint_named_but_missing(tmp_path):
     path = checkpoint.save(tmp_path, 5, payload(5))
-    path.unlink()
+    for f in path.iterdir():
+        f.unlink()
+    path.rmdir()
     message = load_error(tmp_path)
     assert path.name in message and "does not exist" in message
     assert checkpoint.latest_step(tmp_path) is None
@@ -210,20 +220,28 @@ def test_garbled_sidecar(tmp_path):
     (tmp_path / LATEST).unlink()
     sidecar(tmp_path, 5).write_text("{not json")
     message = load_error(tmp_path)
-    assert "step-0000005.pt" in message and "integrity record" in message
+    assert "step-0000005" in message and "integrity record" in message
 
 
-def test_matching_hash_but_not_a_checkpoint(tmp_path):
-    write_raw(tmp_path, 1, b"this is not a torch file")
+def test_matching_hashes_but_not_a_checkpoint(tmp_path):
+    path = checkpoint.save(tmp_path, 1, payload(1))
+    (path / ".metadata").write_bytes(b"this is not DCP metadata")
+    record = pointer(tmp_path)
+    record["files"][".metadata"] = {
+        "sha256": hashlib.sha256(b"this is not DCP metadata").hexdigest(),
+        "bytes": 24,
+    }
+    sidecar(tmp_path, 1).write_text(json.dumps(record))
     message = load_error(tmp_path)
-    assert "step-0000001.pt" in message and "unreadable" in message
+    assert "step-0000001" in message and "is unreadable (.metadata" in message
 
 
 def test_load_refuses_arbitrary_objects(tmp_path):
-    """weights_only=True: a pickled class instance is not loaded (and not executed)."""
-    write_raw(tmp_path, 1, torch_bytes({"obj": NotWeights()}))
+    """Non-tensor values are unpickled with weights_only=True: a class instance is refused
+    (and never executed), one line naming the checkpoint."""
+    checkpoint.save(tmp_path, 1, {"obj": NotWeights(), "w": torch.ones(2)})
     message = load_error(tmp_path)
-    assert "unreadable" in message
+    assert message.startswith(f"cannot load {ckpt(tmp_path, 1)}: ")
 
 
 # -- several checkpoints: fall back past damaged ones ---------------------------------------------
@@ -231,47 +249,45 @@ def test_load_refuses_arbitrary_objects(tmp_path):
 
 @pytest.mark.parametrize(
     ("damage", "reason"),
-    [(flip_byte, "is corrupted (SHA-256 mismatch)"), (truncate, "is corrupted (truncated to ")],
+    [
+        (flip_byte, f"is corrupted ({SHARD} SHA-256 mismatch)"),
+        (truncate, f"is corrupted ({SHARD} truncated to "),
+    ],
 )
 def test_damaged_newest_falls_back_with_one_warning(tmp_path, caplog, damage, reason):
     for step in (10, 20):
         checkpoint.save(tmp_path, step, payload(step))
-    damage(pt(tmp_path, 20))
+    damage(ckpt(tmp_path, 20) / SHARD)
     with caplog.at_level(logging.WARNING, logger="phalanx"):
         loaded = checkpoint.load(tmp_path)
     assert loaded["step"] == 10
     assert torch.equal(loaded["engine"]["model"]["w"], payload(10)["engine"]["model"]["w"])
     (message,) = warnings(caplog)
     assert "\n" not in message
-    assert message.startswith(f"phalanx: checkpoint {pt(tmp_path, 20)} {reason}")
-    assert message.endswith("; resuming from step-0000010.pt")
-
-
-def test_unloadable_newest_falls_back(tmp_path, caplog):
-    checkpoint.save(tmp_path, 10, payload(10))
-    write_raw(tmp_path, 20, torch_bytes({"obj": NotWeights()}))
-    with caplog.at_level(logging.WARNING, logger="phalanx"):
-        assert checkpoint.load(tmp_path)["step"] == 10
-    (message,) = warnings(caplog)
-    assert "step-0000020.pt is unreadable" in message and "step-0000010.pt" in message
+    assert message.startswith(f"phalanx: checkpoint {ckpt(tmp_path, 20)} {reason}")
+    assert message.endswith("; resuming from step-0000010")
+    assert checkpoint.choose(tmp_path, warn=False).step == 10
 
 
 def test_falls_back_past_several_damaged_with_one_warning(tmp_path, caplog):
     for step in (10, 20, 30):
         checkpoint.save(tmp_path, step, payload(step), keep=3)
-    flip_byte(pt(tmp_path, 30))
-    truncate(pt(tmp_path, 20))
+    flip_byte(ckpt(tmp_path, 30) / SHARD)
+    (ckpt(tmp_path, 20) / ".metadata").unlink()
     with caplog.at_level(logging.WARNING, logger="phalanx"):
         assert checkpoint.load(tmp_path)["step"] == 10
     (message,) = warnings(caplog)
-    assert "step-0000030.pt" in message and "resuming from step-0000010.pt" in message
+    assert "step-0000030 is corrupted" in message and "resuming from step-0000010" in message
 
 
 def test_newest_without_sidecar_is_an_interrupted_write_and_never_loaded(tmp_path, caplog):
-    """A crash between renaming step 20's .pt into place and writing its sidecar: latest.json
-    still names step 10, and the complete-looking step 20 is ignored."""
+    """A crash between renaming step 20's directory into place and writing its sidecar:
+    latest.json still names step 10, and the complete-looking step 20 is ignored."""
     checkpoint.save(tmp_path, 10, payload(10))
-    atomic_write_bytes(pt(tmp_path, 20), torch_bytes(payload(20)))
+    saved = (tmp_path / LATEST).read_text()
+    checkpoint.save(tmp_path, 20, payload(20))
+    sidecar(tmp_path, 20).unlink()
+    (tmp_path / LATEST).write_text(saved)
     with caplog.at_level(logging.WARNING, logger="phalanx"):
         assert checkpoint.load(tmp_path)["step"] == 10
     assert warnings(caplog) == []
@@ -288,40 +304,31 @@ def test_newest_without_sidecar_and_no_pointer_is_not_loaded(tmp_path):
 
 
 def test_only_interrupted_writes_is_no_checkpoint(tmp_path):
-    atomic_write_bytes(pt(tmp_path, 1), torch_bytes(payload(1)))
+    checkpoint.save(tmp_path, 1, payload(1))
+    sidecar(tmp_path, 1).unlink()
+    (tmp_path / LATEST).unlink()
     message = load_error(tmp_path)
     assert message.startswith(f"no checkpoint in {tmp_path}")
-    assert "step-0000001.pt" in message and "interrupted write" in message
+    assert "step-0000001" in message and "interrupted write" in message
     assert checkpoint.latest_step(tmp_path) is None
 
 
 def test_all_damaged_is_one_line_naming_the_directory_and_the_newest(tmp_path):
     for step in (10, 20):
         checkpoint.save(tmp_path, step, payload(step))
-    flip_byte(pt(tmp_path, 20))
-    truncate(pt(tmp_path, 10))
+    flip_byte(ckpt(tmp_path, 20) / SHARD)
+    truncate(ckpt(tmp_path, 10) / SHARD)
     message = load_error(tmp_path)
     assert message.startswith(f"no good checkpoint in {tmp_path}: ")
-    assert f"{pt(tmp_path, 20)} is corrupted (SHA-256 mismatch)" in message
+    assert f"{ckpt(tmp_path, 20)} is corrupted ({SHARD} SHA-256 mismatch)" in message
     assert "1 other checkpoint also bad" in message
-
-
-def test_missing_sidecar_falls_back_to_a_good_one(tmp_path, caplog):
-    for step in (10, 20):
-        checkpoint.save(tmp_path, step, payload(step))
-    pt(tmp_path, 20).unlink()
-    with caplog.at_level(logging.WARNING, logger="phalanx"):
-        assert checkpoint.load(tmp_path)["step"] == 10
-    (message,) = warnings(caplog)
-    assert "step-0000020.pt does not exist" in message
-    assert checkpoint.latest_step(tmp_path) == 10
 
 
 # -- latest.json damaged or missing: the sidecars suffice -----------------------------------------
 
 
 @pytest.mark.parametrize(
-    "text", [None, "{not json", "[]", '"x"', '{"file": 7}', '{"file": "elsewhere.pt"}']
+    "text", [None, "{not json", "[]", '"x"', '{"dir": 7}', '{"dir": "elsewhere"}']
 )
 def test_missing_or_garbled_pointer_loads_newest_good(tmp_path, caplog, text):
     for step in (10, 20):
@@ -336,22 +343,6 @@ def test_missing_or_garbled_pointer_loads_newest_good(tmp_path, caplog, text):
     assert warnings(caplog) == []
 
 
-def test_pointer_without_hash_uses_the_sidecar(tmp_path):
-    checkpoint.save(tmp_path, 5, payload(5))
-    (tmp_path / LATEST).write_text('{"file": "step-0000005.pt"}')
-    assert checkpoint.load(tmp_path)["step"] == 5
-
-
-def test_missing_pointer_and_damaged_newest_falls_back(tmp_path, caplog):
-    for step in (10, 20):
-        checkpoint.save(tmp_path, step, payload(step))
-    (tmp_path / LATEST).unlink()
-    flip_byte(pt(tmp_path, 20))
-    with caplog.at_level(logging.WARNING, logger="phalanx"):
-        assert checkpoint.load(tmp_path)["step"] == 10
-    assert len(warnings(caplog)) == 1
-
-
 def test_pointer_is_tried_first(tmp_path):
     """A crash after step 20's sidecar but before latest.json: step 10, which latest.json names,
     is still the one resumed from (and step 20 is the fallback)."""
@@ -361,31 +352,51 @@ def test_pointer_is_tried_first(tmp_path):
     (tmp_path / LATEST).write_text(saved)
     assert checkpoint.latest_step(tmp_path) == 10
     assert checkpoint.load(tmp_path)["step"] == 10
-    flip_byte(pt(tmp_path, 10))
+    flip_byte(ckpt(tmp_path, 10) / SHARD)
     assert checkpoint.load(tmp_path)["step"] == 20
-
-
-def test_checkpoint_from_before_sidecars_loads_by_its_pointer(tmp_path):
-    """latest.json without sidecars (and without "bytes") is the record of the file it names."""
-    path = checkpoint.save(tmp_path, 5, payload(5))
-    sidecar(tmp_path, 5).unlink()
-    data = path.read_bytes()
-    record = {"file": path.name, "step": 5, "sha256": hashlib.sha256(data).hexdigest()}
-    (tmp_path / LATEST).write_text(json.dumps(record))
-    assert checkpoint.latest_step(tmp_path) == 5
-    assert checkpoint.load(tmp_path)["step"] == 5
-    flip_byte(path)
-    assert "corrupted (SHA-256 mismatch)" in load_error(tmp_path)
-
-
-# -- latest_step ----------------------------------------------------------------------------------
 
 
 def test_latest_step_does_not_read_the_checkpoint(tmp_path):
     for step in (10, 20):
         checkpoint.save(tmp_path, step, payload(step))
-    flip_byte(pt(tmp_path, 20))
+    flip_byte(ckpt(tmp_path, 20) / SHARD)
     assert checkpoint.latest_step(tmp_path) == 20  # looks complete; load() would fall back
+
+
+# -- single-file checkpoints of earlier versions --------------------------------------------------
+
+
+def test_single_file_checkpoint_loads_and_is_verified(tmp_path, caplog):
+    path = write_single_file(tmp_path, 5, torch_bytes(payload(5)))
+    assert checkpoint.latest_step(tmp_path) == 5
+    found = checkpoint.choose(tmp_path)
+    assert (found.step, found.path, found.legacy) == (5, path, True)
+    assert checkpoint.load(tmp_path)["step"] == 5
+    checkpoint.save(tmp_path, 6, payload(6))  # the new format next to it
+    flip_byte(ckpt(tmp_path, 6) / SHARD)
+    with caplog.at_level(logging.WARNING, logger="phalanx"):
+        assert checkpoint.load(tmp_path)["step"] == 5
+    (message,) = warnings(caplog)
+    assert message.endswith("; resuming from step-0000005.pt")
+    flip_byte(path)
+    message = load_error(tmp_path)
+    assert "step-0000006 is corrupted" in message and "1 other checkpoint also bad" in message
+    sidecar(tmp_path, 6).unlink()
+    (tmp_path / LATEST).unlink()
+    assert f"{path} is corrupted (SHA-256 mismatch)" in load_error(tmp_path)
+
+
+def test_single_file_checkpoint_from_before_sidecars_loads_by_its_pointer(tmp_path):
+    path = write_single_file(tmp_path, 5, torch_bytes(payload(5)), pointer_only=True)
+    assert checkpoint.latest_step(tmp_path) == 5
+    assert checkpoint.load(tmp_path)["step"] == 5
+    truncate(path)
+    assert "corrupted (truncated to" in load_error(tmp_path)
+
+
+def test_single_file_checkpoint_refuses_arbitrary_objects(tmp_path):
+    write_single_file(tmp_path, 1, torch_bytes({"obj": NotWeights()}))
+    assert "step-0000001.pt is unreadable" in load_error(tmp_path)
 
 
 # -- temporary files and atomic writes ------------------------------------------------------------
@@ -395,24 +406,15 @@ def test_save_leaves_no_temp_files(tmp_path):
     for step in (1, 2, 3):
         checkpoint.save(tmp_path, step, payload(step), keep=2)
     names = sorted(p.name for p in tmp_path.iterdir())
-    assert names == [
-        LATEST,
-        "step-0000002.json",
-        "step-0000002.pt",
-        "step-0000003.json",
-        "step-0000003.pt",
-    ]
+    assert names == [LATEST, "step-0000002", "step-0000002.json", "step-0000003",
+                     "step-0000003.json"]  # fmt: skip
 
 
 def test_stray_temp_files_are_ignored_and_cleaned_by_the_next_save(tmp_path):
     checkpoint.save(tmp_path, 1, payload(1))
-    strays = [
-        tmp_path / ".step-0000002.pt.abc123.tmp",
-        tmp_path / ".step-0000002.json.def456.tmp",
-        tmp_path / f".{LATEST}.ghi789.tmp",
-    ]
-    for stray in strays:
-        stray.write_bytes(b"partial")
+    (tmp_path / ".step-0000002.tmp").mkdir()
+    (tmp_path / ".step-0000002.tmp" / SHARD).write_bytes(b"partial")
+    (tmp_path / f".{LATEST}.ghi789.tmp").write_bytes(b"partial")
     assert checkpoint.load(tmp_path)["step"] == 1
     assert checkpoint.latest_step(tmp_path) == 1
     checkpoint.save(tmp_path, 2, payload(2))
@@ -430,7 +432,7 @@ def test_save_fsyncs_the_directory(tmp_path, monkeypatch):
 
     monkeypatch.setattr(os, "fsync", recording_fsync)
     checkpoint.save(tmp_path, 1, payload(1))
-    assert len(directories) == 3  # after each rename: .pt, sidecar, latest.json
+    assert len(directories) == 3  # after each rename: the directory, sidecar, latest.json
 
 
 def test_directory_fsync_failure_is_ignored(tmp_path, monkeypatch):
@@ -470,7 +472,79 @@ def test_atomic_write_failure_keeps_old_content_and_no_temp(tmp_path, monkeypatc
     assert [p.name for p in tmp_path.iterdir()] == ["file.bin"]
 
 
+# -- background saves -----------------------------------------------------------------------------
+
+
+def test_background_save_writes_the_state_of_the_moment_it_was_asked(tmp_path):
+    state = payload(3)
+    pending = checkpoint.save_async(tmp_path, 3, state)
+    state["engine"]["model"]["w"].add_(100.0)  # the caller goes on changing its state
+    assert pending.wait() == ckpt(tmp_path, 3) and pending.done()
+    loaded = checkpoint.load(tmp_path)
+    assert torch.equal(loaded["engine"]["model"]["w"], torch.full((3, 2), 3.0))
+    assert json.loads(sidecar(tmp_path, 3).read_text())["dir"] == "step-0000003"
+
+
+def test_background_save_reraises_its_error(tmp_path):
+    (tmp_path / "checkpoints").write_text("a file where the directory should be")
+    pending = checkpoint.save_async(tmp_path / "checkpoints", 1, payload(1))
+    with pytest.raises(OSError):
+        pending.wait()
+
+
+# -- pieces of a tensor several ranks share -------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", [(7,), (3, 5), (2, 3, 4), (4, 1, 3, 2)])
+def test_flat_ranges_become_at_most_2n_minus_1_contiguous_boxes(shape):
+    numel = torch.Size(shape).numel()
+    full = torch.arange(numel).view(shape)
+    for lo in range(numel):
+        for hi in range(lo + 1, numel + 1):
+            boxes = _boxes(shape, lo, hi)
+            assert len(boxes) <= 2 * len(shape) - 1
+            flat = []
+            for offsets, sizes in boxes:
+                index = tuple(slice(o, o + s) for o, s in zip(offsets, sizes))
+                flat += full[index].reshape(-1).tolist()
+            assert flat == list(range(lo, hi)), (shape, lo, hi, boxes)
+
+
+def test_slices_save_in_pieces_and_load_any_other_pieces(tmp_path):
+    """Pieces written as chunks of one tensor; any other flat ranges of it read back."""
+    full = torch.arange(24.0).view(2, 3, 4)
+    flat = full.reshape(-1)
+    written = Slices.from_flat(full.shape, [(0, flat[:5]), (5, flat[5:17]), (17, flat[17:])])
+    checkpoint.save(tmp_path, 1, {"opt": {"m": written, "step": torch.tensor(3.0)}})
+    assert torch.equal(checkpoint.load(tmp_path)["opt"]["m"], full)  # whole, in its shape
+    wanted = Slices.empty(full.shape, torch.float32, [(3, 11), (20, 24)])
+    state = {"opt": {"m": wanted}}
+    found = checkpoint.restore(tmp_path, state)
+    assert found.step == 1 and state["opt"]["m"] is wanted
+    pieces = wanted.flat_pieces()
+    got = torch.cat([t for _, t in sorted(pieces, key=lambda piece: piece[0])])
+    assert torch.equal(got, torch.cat([flat[3:11], flat[20:24]]))
+
+
+def test_restore_loads_stateful_objects_in_place(tmp_path):
+    class Counter:
+        def __init__(self, n: int) -> None:
+            self.n, self.w = n, torch.full((2,), float(n))
+
+        def state_dict(self) -> dict:
+            return {"n": self.n, "w": self.w}
+
+        def load_state_dict(self, state: dict) -> None:
+            self.n = state["n"]
+
+    checkpoint.save(tmp_path, 4, {"counter": Counter(4)})
+    counter = Counter(0)
+    checkpoint.restore(tmp_path, {"counter": counter})
+    assert counter.n == 4 and torch.equal(counter.w, torch.full((2,), 4.0))
+
+
 @pytest.mark.parametrize(("kwargs", "key"), [({"every": -1}, "every"), ({"keep": 0}, "keep")])
 def test_checkpoint_config_checks(kwargs, key):
     with pytest.raises(ConfigError, match=rf"^{key}: must be >= "):
         checkpoint.CheckpointConfig(**kwargs)
+    assert checkpoint.CheckpointConfig().async_save is False

@@ -132,8 +132,8 @@ def test_tiny_run_writes_summary_and_prints_it(tiny_run):
 
 def test_tiny_run_writes_a_loadable_checkpoint(tiny_run):
     directory = tiny_run[0] / "checkpoints"
-    assert [p.name for p in directory.glob("step-*.pt")] == ["step-0000004.pt"]
-    payload = checkpoint.load(directory)
+    assert [p.name for p in directory.glob("step-*") if p.is_dir()] == ["step-0000004"]
+    payload = checkpoint.load(directory)["trainer"]
     assert payload["step"] == 4 and payload["world_size"] == 1
     assert payload["data"] == {"epoch": 0, "step": 4, "samples": 128}
     assert {"engine", "rng"} <= payload.keys()
@@ -143,15 +143,33 @@ def test_resume_continues_the_run(run_copy, capsys):
     code = run_main(["train", "--resume", str(run_copy), "--set", "train.steps=6"])
     assert code == 0, capsys.readouterr().err
     assert [r["step"] for r in metrics(run_copy)] == [1, 2, 3, 4, 5, 6]
-    assert checkpoint.load(run_copy / "checkpoints")["step"] == 6
-    names = sorted(p.name for p in (run_copy / "checkpoints").glob("step-*.pt"))
-    assert names == ["step-0000004.pt", "step-0000006.pt"]  # keep = 2
+    assert checkpoint.load(run_copy / "checkpoints")["trainer"]["step"] == 6
+    names = sorted(p.name for p in (run_copy / "checkpoints").glob("step-*") if p.is_dir())
+    assert names == ["step-0000004", "step-0000006"]  # keep = 2
     assert json.loads((run_copy / "summary.json").read_text())["steps"] == 6
 
 
+def test_background_checkpoints_resume_the_same(run_copy, capsys):
+    """checkpoint.async_save: checkpoints written while training goes on (the last in place)
+    resume to the same losses as in-place ones."""
+    argv = ["train", "--resume", str(run_copy), "--set", "train.steps=7", "--set",
+            "checkpoint.every=1", "--set", "checkpoint.async_save=true"]  # fmt: skip
+    assert run_main(argv) == 0, capsys.readouterr().err
+    directory = run_copy / "checkpoints"
+    names = sorted(p.name for p in directory.glob("step-*") if p.is_dir())
+    assert names == ["step-0000006", "step-0000007"]
+    assert checkpoint.load(directory)["trainer"]["step"] == 7
+    losses = [r["loss"] for r in metrics(run_copy)]
+    shutil.rmtree(directory / "step-0000007")  # resume from the background one, step 6
+    (directory / "step-0000007.json").unlink()
+    (directory / "latest.json").unlink()
+    assert run_main(["train", "--resume", str(run_copy), "--set", "train.steps=7"]) == 0
+    assert [r["loss"] for r in metrics(run_copy)] == losses
+
+
 def test_resume_with_a_corrupted_checkpoint_exits_2_naming_the_file(run_copy, capsys):
-    (path,) = (run_copy / "checkpoints").glob("step-*.pt")
-    flip_bytes(path)
+    (path,) = (p for p in (run_copy / "checkpoints").glob("step-*") if p.is_dir())
+    flip_bytes(path / "__0_0.distcp")
     code = run_main(["train", "--resume", str(run_copy)])
     captured = capsys.readouterr()
     assert code == 2
@@ -364,7 +382,7 @@ def test_export_loads_into_plain_pytorch(tmp_path, capsys):
     done = subprocess.run([sys.executable, "-c", PLAIN_LOAD, str(weights), str(loaded)],
                           capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
     assert done.returncode == 0, done.stderr
-    expected = checkpoint.load(run_dir / "checkpoints")["engine"]["model"]
+    expected = checkpoint.load(run_dir / "checkpoints")["trainer"]["engine"]["model"]
     got = torch.load(loaded, weights_only=True)
     assert got.keys() == expected.keys()
     assert all(torch.equal(got[k], expected[k]) for k in expected)

@@ -119,7 +119,9 @@ def test_overrides_do_not_mutate_the_input_tables():
 def test_unknown_section_lists_sections():
     message = config_error(overrides=["foo.bar=1"])
     assert message.startswith("foo: unknown key")
-    sections = "checkpoint, data, exchange, log, model, optimizer, runtime, scheduler, train"
+    sections = (
+        "checkpoint, data, exchange, log, model, optimizer, parallel, runtime, scheduler, train"
+    )
     assert f"allowed: {sections}" in message
 
 

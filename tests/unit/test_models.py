@@ -40,7 +40,10 @@ EXAMPLES: dict[str, tuple[dict, tuple[int, ...], tuple[int, ...]]] = {
     "embedding": ({"num_embeddings": 10, "embedding_dim": 4}, (2, 5), (2, 5, 4)),
     "lstm": ({"input_size": 4, "hidden_size": 6}, (2, 5, 4), (2, 5, 6)),
     "identity": ({}, (2, 4), (2, 4)),
+    "gpt_embedding": ({"vocab_size": 10, "dim": 8, "max_seq_len": 6}, (2, 5), (2, 5, 8)),
+    "transformer_block": ({"dim": 8, "num_heads": 2}, (2, 5, 8), (2, 5, 8)),
 }
+INTEGER_INPUTS = ("embedding", "gpt_embedding")
 
 
 def model_from_layers(layers: list[dict]) -> nn.Module:
@@ -54,7 +57,7 @@ def test_every_registered_layer_type_builds_and_runs(layer_type):
     model = model_from_layers([{"type": layer_type, **args}])
     assert isinstance(model, nn.Sequential) and len(model) == 1
     assert isinstance(model[0], LAYERS.get(layer_type))
-    if layer_type == "embedding":
+    if layer_type in INTEGER_INPUTS:
         x = torch.randint(0, 10, in_shape)
     else:
         x = torch.randn(in_shape)
@@ -126,3 +129,16 @@ def test_unknown_lstm_argument_is_a_config_error():
     layer = {"type": "lstm", "input_size": 3, "hidden_size": 4, "foo": 1}
     with pytest.raises(ConfigError, match=r"^model\.layers\[0\]\.foo: unknown argument"):
         config_from_data({"model": {"layers": [layer]}})
+
+
+def test_transformer_block_is_causal():
+    torch.manual_seed(0)
+    block = model_from_layers([{"type": "transformer_block", "dim": 8, "num_heads": 2}]).eval()
+    x = torch.randn(1, 6, 8)
+    changed = x.clone()
+    changed[:, 4:] += 1.0  # later positions must not affect earlier outputs
+    with torch.no_grad():
+        torch.testing.assert_close(block(x)[:, :4], block(changed)[:, :4])
+        assert not torch.allclose(block(x)[:, 4:], block(changed)[:, 4:])
+    with pytest.raises(ConfigError, match="dim 8 is not divisible by num_heads 3"):
+        model_from_layers([{"type": "transformer_block", "dim": 8, "num_heads": 3}])

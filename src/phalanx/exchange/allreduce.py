@@ -35,7 +35,7 @@ class AllReduce(Strategy):
     def setup(self, ctx: Any, buckets: list[Bucket]) -> None:
         super().setup(ctx, buckets)
         if self.codec.wire_dtype is not None and self.comm is None:
-            self.comm = CommThread(ctx.device)
+            self.comm = CommThread(ctx.device, ctx.group)
 
     def launch(self, bucket: Bucket) -> None:
         assert self.ctx is not None, "setup() first"

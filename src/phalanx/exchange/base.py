@@ -23,6 +23,7 @@ import torch
 from phalanx.errors import ConfigError
 from phalanx.exchange.buckets import Bucket
 from phalanx.exchange.compression import CODECS, Codec
+from phalanx.exchange.sharding import copy_pieces
 from phalanx.fields import ConfigValueError, option, require
 from phalanx.registry import Registry
 from phalanx.runtime.context import Context
@@ -233,6 +234,71 @@ class Strategy(ABC):
         del params
         optimizer.load_state_dict(state)
 
+    # -- checkpoints (torch.distributed.checkpoint): each rank its own part -----------------------
+    def optimizer_shards(
+        self, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter]
+    ) -> tuple[dict[int, dict[str, Any]], list[dict[str, Any]]]:
+        """This rank's part of the per-parameter optimizer state, gathering nothing:
+        ``({index in params: {key: value}}, groups)``. A value with one element per parameter
+        element is a list of ``(flat start, 1-D tensor)`` pieces, those this rank keeps (here:
+        all of it); others (a step count) are as they are. ``groups``: each parameter group's
+        hyperparameters, ``"params"`` as indices in ``params``."""
+        index = {id(p): i for i, p in enumerate(params)}
+        state: dict[int, dict[str, Any]] = {}
+        for p, entry in optimizer.state.items():
+            if id(p) in index:
+                state[index[id(p)]] = {
+                    k: [(0, v.detach().reshape(-1))] if _per_element(v, p) else v
+                    for k, v in entry.items()
+                }
+        groups = [
+            {
+                **{k: v for k, v in g.items() if k != "params"},
+                "params": [index[id(p)] for p in g["params"] if id(p) in index],
+            }
+            for g in optimizer.param_groups
+        ]
+        return state, groups
+
+    def owned_ranges(self, params: list[torch.nn.Parameter]) -> dict[int, list[tuple[int, int]]]:
+        """The flat element ranges of each parameter whose optimizer state this rank keeps."""
+        return {i: [(0, p.numel())] for i, p in enumerate(params)}
+
+    def load_optimizer_shards(
+        self,
+        optimizer: torch.optim.Optimizer,
+        params: list[torch.nn.Parameter],
+        state: dict[int, dict[str, Any]],
+        groups: list[dict[str, Any]],
+    ) -> None:
+        """Load state in ``optimizer_shards``' form whose pieces cover ``owned_ranges``
+        (hyperparameters: group k from saved group k, or the first where there are fewer)."""
+        index = {id(p): i for i, p in enumerate(params)}
+        order = [p for g in optimizer.param_groups for p in g["params"]]
+        loaded: dict[int, dict[str, Any]] = {}
+        for n, p in enumerate(order):
+            entry = state.get(index.get(id(p), -1))
+            if not entry:
+                continue
+            loaded[n] = {}
+            for key, value in entry.items():
+                if isinstance(value, list):
+                    full = torch.empty(p.numel(), dtype=value[0][1].dtype)
+                    if copy_pieces(value, 0, full) != p.numel():
+                        raise ValueError(
+                            f"optimizer state {key!r} of parameter {index[id(p)]} is incomplete: "
+                            "load through phalanx.checkpoint.restore"
+                        )
+                    value = full.view(p.shape)
+                loaded[n][key] = value
+        saved_groups, start = [], 0
+        for k, g in enumerate(optimizer.param_groups):
+            saved = groups[k] if k < len(groups) else (groups[0] if groups else {})
+            hyper = {a: b for a, b in {**g, **saved}.items() if a != "params"}
+            saved_groups.append({**hyper, "params": list(range(start, start + len(g["params"])))})
+            start += len(g["params"])
+        optimizer.load_state_dict({"state": loaded, "param_groups": saved_groups})
+
     def optimizer_bytes(self, optimizer: torch.optim.Optimizer) -> int:
         """Bytes of optimizer state held by this rank."""
         return sum(
@@ -255,3 +321,8 @@ def make_strategy(spec: str | Strategy, options: dict[str, Any] | None = None) -
     if isinstance(spec, Strategy):
         return spec
     return STRATEGIES.get(spec)(**(options or {}))
+
+
+def _per_element(value: Any, p: torch.Tensor) -> bool:
+    """Whether an optimizer state value has one element per parameter element."""
+    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == p.shape

@@ -26,8 +26,8 @@ class CommThread:
     to the moment of submission (an event), so gradients are complete before they are sent.
     """
 
-    def __init__(self, device: torch.device, name: str = "phalanx-comm") -> None:
-        self.group = dist.new_group(backend=dist.get_backend())
+    def __init__(self, device: torch.device, like: Any = None, name: str = "phalanx-comm") -> None:
+        self.group = mirror_group(like)
         self.device = device
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -67,6 +67,25 @@ class CommThread:
         if self._thread.is_alive():
             self._jobs.put(None)
             self._thread.join(timeout=5)
+
+
+def global_rank(group: Any, rank: int) -> int:
+    """The world rank of ``rank`` within ``group``: point-to-point calls take world ranks
+    (``group_src``/``group_dst`` arrived in torch 2.6, after phalanx's floor)."""
+    if group is None or group is dist.group.WORLD:
+        return rank
+    return dist.get_global_rank(group, rank)
+
+
+def mirror_group(group: Any = None) -> Any:
+    """A new process group with the members of ``group`` (default: the world), in the same
+    order, so ranks within it are ``group``'s ranks. Only the members take part in creating
+    it (``use_local_synchronization``): the data-parallel groups of different pipeline
+    stages are created independently, each by its own members."""
+    ranks = None if group is None else dist.get_process_group_ranks(group)
+    if ranks is None or len(ranks) == dist.get_world_size():
+        return dist.new_group(backend=dist.get_backend())
+    return dist.new_group(ranks=ranks, backend=dist.get_backend(), use_local_synchronization=True)
 
 
 def wait(handle: Any) -> None:

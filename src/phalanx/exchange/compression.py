@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from phalanx.exchange.comm import global_rank
 from phalanx.registry import Registry
 
 SCALE_BYTES = 4  # the scale travels as one float32 after the payload
@@ -108,20 +109,20 @@ class Codec:
     def send(self, t: torch.Tensor, dst: int, group: Any) -> int:
         """Send ``t``'s message; returns the bytes put on the wire."""
         message = self.encode(t)
-        dist.send(message, dst, group=group)
+        dist.send(message, global_rank(group, dst), group=group)
         return message.nbytes
 
     def recv_add(self, t: torch.Tensor, src: int, group: Any) -> int:
         """Receive a message and add its values to ``t`` (in ``t``'s precision)."""
         message = self.scratch_message(t)
-        dist.recv(message, src, group=group)
+        dist.recv(message, global_rank(group, src), group=group)
         self.decode_add(message, t)
         return message.nbytes
 
     def recv_into(self, t: torch.Tensor, src: int, group: Any) -> int:
         """Receive a message and store its values in ``t``."""
         message = t if self.wire_dtype is None else self.scratch_message(t)
-        dist.recv(message, src, group=group)
+        dist.recv(message, global_rank(group, src), group=group)
         self.decode_into(message, t)
         return message.nbytes
 

@@ -31,9 +31,9 @@ class OwnerUpdateStrategy(Strategy):
         self._pending_params: dict[int, Any] = {}
         self._hooks: list = []
 
-    def _ensure_comm(self, device: torch.device) -> CommThread:
+    def _ensure_comm(self, device: torch.device, group: Any) -> CommThread:
         if self.comm is None:
-            self.comm = CommThread(device)
+            self.comm = CommThread(device, group)
         return self.comm
 
     # -- parameters arriving while the next forward runs --------------------------------------
@@ -105,6 +105,25 @@ class OwnerUpdateStrategy(Strategy):
     ) -> None:
         assert self.sharded is not None
         self.sharded.load_canonical_state(optimizer, params, state)
+
+    def optimizer_shards(self, optimizer: torch.optim.Optimizer, params: list) -> tuple:
+        """Only this rank's shards' state (checkpoints: no rank gathers the others')."""
+        assert self.sharded is not None and self.ctx is not None
+        self.sync()
+        state = self.sharded.local_state(optimizer, params, self.ctx.group)
+        hyper = {k: v for k, v in optimizer.param_groups[0].items() if k != "params"}
+        return state, [{**hyper, "params": list(range(len(params)))}]
+
+    def owned_ranges(self, params: list) -> dict[int, list[tuple[int, int]]]:
+        assert self.sharded is not None
+        return self.sharded.owned_ranges(params)
+
+    def load_optimizer_shards(
+        self, optimizer: torch.optim.Optimizer, params: list, state: dict, groups: list
+    ) -> None:
+        assert self.sharded is not None
+        self.sync()
+        self.sharded.load_local_state(optimizer, params, state, groups)
 
     def close(self) -> None:
         try:

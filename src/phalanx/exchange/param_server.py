@@ -30,6 +30,7 @@ import torch.distributed as dist
 from phalanx.errors import ConfigError
 from phalanx.exchange.base import STRATEGIES, OptimizerFactory
 from phalanx.exchange.buckets import Bucket
+from phalanx.exchange.comm import global_rank
 from phalanx.exchange.owners import OwnerUpdateStrategy
 from phalanx.exchange.sharding import ShardedParameters, bounds
 from phalanx.exchange.tree import tree_children, tree_parent
@@ -101,7 +102,7 @@ class ParameterServer(OwnerUpdateStrategy):
         self.sharded = ShardedParameters(
             buckets, self.ranges, [owners] * len(buckets), ctx.rank, host_master=True
         )
-        self._ensure_comm(ctx.device)
+        self._ensure_comm(ctx.device, ctx.group)
 
     def build_optimizer(
         self, params: list[torch.nn.Parameter], factory: OptimizerFactory
@@ -221,9 +222,9 @@ class ParameterServer(OwnerUpdateStrategy):
         piece = self._host(flat[lo:hi])
         parent, children = self._pull_links(ranks)
         if parent is not None:
-            dist.recv(piece, parent, group=group)
+            dist.recv(piece, global_rank(group, parent), group=group)
         for child in children:
-            dist.send(piece, child, group=group)
+            dist.send(piece, global_rank(group, child), group=group)
         if piece.data_ptr() != flat[lo:hi].data_ptr():
             flat[lo:hi].copy_(piece)
 

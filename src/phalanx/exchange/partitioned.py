@@ -32,6 +32,7 @@ import torch.distributed as dist
 from phalanx.exchange import schedule
 from phalanx.exchange.base import STRATEGIES, OptimizerFactory
 from phalanx.exchange.buckets import Bucket
+from phalanx.exchange.comm import global_rank
 from phalanx.exchange.compression import Codec
 from phalanx.exchange.owners import OwnerUpdateStrategy
 from phalanx.exchange.ring import ring_reduce_scatter
@@ -102,9 +103,9 @@ class CyclicSchedule(PartitionSchedule):
             for t in cycle:
                 lo, hi = layout.ranges[t.partition]
                 if t.src == self.rank:
-                    dist.send(flat[lo:hi], t.dst, group=self.group)
+                    dist.send(flat[lo:hi], global_rank(self.group, t.dst), group=self.group)
                 elif t.dst == self.rank:
-                    dist.recv(flat[lo:hi], t.src, group=self.group)
+                    dist.recv(flat[lo:hi], global_rank(self.group, t.src), group=self.group)
 
     def send_back_bytes(self, layout: Layout, itemsize: int) -> tuple[int, int]:
         sent = received = 0
@@ -211,7 +212,7 @@ class Partitioned(OwnerUpdateStrategy):
 
     def setup(self, ctx: Any, buckets: list[Bucket]) -> None:
         super().setup(ctx, buckets)
-        comm = self._ensure_comm(ctx.device)
+        comm = self._ensure_comm(ctx.device, ctx.group)
         plan_class = self._schedule_class(ctx.backend)
         self.plan = plan_class(ctx.rank, ctx.world_size, comm.group, self.codec)
         self.layouts = [self.plan.layout(b.flat.numel()) for b in buckets]

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from phalanx.exchange.comm import global_rank
 from phalanx.exchange.compression import Codec
 from phalanx.exchange.sharding import bounds
 
@@ -61,14 +62,16 @@ class RingLink:
         send_pieces, recv_pieces = pieces(*send), pieces(*recv)
         # Phase 1: every receive is posted before anything is sent.
         incoming = codec.message_views(recv_slot, [b - a for a, b in recv_pieces], flat)
-        receives = [dist.irecv(m, prev, group=self.group) for m in incoming]
+        receives = [
+            dist.irecv(m, global_rank(self.group, prev), group=self.group) for m in incoming
+        ]
         # Phase 2: encode and send piece by piece.
         if outgoing is None:
             buffers = codec.message_views("send", [b - a for a, b in send_pieces], flat)
             outgoing = [
                 codec.encode(flat[a:b], out=buf) for (a, b), buf in zip(send_pieces, buffers)
             ]
-        sends = [dist.isend(m, nxt, group=self.group) for m in outgoing]
+        sends = [dist.isend(m, global_rank(self.group, nxt), group=self.group) for m in outgoing]
         # Phase 3: fold in what arrives, in order.
         for work, message, (a, b) in zip(receives, incoming, recv_pieces):
             work.wait()
@@ -151,7 +154,9 @@ class GatherExchange:
         for src in range(p):
             if src != rank:
                 self.messages[src] = codec.message_views(f"from{src}", numels, flat)
-                self.receives[src] = [dist.irecv(m, src, group=group) for m in self.messages[src]]
+                self.receives[src] = [
+                    dist.irecv(m, global_rank(group, src), group=group) for m in self.messages[src]
+                ]
         # Phase 2: encode and send piece by piece.
         buffers = codec.message_views("own", numels, flat)
         own = [codec.encode(flat[a:b], out=m) for (a, b), m in zip(self.parts, buffers)]
@@ -159,7 +164,10 @@ class GatherExchange:
             own = [m.copy_(flat[a:b]) for (a, b), m in zip(self.parts, buffers)]
         self.messages[rank] = own
         self.sends = [
-            dist.isend(m, dst, group=group) for m in own for dst in range(p) if dst != rank
+            dist.isend(m, global_rank(group, dst), group=group)
+            for m in own
+            for dst in range(p)
+            if dst != rank
         ]
         return self
 

@@ -157,6 +157,109 @@ class ShardedParameters:
         ]
         optimizer.load_state_dict({"state": shard_state, "param_groups": groups})
 
+    # -- this rank's part, for checkpoints that every rank writes ------------------------------
+    def _overlaps(self, params: list[torch.nn.Parameter]) -> Any:
+        """(shard, parameter index, flat start and end within the parameter) for each part
+        of a parameter a shard of this rank holds."""
+        index = {id(p): i for i, p in enumerate(params)}
+        for shard in self.shards:
+            bucket = self.buckets[shard.bucket]
+            for p, offset in zip(bucket.params, bucket.offsets):
+                lo, hi = max(shard.start, offset), min(shard.end, offset + p.numel())
+                if lo < hi:
+                    yield shard, index[id(p)], lo - offset, hi - offset, offset
+
+    def owned_ranges(self, params: list[torch.nn.Parameter]) -> dict[int, list[tuple[int, int]]]:
+        ranges: dict[int, list[tuple[int, int]]] = {}
+        for _, i, lo, hi, _ in self._overlaps(params):
+            ranges.setdefault(i, []).append((lo, hi))
+        return ranges
+
+    def local_state(
+        self, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], group: Any
+    ) -> dict[int, dict[str, Any]]:
+        """This rank's shards' state per parameter: per-element values as ``(flat start within
+        the parameter, 1-D view)`` pieces, no copy, no gathering. The ranks agree (one small
+        message) on the per-element keys, so a shard without state yet (a ps partition whose
+        updates were all skipped) contributes zeros and the pieces cover every parameter."""
+        out: dict[int, dict[str, Any]] = {}
+        kinds: dict[str, torch.dtype] = {}
+        for shard, i, lo, hi, offset in self._overlaps(params):
+            entry = out.setdefault(i, {})
+            for key, value in optimizer.state.get(shard.param, {}).items():
+                if isinstance(value, torch.Tensor) and value.dim() == 1:
+                    start = offset + lo - shard.start
+                    entry.setdefault(key, []).append((lo, value[start : start + hi - lo]))
+                    kinds[key] = value.dtype
+                else:
+                    entry.setdefault(key, value)
+        if dist.get_world_size(group) > 1:
+            everyone: list[dict] = [None] * dist.get_world_size(group)  # type: ignore[list-item]
+            dist.all_gather_object(everyone, kinds, group=group)
+            kinds = {k: v for part in everyone for k, v in part.items()}
+        for _, i, lo, hi, _ in self._overlaps(params):
+            for key, dtype in kinds.items():
+                pieces = out[i].setdefault(key, [])
+                if not any(start == lo for start, _ in pieces):
+                    pieces.append((lo, torch.zeros(hi - lo, dtype=dtype)))
+        return out
+
+    def load_local_state(
+        self,
+        optimizer: torch.optim.Optimizer,
+        params: list[torch.nn.Parameter],
+        state: dict[int, dict[str, Any]],
+        groups: list[dict[str, Any]],
+    ) -> None:
+        """Load per-parameter pieces covering this rank's shards (``owned_ranges``), and
+        refresh host master copies from the (just loaded) parameter buffers."""
+        shard_state: dict[int, dict[str, Any]] = {}
+        number = {id(s): n for n, s in enumerate(self.shards)}
+        for shard, i, lo, hi, offset in self._overlaps(params):
+            entry = shard_state.setdefault(number[id(shard)], {})
+            for key, value in state.get(i, {}).items():
+                if isinstance(value, list):
+                    full = entry.get(key)
+                    if full is None:
+                        dtype, device = value[0][1].dtype, self.buckets[shard.bucket].flat.device
+                        full = torch.zeros(shard.end - shard.start, dtype=dtype, device=device)
+                        entry[key] = full
+                    start = offset + lo - shard.start
+                    if copy_pieces(value, lo, full[start : start + hi - lo]) != hi - lo:
+                        raise ValueError(
+                            f"optimizer state {key!r} of parameter {i} lacks part of this "
+                            f"rank's range [{lo}, {hi}): load through phalanx.checkpoint.restore"
+                        )
+                elif key not in entry:
+                    entry[key] = _own(value)
+        for shard in self.shards:
+            target = self.flats[shard.bucket][shard.start : shard.end]
+            if shard.param.data_ptr() != target.data_ptr():
+                with torch.no_grad():
+                    shard.param.copy_(target)
+        (group,) = groups[:1] or [{}]
+        current = {k: v for k, v in optimizer.param_groups[0].items() if k != "params"}
+        hyper = {k: v for k, v in group.items() if k != "params"}
+        count = len(optimizer.param_groups[0]["params"])
+        optimizer.load_state_dict(
+            {
+                "state": {n: e for n, e in shard_state.items() if e},
+                "param_groups": [{**current, **hyper, "params": list(range(count))}],
+            }
+        )
+
+
+def copy_pieces(pieces: list[tuple[int, torch.Tensor]], lo: int, out: torch.Tensor) -> int:
+    """Copy into ``out`` (a flat range starting at ``lo``) what ``(start, 1-D tensor)`` pieces
+    of the same flat index space hold of it; returns how many elements they covered."""
+    hi, covered = lo + out.numel(), 0
+    for start, flat in pieces:
+        a, b = max(lo, start), min(hi, start + flat.numel())
+        if a < b:
+            out[a - lo : b - lo].copy_(flat[a - start : b - start])
+            covered += b - a
+    return covered
+
 
 def _cpu(value: Any) -> Any:
     return value.detach().to("cpu", copy=True) if isinstance(value, torch.Tensor) else value

@@ -74,7 +74,7 @@ class Tree(Strategy):
     def setup(self, ctx: Any, buckets: list[Bucket]) -> None:
         super().setup(ctx, buckets)
         if self.comm is None:
-            self.comm = CommThread(ctx.device)
+            self.comm = CommThread(ctx.device, ctx.group)
 
     def launch(self, bucket: Bucket) -> None:
         assert self.comm is not None and self.ctx is not None

@@ -116,8 +116,7 @@ def _check_layer(spec: dict, key: str) -> None:
         f"{key}.type",
         f"unknown layer type {layer_type!r}; known: {', '.join(LAYERS.names())}",
     )
-    args = {k: v for k, v in spec.items() if k != "type"}
-    _check_arguments(LAYERS.get(layer_type), args, key)
+    _check_arguments(LAYERS.get(layer_type), layer_arguments(spec), key)
 
 
 def _check_arguments(factory: Callable[..., Any], args: dict, key: str) -> None:
@@ -152,12 +151,17 @@ def _try_build(cls: type, args: dict, key: str) -> None:
         raise ConfigValueError(key, f"invalid arguments for {cls.__name__}: {reason}") from None
 
 
+NOT_ARGUMENTS = ("type", "stage")  # keys of a layer table that are not constructor arguments
+
+
+def layer_arguments(spec: dict) -> dict:
+    """A layer table's constructor arguments (without ``type`` and the pipeline ``stage``)."""
+    return {k: v for k, v in spec.items() if k not in NOT_ARGUMENTS}
+
+
 def build_layers(layers: list[dict]) -> nn.Sequential:
     """An ``nn.Sequential`` of the configured layers, in order."""
-    modules = []
-    for spec in layers:
-        args = {k: v for k, v in spec.items() if k != "type"}
-        modules.append(LAYERS.get(spec["type"])(**args))
+    modules = [LAYERS.get(spec["type"])(**layer_arguments(spec)) for spec in layers]
     return nn.Sequential(*modules)
 
 

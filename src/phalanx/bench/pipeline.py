@@ -1,0 +1,327 @@
+"""``phalanx bench pipeline``: what a pipeline costs, against torch.distributed.pipelining itself.
+
+For each schedule and number of micro-batches M, the same model (a small GPT: embedding, blocks,
+head) with the same split runs two ways in the same processes, alternating after a warm-up:
+phalanx's Engine with ``[parallel] pipeline = P`` and the same stages and schedule written
+directly with torch.distributed.pipelining (PipelineStage + schedule + AdamW). Reported:
+
+- step time (median over all timed steps, the slowest rank's) and throughput ratio;
+- the bubble: 1 - (time a rank spends computing its stages) / step time, averaged over ranks,
+  next to the theory (P-1)/(M+P-1) (GPipe, 1F1B; interleaved divides the bubble by V);
+- parameter memory per rank as a share of the model (about 1/P);
+- the transfer layers: bytes per step and their time, from a ping-pong of one activation
+  between two pipeline ranks times the messages a step sends.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from phalanx.errors import ConfigError
+from phalanx.exchange.comm import global_rank
+
+VOCAB = 97
+
+
+@dataclass(frozen=True)
+class PipelineBenchConfig:
+    """One ``phalanx bench pipeline`` run (picklable: sent to the workers)."""
+
+    nproc: int = 2
+    schedules: tuple[str, ...] = ("gpipe", "1f1b", "interleaved")
+    microbatches: tuple[int, ...] = (2, 4, 8)
+    batch_size: int = 32
+    seq_len: int = 64
+    dim: int = 128
+    num_blocks: int = 4
+    warmup: int = 2
+    rounds: int = 3
+    steps: int = 4
+    seed: int = 0
+    threads: int = 1
+    extra: dict = field(default_factory=dict)
+
+    def validate(self) -> None:
+        from phalanx.parallel.schedules import SCHEDULES
+
+        for key in ("nproc", "batch_size", "seq_len", "dim", "num_blocks", "rounds", "steps"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"--{key.replace('_', '-')}: must be >= 1")
+        if self.nproc < 2:
+            raise ConfigError("--nproc: a pipeline needs at least 2 processes")
+        for name in self.schedules:
+            if name not in SCHEDULES:
+                raise ConfigError(
+                    f"--schedules: unknown schedule {name!r}; known: {', '.join(SCHEDULES.names())}"
+                )
+        for m in self.microbatches:
+            if m < 1 or self.batch_size % m:
+                raise ConfigError(
+                    f"--microbatches: {m} does not split --batch-size {self.batch_size} evenly"
+                )
+
+
+def gpt_layers(cfg: PipelineBenchConfig) -> list[nn.Module]:
+    """The benchmark model, built identically on every rank (same seed)."""
+    from phalanx.models.gpt import GPTEmbedding, TransformerBlock
+
+    torch.manual_seed(cfg.seed)
+    return [
+        GPTEmbedding(VOCAB, cfg.dim, max_seq_len=cfg.seq_len),
+        *[TransformerBlock(cfg.dim, num_heads=4) for _ in range(cfg.num_blocks)],
+        nn.LayerNorm(cfg.dim),
+        nn.Linear(cfg.dim, VOCAB),
+    ]
+
+
+def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1))
+
+
+# -- inside the workers -----------------------------------------------------------------------
+def _worker(ctx: Any, cfg: PipelineBenchConfig) -> dict[str, Any] | None:
+    torch.manual_seed(cfg.seed + 1)
+    x = torch.randint(0, VOCAB, (cfg.batch_size, cfg.seq_len))
+    y = torch.randint(0, VOCAB, (cfg.batch_size, cfg.seq_len))
+    rows = []
+    for schedule in cfg.schedules:
+        for m in cfg.microbatches:
+            rows.append(_measure(ctx, cfg, schedule, m, x, y))
+    return {"rows": rows} if ctx.rank == 0 else None
+
+
+def _measure(
+    ctx: Any, cfg: PipelineBenchConfig, schedule: str, m: int, x: torch.Tensor, y: torch.Tensor
+) -> dict[str, Any]:
+    import phalanx as px
+    from phalanx.parallel import ParallelConfig
+    from phalanx.parallel.pipeline import choose_split
+
+    parallel = ParallelConfig(pipeline=cfg.nproc, microbatches=m, schedule=schedule, split="auto")
+    layers = gpt_layers(cfg)
+    sample = x[: cfg.batch_size // m]
+    stage_of, _ = choose_split(
+        layers, parallel, ctx, sample
+    )  # measured on rank 0, the same for both
+    engine = px.Engine(
+        nn.Sequential(*layers),
+        _loss,
+        lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+        parallel=parallel,
+        stages=stage_of,
+        sample_input=sample,
+        context=ctx,
+    )
+    pipeline = engine.pipeline
+    assert pipeline is not None
+    pipeline.measure_busy = True
+    baseline = _TorchPipeline(gpt_layers(cfg), stage_of, parallel, pipeline, sample)
+    for _ in range(cfg.warmup):
+        engine.step(x, y)
+        baseline.step(x, y)
+    ours, theirs, bubbles = [], [], []
+    for _ in range(cfg.rounds):  # alternate, so drifts in machine speed hit both alike
+        for _ in range(cfg.steps):
+            elapsed = _timed(ctx, lambda: engine.step(x, y))
+            ours.append(elapsed)
+            bubbles.append(_mean_over_ranks(ctx, 1.0 - pipeline.busy_s / elapsed))
+        theirs += [_timed(ctx, lambda: baseline.step(x, y)) for _ in range(cfg.steps)]
+    local = sum(p.numel() * p.element_size() for p in pipeline.local.parameters())
+    total = sum(p.numel() * p.element_size() for layer in layers for p in layer.parameters())
+    shares = [None] * ctx.world_size
+    dist.all_gather_object(shares, local / total, group=ctx.group)
+    transfer = _transfer_time(ctx, pipeline, m)
+    step_s, torch_s = statistics.median(ours), statistics.median(theirs)
+    kind = pipeline.kind
+    engine.close()
+    return {
+        "schedule": schedule,
+        "microbatches": m,
+        "stages": parallel.num_stages,
+        "split": stage_of,
+        "phalanx_step_s": step_s,
+        "torch_step_s": torch_s,
+        "throughput_ratio": torch_s / step_s,
+        "bubble_measured": statistics.median(bubbles),
+        "bubble_theory": kind.bubble_fraction(cfg.nproc, m, parallel.stages_per_rank),
+        "param_share_per_rank": shares,
+        "transfer_bytes_per_step": transfer["bytes"],
+        "transfer_s_per_step": transfer["seconds"],
+        "transfer_share": transfer["seconds"] / step_s,
+        "samples": {"phalanx_s": ours, "torch_s": theirs, "bubble": bubbles},
+    }
+
+
+def _timed(ctx: Any, work: Any) -> float:
+    """Seconds of ``work`` on the slowest rank."""
+    dist.barrier(group=ctx.group)
+    start = time.perf_counter()
+    work()
+    if ctx.device.type == "cuda":
+        torch.cuda.synchronize(ctx.device)
+    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=ctx.device)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=ctx.group)
+    return float(elapsed.item())
+
+
+def _mean_over_ranks(ctx: Any, value: float) -> float:
+    t = torch.tensor([value], dtype=torch.float64, device=ctx.device)
+    dist.all_reduce(t, group=ctx.group)
+    return float(t.item()) / ctx.world_size
+
+
+def _transfer_time(ctx: Any, pipeline: Any, m: int) -> dict[str, float]:
+    """Bytes every transfer layer moves per step (activation forward and gradient back, per
+    micro-batch) and their time: a ping-pong of the first boundary's activation between
+    pipeline ranks 0 and 1 gives one message's time."""
+    boundary = pipeline.boundaries[0]
+    message = torch.zeros(boundary.shape, dtype=boundary.dtype, device=ctx.device)
+    num_messages = 2 * m * (pipeline.num_stages - 1)
+    repeats, rank = 10, dist.get_rank(pipeline.pipe_group)
+    dist.barrier(group=ctx.group)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        if rank == 0:
+            dist.send(message, global_rank(pipeline.pipe_group, 1), group=pipeline.pipe_group)
+            dist.recv(message, global_rank(pipeline.pipe_group, 1), group=pipeline.pipe_group)
+        elif rank == 1:
+            dist.recv(message, global_rank(pipeline.pipe_group, 0), group=pipeline.pipe_group)
+            dist.send(message, global_rank(pipeline.pipe_group, 0), group=pipeline.pipe_group)
+    seconds = (time.perf_counter() - start) / (2 * repeats)
+    one_way = torch.tensor([seconds], dtype=torch.float64, device=ctx.device)
+    dist.broadcast(one_way, src=0, group=ctx.group)
+    nbytes = message.numel() * message.element_size()
+    return {"bytes": num_messages * nbytes, "seconds": num_messages * float(one_way.item())}
+
+
+class _TorchPipeline:
+    """The baseline: the same stages and schedule with torch.distributed.pipelining alone."""
+
+    def __init__(
+        self,
+        layers: list[nn.Module],
+        stage_of: list[int],
+        parallel: Any,
+        reference: Any,
+        sample: torch.Tensor,
+    ) -> None:
+        from torch.distributed.pipelining import PipelineStage
+        from torch.distributed.pipelining import schedules as torch_schedules
+
+        device, group = reference.world.device, reference.pipe_group
+        stages, params = [], []
+        for s in reference.stage_ids:
+            module = nn.Sequential(*[layer for i, layer in enumerate(layers) if stage_of[i] == s])
+            module.to(device)
+            params += list(module.parameters())
+            before = reference.sample_meta if s == 0 else reference.boundaries[s - 1]
+            after = reference.boundaries[s] if s < len(reference.boundaries) else None
+            stages.append(
+                PipelineStage(
+                    module,
+                    s,
+                    reference.num_stages,
+                    device,
+                    input_args=_meta(before, s > 0),
+                    output_args=None if after is None else _meta(after, True),
+                    group=group,
+                )
+            )
+        cls = getattr(torch_schedules, reference.kind.torch_class)
+        target = stages if reference.kind.multi_stage else stages[0]
+        self.schedule = cls(target, parallel.num_microbatches, loss_fn=_loss)
+        self.optimizer = torch.optim.AdamW(params, lr=1e-3)
+        self.first, self.last = reference.holds_first, reference.holds_last
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.optimizer.zero_grad()
+        args = (x,) if self.first else ()
+        self.schedule.step(*args, target=y if self.last else None, losses=[] if self.last else None)
+        self.optimizer.step()
+
+
+def _meta(boundary: Any, requires_grad: bool) -> torch.Tensor:
+    example = torch.empty(boundary.shape, dtype=boundary.dtype, device="meta")
+    return example.requires_grad_(requires_grad and boundary.dtype.is_floating_point)
+
+
+# -- in the caller ----------------------------------------------------------------------------
+def run_benchmark(cfg: PipelineBenchConfig) -> dict[str, Any]:
+    from phalanx.bench import machine_meta
+    from phalanx.runtime.context import RuntimeConfig
+    from phalanx.runtime.spawn import run_ranks
+
+    start = time.perf_counter()
+    results = run_ranks(
+        _worker, cfg.nproc, cfg, timeout=None, runtime=RuntimeConfig(threads=cfg.threads)
+    )
+    meta = {**machine_meta(), "nproc": cfg.nproc, "wall_s": time.perf_counter() - start}
+    meta["model"] = f"GPT: {cfg.num_blocks} blocks, dim {cfg.dim}, seq {cfg.seq_len}"
+    meta["batch_size"] = cfg.batch_size
+    return {"meta": meta, "rows": results[0]["rows"]}
+
+
+def format_report(result: dict[str, Any]) -> str:
+    meta = result["meta"]
+    lines = [
+        f"pipeline over {meta['nproc']} processes, {meta['model']}, batch {meta['batch_size']}",
+        f"{'schedule':<12} {'M':>3} {'phalanx ms':>11} {'torch ms':>9} {'ratio':>6} "
+        f"{'bubble':>7} {'theory':>7} {'params/rank':>12} {'transfer':>16}",
+    ]
+    for r in result["rows"]:
+        share = "/".join(f"{s:.2f}" for s in r["param_share_per_rank"])
+        mib, ms = r["transfer_bytes_per_step"] / 2**20, 1e3 * r["transfer_s_per_step"]
+        transfer = f"{mib:.1f} MiB {ms:.1f} ms"
+        lines.append(
+            f"{r['schedule']:<12} {r['microbatches']:>3} {1e3 * r['phalanx_step_s']:>11.1f} "
+            f"{1e3 * r['torch_step_s']:>9.1f} {r['throughput_ratio']:>6.3f} "
+            f"{100 * r['bubble_measured']:>6.1f}% {100 * r['bubble_theory']:>6.1f}% "
+            f"{share:>12} {transfer:>16}"
+        )
+    lines.append("ratio: phalanx throughput / torch.distributed.pipelining throughput")
+    return "\n".join(lines)
+
+
+def _check(result: dict[str, Any]) -> None:
+    for r in result["rows"]:
+        if not (r["phalanx_step_s"] > 0 and r["torch_step_s"] > 0):
+            raise ConfigError("bench pipeline: a zero step time was measured")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags of ``phalanx bench pipeline``; sets ``handler``."""
+    p.add_argument("--nproc", type=int, default=2, help="pipeline ranks (default 2)")
+    p.add_argument("--schedules", default="gpipe,1f1b,interleaved", help="comma list")
+    p.add_argument("--microbatches", default="2,4,8", help="comma list of M")
+    p.add_argument("--batch-size", type=int, default=32, help="sequences per step")
+    p.add_argument("--rounds", type=int, default=3, help="alternations of the two (default 3)")
+    p.add_argument("--steps", type=int, default=4, help="timed steps per round and side")
+    p.add_argument("--json", metavar="PATH", help="write every number here")
+    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="tracebacks")
+    p.set_defaults(handler=cmd_pipeline)
+
+
+def cmd_pipeline(args: argparse.Namespace) -> int:
+    from phalanx.bench import run_and_report
+
+    try:
+        microbatches = tuple(int(m) for m in args.microbatches.split(",") if m.strip())
+    except ValueError:
+        raise ConfigError(f"--microbatches: expected integers, got {args.microbatches!r}") from None
+    cfg = PipelineBenchConfig(
+        nproc=args.nproc,
+        schedules=tuple(s.strip() for s in args.schedules.split(",") if s.strip()),
+        microbatches=microbatches,
+        batch_size=args.batch_size,
+        rounds=args.rounds,
+        steps=args.steps,
+    )
+    return run_and_report(cfg, run_benchmark, _check, format_report, args.json)

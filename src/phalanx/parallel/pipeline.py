@@ -1,0 +1,443 @@
+"""Model parallelism: this rank's stages of a pipelined model, run by torch's schedules (F6, F7).
+
+``PipelineParallel`` takes the whole model as a sequence of layers and the stage of each layer,
+and keeps only what this rank runs:
+
+  Phase 1 (layout): a DeviceMesh with ("data", "pipeline") axes over the world; this rank's
+    data-parallel group (the same stage in every replica) is what the Engine exchanges
+    gradients over, with any strategy, as if it were the world.
+  Phase 2 (trace): one sample micro-batch runs through the whole model (no gradients) to learn
+    each boundary's activation shape and dtype, and to refuse a boundary a tensor cannot cross.
+  Phase 3 (stages): this rank's stages become ``nn.Sequential``s whose children keep the
+    model's own names (layer ``7`` is ``7`` everywhere, so state dicts of the stages merge
+    into the one-process model's) and end in a TransferLayer when they feed another rank.
+  Phase 4 (step): torch.distributed.pipelining's schedule runs the micro-batches; before each
+    backward the Engine is told whether it is the last one of this rank's stage, so gradient
+    buckets launch their exchange during the last micro-batch's backward (overlap).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from phalanx.errors import ConfigError
+from phalanx.exchange.comm import global_rank
+from phalanx.parallel.layout import ParallelConfig, check_stage_count
+from phalanx.parallel.schedules import schedule_kind
+from phalanx.parallel.transfer import TransferLayer
+from phalanx.runtime.context import Context
+
+logger = logging.getLogger("phalanx")
+LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
+
+
+@dataclasses.dataclass(frozen=True)
+class Boundary:
+    """The activation leaving stage ``src`` for stage ``src + 1``: one micro-batch's shape."""
+
+    src: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+class LocalLayers(nn.Module):
+    """This rank's layers under the whole model's names (``"3"``, ``"4"``, ...), so its state
+    dict holds exactly this rank's part of the one-process model's state dict. Forward runs
+    through the pipeline, never here."""
+
+    def __init__(self, named: list[tuple[str, nn.Module]]) -> None:
+        super().__init__()
+        for name, layer in named:
+            self.add_module(name, layer)
+
+    def forward(self, *args: Any) -> Any:
+        raise RuntimeError("a pipeline stage's layers run through engine.step, not directly")
+
+
+def trace_boundaries(layers: list[nn.Module], stage_of: list[int], sample: Any) -> list[Boundary]:
+    """Phase 2: run ``sample`` (one micro-batch) through every layer without gradients and
+    describe what crosses each stage boundary, then the model's output (the last entry);
+    ConfigError for a layer whose output is not a single tensor where a boundary follows it."""
+    boundaries, x = [], sample
+    with torch.no_grad():
+        for i, layer in enumerate(layers):
+            x = layer(x)
+            if i + 1 == len(layers) and isinstance(x, torch.Tensor):
+                boundaries.append(Boundary(stage_of[i], tuple(x.shape), x.dtype))
+            last_of_stage = i + 1 < len(layers) and stage_of[i + 1] != stage_of[i]
+            if not last_of_stage:
+                continue
+            if not isinstance(x, torch.Tensor):
+                raise ConfigError(
+                    f"model.layers[{i}]: its output ({type(x).__name__}) cannot cross the "
+                    f"boundary to stage {stage_of[i + 1]}: only a single tensor can; move the "
+                    "boundary"
+                )
+            boundaries.append(Boundary(stage_of[i], tuple(x.shape), x.dtype))
+    return boundaries
+
+
+def describe_stages(stage_of: list[int], boundaries: list[Boundary], num_ranks: int) -> str:
+    """One line per stage: its layers, its pipeline rank, and the transfer leaving it."""
+    lines = []
+    for s in range(max(stage_of) + 1):
+        members = [i for i, k in enumerate(stage_of) if k == s]
+        line = f"  stage {s} on pipeline rank {s % num_ranks}: layers {members[0]}-{members[-1]}"
+        if s < max(stage_of):
+            b = boundaries[s]
+            line += f", then {TransferLayer(s, s + 1, b.shape, b.dtype)}"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def pipelined_view(
+    layers: list[nn.Module], stage_of: list[int], boundaries: list[Boundary]
+) -> nn.Sequential:
+    """The whole model as printed for a pipeline: its layers under their own names with a
+    TransferLayer at every stage boundary (for display; training runs the stages)."""
+    children: OrderedDict[str, nn.Module] = OrderedDict()
+    for i, layer in enumerate(layers):
+        children[str(i)] = layer
+        if i + 1 < len(layers) and stage_of[i + 1] != stage_of[i]:
+            b = boundaries[stage_of[i]]
+            children[f"transfer{stage_of[i]}"] = TransferLayer(b.src, b.src + 1, b.shape, b.dtype)
+    return nn.Sequential(children)
+
+
+class PipelineParallel:
+    """This rank's part of a P-stage pipeline replicated D times (see the module docstring).
+
+    ``layers``: the whole model in order (every rank builds it, so initial weights equal the
+    one-process model's); ``stage_of[i]``: layer i's stage; ``sample``: one micro-batch of
+    inputs for the trace (CPU or device)."""
+
+    def __init__(
+        self,
+        layers: list[nn.Module],
+        stage_of: list[int],
+        parallel: ParallelConfig,
+        world: Context,
+        sample: Any,
+        loss_fn: LossFn,
+    ) -> None:
+        self.parallel = parallel
+        self.kind = schedule_kind(parallel.schedule)
+        self.num_ranks = parallel.pipeline
+        self.num_stages = parallel.num_stages
+        self.num_microbatches = parallel.num_microbatches
+        check_stage_count(len(layers), self.num_stages)
+        if len(stage_of) != len(layers) or sorted(set(stage_of)) != list(range(self.num_stages)):
+            raise ConfigError(
+                f"model.layers: stages {sorted(set(stage_of))} do not cover "
+                f"0..{self.num_stages - 1}"
+            )
+        # Phase 1: layout.
+        self.world = world
+        self.num_replicas = parallel.replicas(world.world_size)
+        self.data_group, self.pipe_group = _mesh_groups(world, self.num_replicas, self.num_ranks)
+        self.data_context = dataclasses.replace(
+            world,
+            rank=dist.get_rank(self.data_group),
+            world_size=self.num_replicas,
+            group=self.data_group,
+        )
+        self.pipe_rank = dist.get_rank(self.pipe_group)
+        # Phase 2: trace on the CPU copy every rank built.
+        self.boundaries = trace_boundaries(layers, stage_of, sample)
+        self.sample_meta = Boundary(-1, tuple(sample.shape), sample.dtype)
+        # Phase 3: keep this rank's stages.
+        self.stage_ids = [s for s in range(self.num_stages) if s % self.num_ranks == self.pipe_rank]
+        self.stages: dict[int, nn.Sequential] = {}
+        named: list[tuple[str, nn.Module]] = []
+        for s in self.stage_ids:
+            members = [(str(i), layer) for i, layer in enumerate(layers) if stage_of[i] == s]
+            named += members
+            children: OrderedDict[str, nn.Module] = OrderedDict(members)
+            if s + 1 < self.num_stages:
+                b = self.boundaries[s]
+                children["transfer"] = TransferLayer(s, s + 1, b.shape, b.dtype)
+            self.stages[s] = nn.Sequential(children).to(world.device)
+        self.local = LocalLayers(named)
+        self.stage_of = list(stage_of)
+        self.split_measured = ""  # what split = "auto" measured, when it chose the stages
+        self._schedule: Any = None
+        self._scale = 1.0
+        self._losses: list[torch.Tensor] = []
+        self._loss_fn = loss_fn
+        self.before_backward: Callable[[bool], None] = lambda last: None
+        # Benchmarks: time spent computing (forward and backward of this rank's stages) per
+        # step, which makes the bubble measurable; off in training (on CUDA it synchronizes).
+        self.measure_busy = False
+        self.busy_s = 0.0
+        for stage in self.stages.values():
+            stage.register_forward_pre_hook(self._start_busy)
+            stage.register_forward_hook(self._stop_busy)
+        self._busy_since = 0.0
+
+    # -- what this rank holds -----------------------------------------------------------------
+    @property
+    def holds_first(self) -> bool:
+        return 0 in self.stages
+
+    @property
+    def holds_last(self) -> bool:
+        return self.num_stages - 1 in self.stages
+
+    @property
+    def transfers(self) -> list[TransferLayer]:
+        return [m for stage in self.stages.values() for m in stage if isinstance(m, TransferLayer)]
+
+    def reset_counts(self) -> None:
+        """Start counting a new step's transfer bytes (and busy time)."""
+        for t in self.transfers:
+            t.reset_counts()
+        self.busy_s = 0.0
+
+    def _start_busy(self, *args: Any) -> None:
+        if self.measure_busy:
+            self._busy_since = self._clock()
+
+    def _stop_busy(self, *args: Any) -> None:
+        if self.measure_busy:
+            self.busy_s += self._clock() - self._busy_since
+
+    def _clock(self) -> float:
+        if self.world.device.type == "cuda":
+            torch.cuda.synchronize(self.world.device)
+        return time.perf_counter()
+
+    def transfer_bytes(self) -> int:
+        """Bytes that crossed this rank's outgoing links since the step began (activations
+        forward, their gradients backward)."""
+        return sum(t.bytes_forward + t.bytes_backward for t in self.transfers)
+
+    # -- Phase 4: one step --------------------------------------------------------------------
+    def step(self, inputs: Any, targets: torch.Tensor, scale: float) -> torch.Tensor:
+        """Forward and backward of one replica batch, split into micro-batches; gradients
+        accumulate in the parameters' ``.grad`` multiplied by ``scale / micro-batches``.
+        Returns the mean loss over the micro-batches on the rank holding the last stage
+        (zero elsewhere)."""
+        if self._schedule is None:
+            self._schedule = self._build_schedule()
+        self._scale = scale / self.num_microbatches
+        self._losses = []
+        args = (inputs,) if self.holds_first else ()
+        target = targets if self.holds_last else None
+        self._schedule.step(*args, target=target, losses=[] if self.holds_last else None)
+        if not self._losses:
+            return torch.zeros((), device=self.world.device)
+        return torch.stack(self._losses).mean()
+
+    def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor, **kwargs: Any) -> Any:
+        loss = self._loss_fn(output, target)
+        self._losses.append(loss.detach().float())
+        return loss * self._scale
+
+    def _build_schedule(self) -> Any:
+        stages = [
+            _NotifyingStage(
+                self.stages[s],
+                s,
+                self.num_stages,
+                self.world.device,
+                self.pipe_group,
+                self,
+                input_args=_example(self.sample_meta if s == 0 else self.boundaries[s - 1]),
+                output_args=_example(self.boundaries[s]) if s < len(self.boundaries) else None,
+            )
+            for s in self.stage_ids
+        ]
+        return self.kind.build(stages, self.num_microbatches, self._scaled_loss)
+
+    # -- forward only (validation) --------------------------------------------------------------
+    @torch.no_grad()
+    def forward(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The model's output for ``x`` (any batch size, the same on every rank of this
+        replica) on the rank holding the last stage, None elsewhere: stage by stage, the
+        activation sent point to point to the next stage's rank. Layers run in eval mode."""
+        self.local.eval()
+        act: torch.Tensor | None = x.to(self.world.device) if self.holds_first else None
+        for s in range(self.num_stages):
+            if s not in self.stages:
+                continue
+            if s > 0:
+                b = self.boundaries[s - 1]
+                act = torch.empty(
+                    (x.shape[0], *b.shape[1:]), dtype=b.dtype, device=self.world.device
+                )
+                dist.recv(
+                    act,
+                    global_rank(self.pipe_group, (s - 1) % self.num_ranks),
+                    group=self.pipe_group,
+                )
+            act = self.stages[s](act)
+            if s + 1 < self.num_stages:
+                dist.send(
+                    act.contiguous(),
+                    global_rank(self.pipe_group, (s + 1) % self.num_ranks),
+                    group=self.pipe_group,
+                )
+        return act if self.holds_last else None
+
+    def _rank_of(self, stage: int) -> int:
+        """The world rank running ``stage`` of this replica."""
+        return global_rank(self.pipe_group, stage % self.num_ranks)
+
+    def describe(self) -> str:
+        """The layout for a log: replicas, schedule, what 'auto' measured, the stages."""
+        head = (
+            f"pipeline: {self.num_replicas} replica(s) x {self.num_ranks} pipeline ranks, "
+            f"{self.num_stages} stages, schedule {self.parallel.schedule}, "
+            f"{self.num_microbatches} micro-batches"
+        )
+        measured = (
+            f"\n  split = auto measured: {self.split_measured}" if self.split_measured else ""
+        )
+        return (
+            f"{head}{measured}\n{describe_stages(self.stage_of, self.boundaries, self.num_ranks)}"
+        )
+
+
+def _example(meta: Boundary) -> torch.Tensor:
+    """A tensor on the meta device (no memory) with a boundary's shape and dtype: torch's
+    stages take their send/receive shapes from it instead of running an inference pass."""
+    example = torch.empty(meta.shape, dtype=meta.dtype, device="meta")
+    # A floating activation that left a stage carries a gradient back (the model's input
+    # does not); the stage reads that from requires_grad.
+    return example.requires_grad_(meta.src >= 0 and meta.dtype.is_floating_point)
+
+
+def _mesh_groups(world: Context, num_replicas: int, num_ranks: int) -> tuple[Any, Any]:
+    """(data group, pipeline group) of this rank from a DeviceMesh over the world: rank r is
+    replica r // P, pipeline rank r % P."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(
+        world.device.type, (num_replicas, num_ranks), mesh_dim_names=("data", "pipeline")
+    )
+    return mesh.get_group("data"), mesh.get_group("pipeline")
+
+
+def _stage_class() -> type:
+    from torch.distributed.pipelining import PipelineStage
+
+    return PipelineStage
+
+
+# Releases before last_backward existed never say which backward is the last: the buckets
+# then launch after the schedule (correct, without overlap).
+_TAKES_LAST_BACKWARD = (
+    "last_backward" in inspect.signature(_stage_class().backward_maybe_with_nosync).parameters
+)
+
+
+class _NotifyingStage(_stage_class()):  # type: ignore[misc]
+    """A PipelineStage that tells its PipelineParallel before each backward whether it is this
+    stage's last micro-batch (where torch itself prepares DDP's reduction)."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        index: int,
+        num_stages: int,
+        device: torch.device,
+        group: Any,
+        owner: PipelineParallel,
+        input_args: torch.Tensor,
+        output_args: torch.Tensor | None,
+    ) -> None:
+        super().__init__(
+            module,
+            index,
+            num_stages,
+            device,
+            input_args=input_args,
+            output_args=output_args,
+            group=group,
+        )
+        self._owner = owner
+
+    def backward_maybe_with_nosync(
+        self, backward_type: Any, bwd_kwargs: dict, last_backward: bool = False
+    ) -> Any:
+        self._owner.before_backward(last_backward)
+        self._owner._start_busy()
+        try:
+            if _TAKES_LAST_BACKWARD:
+                return super().backward_maybe_with_nosync(
+                    backward_type, bwd_kwargs, last_backward=last_backward
+                )
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs)
+        finally:
+            self._owner._stop_busy()
+
+
+def build_pipeline(
+    model: nn.Module | list[nn.Module],
+    loss_fn: LossFn,
+    parallel: ParallelConfig,
+    world: Context,
+    sample_input: Any,
+    stages: list[int] | None,
+) -> PipelineParallel:
+    """The Engine's entry: ``model`` is an ``nn.Sequential`` or a list of modules (the whole
+    model, built alike on every rank); ``stages`` gives each layer's stage, or None to
+    follow ``parallel.split``; ``sample_input`` is one micro-batch of inputs."""
+    layers = list(model.children()) if isinstance(model, nn.Module) else list(model)
+    if isinstance(model, nn.Module) and not isinstance(model, nn.Sequential):
+        raise ConfigError(
+            f"parallel.pipeline: a pipeline splits an nn.Sequential or a list of modules, got "
+            f"{type(model).__name__}"
+        )
+    if sample_input is None:
+        raise ConfigError(
+            "sample_input: a pipeline needs one micro-batch of inputs to trace the activation "
+            "shapes that cross stage boundaries"
+        )
+    check_stage_count(len(layers), parallel.num_stages)
+    measured = ""
+    if stages is None:
+        stages, measured = choose_split(layers, parallel, world, sample_input)
+    pipeline = PipelineParallel(layers, stages, parallel, world, sample_input, loss_fn)
+    pipeline.split_measured = measured
+    return pipeline
+
+
+def choose_split(
+    layers: list[nn.Module], parallel: ParallelConfig, world: Context, sample: Any
+) -> tuple[list[int], str]:
+    """(stage of each layer, what 'auto' measured) by ``parallel.split``, cut on rank 0 and
+    broadcast so every rank cuts the model in the same place (measured costs differ between
+    processes)."""
+    box: list[Any] = [None]
+    if world.rank == 0:
+        box = [split_here(layers, parallel, sample)]
+    dist.broadcast_object_list(box, global_rank(world.group, 0), group=world.group)
+    stage_of, text = box[0]
+    if world.rank == 0 and text:
+        logger.info("phalanx: split = 'auto' chose %s", text)
+    return stage_of, text
+
+
+def split_here(
+    layers: list[nn.Module], parallel: ParallelConfig, sample: Any
+) -> tuple[list[int], str]:
+    """(stage of each layer, what 'auto' measured) in this process: 'even' counts, or ('auto',
+    and 'layers' with no stage keys) the measured per-layer cost, balanced."""
+    from phalanx.parallel.split import balanced_split, describe_split, even_split, profile_layers
+
+    if parallel.split == "even":
+        return even_split(len(layers), parallel.num_stages), ""
+    costs = profile_layers(layers, sample)
+    stage_of = balanced_split([c.seconds for c in costs], parallel.num_stages)
+    return stage_of, describe_split(stage_of, costs)

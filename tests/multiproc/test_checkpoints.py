@@ -1,0 +1,139 @@
+"""Checkpoints through torch.distributed.checkpoint: at world 2 every rank writes its own shard
+file, a sharded strategy's ranks hand DCP only their own share of the optimizer state, a
+background save writes the state of the moment it was asked for; at world 3 each of those
+checkpoints resumes (under the same strategy or another) and continues as one process
+training on the same global batches would."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import phalanx as px
+from phalanx import checkpoint
+from tests.helpers.spawn import run_ranks
+from tests.multiproc.test_engine import LOCAL_BATCH, ReversedNet, _batches
+from tests.multiproc.test_strategies import OPTIMIZERS, _engine, _params, _train
+
+ADAM = OPTIMIZERS["adam"]
+SAVED = {  # checkpoint name -> the strategy that writes it at world 2
+    "allreduce": ("allreduce", {}),
+    "native": ("partitioned", {"schedule": "native"}),
+    "cyclic": ("partitioned", {"schedule": "cyclic"}),
+    "ps": ("ps", {"servers": 0, "reduce": "star"}),
+}
+RESUMED = {  # checkpoint name -> the strategy that resumes it at world 3
+    "allreduce": ("allreduce", {}),
+    "native": ("partitioned", {"schedule": "cyclic"}),
+    "cyclic": ("allreduce", {}),
+    "ps": ("ps", {"servers": 1, "reduce": "tree"}),
+}
+FIRST, SECOND = 3, 3  # steps before the checkpoint (world 2), after it (world 3)
+
+
+def _optimizer_bytes(state: dict) -> int:
+    """Bytes of the optimizer tensors this rank hands DCP (its pieces of shared tensors)."""
+    total = 0
+    for entry in state["optimizer"]["state"].values():
+        for value in entry.values():
+            if isinstance(value, checkpoint.Slices):
+                total += value.nbytes()
+            elif isinstance(value, torch.Tensor) and value.dim() > 0:
+                total += value.numel() * value.element_size()
+    return total
+
+
+def _save_at_two(ctx: px.Context, root: Path) -> dict:
+    torch.manual_seed(0)
+    model, batches = ReversedNet(), _batches(2)[:FIRST]
+    out: dict = {"handed": {}, "held": {}, "slices": {}}
+    for name, (strategy, options) in SAVED.items():
+        engine = _engine(ctx, model, ADAM, strategy, options)
+        _train(engine, batches)
+        state = engine.state_dict()
+        out["handed"][name] = _optimizer_bytes(state)
+        out["held"][name] = engine.optimizer_bytes()
+        out["slices"][name] = any(
+            isinstance(v, checkpoint.Slices)
+            for entry in state["optimizer"]["state"].values()
+            for v in entry.values()
+        )
+        checkpoint.save(root / name, FIRST, {"engine": engine}, group=ctx.group)
+        if name == "allreduce":  # a background save keeps the state of the moment it was asked
+            group = dist.new_group(backend="gloo")
+            pending = checkpoint.save_async(root / "async", FIRST, {"engine": engine}, group=group)
+            out["at_save"] = _params(engine)
+            _train(engine, _batches(2, seed=3)[:1])  # changes the parameters meanwhile
+            pending.wait()
+        engine.close()
+    return out
+
+
+def _resume_at_three(ctx: px.Context, root: Path) -> dict:
+    torch.manual_seed(1)  # other initial weights: everything must come from the checkpoint
+    out = {}
+    for name, (strategy, options) in RESUMED.items():
+        engine = _engine(ctx, ReversedNet(), ADAM, strategy, options)
+        found = checkpoint.restore(root / name, {"engine": engine}, group=ctx.group)
+        assert found.step == FIRST and engine.num_steps == FIRST, (found, engine.num_steps)
+        workers = engine.data_world_size  # ps with a dedicated server: 2 workers
+        second = [(x[: LOCAL_BATCH * workers], y[: LOCAL_BATCH * workers])
+                  for x, y in _batches(workers, seed=7)[:SECOND]]  # fmt: skip
+        _train(engine, second)
+        out[name] = _params(engine) if engine.is_trainer else None
+        engine.close()
+    return out
+
+
+def _reference(workers_after: int) -> list[torch.Tensor]:
+    """One process: FIRST steps on world-2 global batches, then SECOND on the resumed ones."""
+    torch.manual_seed(0)
+    model = copy.deepcopy(ReversedNet())
+    opt = ADAM(model.parameters())
+    second = [(x[: LOCAL_BATCH * workers_after], y[: LOCAL_BATCH * workers_after])
+              for x, y in _batches(workers_after, seed=7)[:SECOND]]  # fmt: skip
+    for x, y in _batches(2)[:FIRST] + second:
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    return [p.detach() for p in model.parameters()]
+
+
+def test_world_two_checkpoints_resume_on_world_three(tmp_path: Path) -> None:
+    saved = run_ranks(_save_at_two, 2, tmp_path, timeout=240)
+    for name in SAVED:
+        directory = tmp_path / name / f"step-{FIRST:07d}"
+        record = json.loads((tmp_path / name / f"step-{FIRST:07d}.json").read_text())
+        assert {"__0_0.distcp", "__1_0.distcp", ".metadata"} <= set(record["files"]), name
+        assert all((directory / f).stat().st_size == e["bytes"] for f, e in record["files"].items())
+    # Sharded strategies: each rank hands DCP only the state it holds (about half), never the
+    # other rank's; plain data parallel holds (and hands) all of it on every rank.
+    full = saved[0]["held"]["allreduce"]
+    for name in ("native", "cyclic", "ps"):  # (cyclic at world 2: rank 0 owns everything)
+        for rank, r in enumerate(saved):
+            assert r["handed"][name] <= r["held"][name] + 64, (name, rank, r)
+            if name != "cyclic":
+                assert r["held"][name] <= full / 2 * 1.05 + 64, (name, rank, r)
+        assert name == "cyclic" or any(r["slices"][name] for r in saved), name  # split params
+        assert sum(r["handed"][name] for r in saved) >= full - 64, name
+    assert all(abs(r["handed"]["allreduce"] - full) <= 64 for r in saved)
+    # The background save holds the parameters of the moment it was asked for.
+    written = checkpoint.load(tmp_path / "async")["engine"]["model"]
+    names = [n for n, _ in ReversedNet().named_parameters()]
+    for name, value in zip(names, saved[0]["at_save"]):
+        assert torch.equal(written[name], value), name
+
+    resumed = run_ranks(_resume_at_three, 3, tmp_path, timeout=240)
+    for name, (_, options) in RESUMED.items():
+        workers = 3 - options.get("servers", 0)
+        reference = _reference(workers)
+        for rank, r in enumerate(resumed):
+            if r[name] is None:
+                continue  # a dedicated server holds no replica
+            for a, b in zip(r[name], reference):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=2e-6, msg=f"{name} rank {rank}")

@@ -1,0 +1,121 @@
+"""The [parallel] layout: stage keys, splits, schedules and transfer layers, without processes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from phalanx.config import config_from_data
+from phalanx.errors import ConfigError
+from phalanx.parallel.layout import ParallelConfig
+from phalanx.parallel.pipeline import pipelined_view, trace_boundaries
+from phalanx.parallel.schedules import schedule_kind
+from phalanx.parallel.split import balanced_split, even_split, profile_layers
+from phalanx.parallel.transfer import TransferLayer
+
+
+def mlp_layers(stages: list[int | None]) -> list[dict]:
+    sizes = [(64, 32), (32, 32), (32, 32), (32, 10)]
+    layers: list[dict] = [{"type": "flatten"}]
+    layers += [{"type": "linear", "in_features": a, "out_features": b} for a, b in sizes]
+    for spec, stage in zip(layers, stages):
+        if stage is not None:
+            spec["stage"] = stage
+    return layers
+
+
+def run_config(stages: list[int | None], **parallel: object) -> object:
+    return config_from_data(
+        {"model": {"layers": mlp_layers(stages)}, "parallel": {"pipeline": 2, **parallel}}
+    )
+
+
+def test_stage_keys_are_read_in_order() -> None:
+    config = run_config([0, 0, 1, 1, 1])
+    assert config.stage_of_layers() == [0, 0, 1, 1, 1]
+    assert run_config([None] * 5).stage_of_layers() is None  # split by [parallel]
+    whole = config_from_data({"model": {"layers": mlp_layers([0, 0, 1, 1, 1])}})
+    assert whole.stage_of_layers() is None  # pipeline = 1: the same config runs whole
+
+
+@pytest.mark.parametrize(
+    ("stages", "message"),
+    [
+        ([0, 1, 0, 1, 1], "model.layers[2].stage: stage 0 after stage 1: stages must not decrease"),
+        ([0, 0, 2, 2, 2], "model.layers[2].stage: stage 2 after stage 0: stage 1 is empty"),
+        ([1, 1, 2, 2, 2], "model.layers[0].stage: the first stage is 0, got 1"),
+        ([0, 0, 1, None, 1], "model.layers[3].stage: missing"),
+        ([0, 0, 0, 0, 0], "the stage keys give 1 stages, the layout needs 2"),
+        ([0, 0, 1, 2, 2], "the stage keys give 3 stages, the layout needs 2"),
+    ],
+)
+def test_bad_stage_keys_name_the_layer(stages: list[int | None], message: str) -> None:
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        run_config(stages)
+
+
+def test_layout_errors_are_one_line() -> None:
+    with pytest.raises(ConfigError, match="parallel.pipeline: 6 stages but the model has only 5"):
+        config_from_data({"model": {"layers": mlp_layers([None] * 5)}, "parallel": {"pipeline": 6}})
+    with pytest.raises(ConfigError, match="parallel.microbatches: data.batch_size 32 does not"):
+        run_config([0, 0, 1, 1, 1], microbatches=5)
+    with pytest.raises(ConfigError, match="parallel.schedule: got 'zb'"):
+        run_config([0, 0, 1, 1, 1], schedule="zb")
+    config = run_config([0, 0, 1, 1, 1])
+    with pytest.raises(ConfigError, match="parallel.pipeline: 2 does not divide the world size 3"):
+        config.check_world(3)
+    with pytest.raises(ConfigError, match="parallel.data: data x pipeline = 3 x 2 = 6, but"):
+        run_config([0, 0, 1, 1, 1], data=3).check_world(4)
+    config.check_world(4)  # 2 replicas of 2 stages
+
+
+def test_a_boundary_only_a_tensor_can_cross() -> None:
+    class Pair(nn.Module):
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return x, x
+
+    layers = [nn.Linear(4, 4), Pair(), nn.Identity()]
+    with pytest.raises(ConfigError, match=r"model.layers\[1\]: its output \(tuple\) cannot cross"):
+        trace_boundaries(layers, [0, 0, 1], torch.zeros(2, 4))
+    trace_boundaries(layers, [0, 1, 1], torch.zeros(2, 4))  # a tensor after layer 0: fine
+
+
+def test_transfer_layers_show_where_activations_cross() -> None:
+    layers = [nn.Flatten(), nn.Linear(64, 32), nn.Linear(32, 10)]
+    boundaries = trace_boundaries(layers, [0, 0, 1], torch.zeros(8, 1, 8, 8))
+    assert [(b.src, b.shape, b.dtype) for b in boundaries] == [
+        (0, (8, 32), torch.float32),
+        (1, (8, 10), torch.float32),  # the model's output
+    ]
+    printed = str(pipelined_view(layers, [0, 0, 1], boundaries))
+    assert (
+        "(transfer0): TransferLayer(stage 0 -> 1, 8x32, float32, 1024 bytes per micro-batch)"
+        in printed
+    )
+    transfer = TransferLayer(0, 1, (8, 32), torch.bfloat16)
+    x = torch.ones(8, 32, requires_grad=True)
+    assert transfer(x) is x
+    assert (transfer.nbytes, transfer.bytes_forward, transfer.bytes_backward) == (512, 1024, 1024)
+
+
+def test_splits() -> None:
+    assert even_split(7, 3) == [0, 0, 0, 1, 1, 2, 2]
+    assert balanced_split([1, 1, 1, 1], 2) == [0, 0, 1, 1]
+    assert balanced_split([5, 1, 1, 1, 1, 1], 2) == [0, 1, 1, 1, 1, 1]
+    assert balanced_split([1, 1, 1, 9], 2) == [0, 0, 0, 1]
+    assert balanced_split([3, 3, 3], 3) == [0, 1, 2]
+    layers = [nn.Linear(16, 256), nn.Linear(256, 256), nn.Linear(256, 4)]
+    costs = profile_layers(layers, torch.randn(32, 16))
+    assert [c.param_bytes for c in costs] == [4 * (16 * 256 + 256), 4 * (256 * 256 + 256), 4 * 1028]
+    assert [c.activation_bytes for c in costs] == [32 * 256 * 4, 32 * 256 * 4, 32 * 4 * 4]
+    assert all(c.seconds > 0 for c in costs)
+    assert all(p.grad is None for layer in layers for p in layer.parameters())
+
+
+def test_bubble_fraction_in_theory() -> None:
+    assert schedule_kind("gpipe").bubble_fraction(2, 4) == pytest.approx(1 / 5)
+    assert schedule_kind("1f1b").bubble_fraction(4, 8) == pytest.approx(3 / 11)
+    assert schedule_kind("interleaved").bubble_fraction(4, 8, 2) == pytest.approx(1.5 / 9.5)
+    assert ParallelConfig(pipeline=2, schedule="interleaved").num_stages == 4
+    assert ParallelConfig(pipeline=3).num_microbatches == 6
