@@ -96,6 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config(commands)
     _add_plot(commands)
     _add_export(commands)
+    _add_profile(commands)
     _add_bench(commands)
     from phalanx.data import cli_data
 
@@ -182,6 +183,40 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     step, count = export_weights(Path(args.run_dir), Path(args.output))
     print(f"wrote {args.output}: {count} tensors from the step-{step} checkpoint")
+    return 0
+
+
+def _add_profile(commands: argparse._SubParsersAction) -> None:
+    p = commands.add_parser(
+        "profile", help="per-layer time and memory of a config's first steps, on one process"
+    )
+    p.add_argument("config", help="TOML config")
+    p.add_argument("--steps", type=int, default=3, metavar="N", help="steps (first: warm-up)")
+    p.add_argument("--json", metavar="FILE", help="write the profile as JSON (for the planner)")
+    p.add_argument("--plot", metavar="PNG", help="memory over one step by category (viz extra)")
+    p.add_argument("--device", default="auto", help="auto (CUDA if available), cpu or cuda[:N]")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    p.add_argument(
+        "--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks"
+    )
+    p.set_defaults(handler=cmd_profile)
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    from phalanx.config import load_config
+    from phalanx.memory import profile as memory
+
+    config = load_config(args.config, args.set)
+    if args.plot:
+        memory.require_matplotlib()  # fail before the run, not after it
+    profile = memory.profile_config(config, steps=args.steps, device=args.device)
+    print(memory.format_profile(profile))
+    if args.json:
+        profile.save(Path(args.json))
+        print(f"wrote {args.json}")
+    if args.plot:
+        memory.plot_profile(profile, Path(args.plot))
+        print(f"wrote {args.plot}")
     return 0
 
 

@@ -1,0 +1,182 @@
+"""The plan (F17): where each layer's saved activations live during a step.
+
+Per layer one of three choices, from the profile of the first iterations (F16) and the measured
+bandwidth of the next tier:
+
+- ``keep``: the saved tensors stay on the device until backward frees them (no cost);
+- ``offload``: after the layer's forward they move to the tier, and come back ahead of its
+  backward (F18): costs the part of the write and the read that the neighbouring layers'
+  compute does not hide;
+- ``recompute``: only the layer's input is kept; backward runs its forward again
+  (torch.utils.checkpoint): costs one forward of the layer. Beyond the document: chosen where
+  it is cheaper than the transfer.
+
+The predicted peak is the fixed bytes (parameters, gradients, optimizer state) plus the saved
+activations still on the device at the end of forward, plus the transfer window (the largest
+offloaded layer, which is in flight while the next one computes). The planner adds the choice
+that saves the most bytes per predicted second first until the peak fits the budget; when even
+offloading or recomputing every layer does not fit, it says so in one line.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from phalanx.errors import ConfigError
+
+KEEP, OFFLOAD, RECOMPUTE = "keep", "offload", "recompute"
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """What the plan needs of one layer: its name, the bytes autograd saves in its forward,
+    its input's bytes (what recompute keeps) and its forward/backward seconds."""
+
+    name: str
+    saved_bytes: int
+    input_bytes: int
+    forward_s: float
+    backward_s: float
+
+
+@dataclass
+class Plan:
+    """One choice per layer, with the predicted peak (bytes) and added time (seconds)."""
+
+    choices: dict[str, str]
+    predicted_peak: int
+    predicted_overhead_s: float
+    unmanaged_peak: int
+    budget: int | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def layers(self, choice: str) -> list[str]:
+        return [name for name, c in self.choices.items() if c == choice]
+
+    def describe(self) -> str:
+        mib = 2**20
+        head = (
+            f"memory plan: predicted peak {self.predicted_peak / mib:.1f} MiB "
+            f"(unmanaged {self.unmanaged_peak / mib:.1f} MiB"
+            + (f", budget {self.budget / mib:.1f} MiB" if self.budget else "")
+            + f"), predicted overhead {1e3 * self.predicted_overhead_s:.1f} ms per step"
+        )
+        rows = [f"  {name}: {choice}" for name, choice in self.choices.items() if choice != KEEP]
+        return "\n".join([head, *(rows or ["  every layer keeps its activations"])])
+
+
+def offload_cost(
+    layers: list[LayerCost], i: int, write_bytes_per_s: float, read_bytes_per_s: float
+) -> float:
+    """Seconds offloading layer i adds: its write overlaps the next layer's forward, its read
+    the following layer's backward (prefetch); only what sticks out is paid."""
+    layer = layers[i]
+    write = layer.saved_bytes / write_bytes_per_s
+    read = layer.saved_bytes / read_bytes_per_s
+    hide_write = layers[i + 1].forward_s if i + 1 < len(layers) else 0.0
+    hide_read = layers[i + 1].backward_s if i + 1 < len(layers) else 0.0
+    return max(0.0, write - hide_write) + max(0.0, read - hide_read)
+
+
+def predict_peak(layers: list[LayerCost], choices: dict[str, str], fixed_bytes: int) -> int:
+    """Fixed bytes + activations on the device at the end of forward + the transfer window."""
+    window = max(
+        (layer.saved_bytes for layer in layers if choices.get(layer.name) == OFFLOAD), default=0
+    )
+    return fixed_bytes + _resident(layers, choices) + window
+
+
+def _resident(layers: list[LayerCost], choices: dict[str, str]) -> int:
+    """Saved bytes that stay on the device through forward (kept, or recompute's inputs)."""
+    resident = 0
+    for layer in layers:
+        choice = choices.get(layer.name, KEEP)
+        if choice == KEEP:
+            resident += layer.saved_bytes
+        elif choice == RECOMPUTE:
+            resident += min(layer.input_bytes, layer.saved_bytes)
+    return resident
+
+
+def make_plan(
+    layers: list[LayerCost],
+    fixed_bytes: int,
+    budget_bytes: int | None,
+    *,
+    write_bytes_per_s: float,
+    read_bytes_per_s: float,
+    offload: list[str] | None = None,
+    recompute: list[str] | None = None,
+) -> Plan:
+    """The cheapest plan whose predicted peak fits ``budget_bytes`` (None: only the choices
+    given by name). ``offload``/``recompute`` name layers that must take that choice."""
+    names = [layer.name for layer in layers]
+    for key, given in (("offload", offload), ("recompute", recompute)):
+        for name in given or []:
+            if name not in names:
+                raise ConfigError(
+                    f"memory.{key}: unknown layer {name!r}; layers: {', '.join(names)}"
+                )
+    choices = {name: KEEP for name in names}
+    for name in offload or []:
+        choices[name] = OFFLOAD
+    for name in recompute or []:
+        choices[name] = RECOMPUTE
+    unmanaged = predict_peak(layers, {}, fixed_bytes)
+    costs = {
+        (layer.name, OFFLOAD): offload_cost(layers, i, write_bytes_per_s, read_bytes_per_s)
+        for i, layer in enumerate(layers)
+    }
+    costs.update({(layer.name, RECOMPUTE): layer.forward_s for layer in layers})
+    if budget_bytes is not None:
+        _fill_budget(layers, choices, costs, fixed_bytes, budget_bytes)
+    peak = predict_peak(layers, choices, fixed_bytes)
+    if budget_bytes is not None and peak > budget_bytes:
+        floor = _smallest_peak(layers, fixed_bytes)
+        raise ConfigError(
+            f"memory.budget_mb: {budget_bytes / 2**20:.1f} MiB cannot be met: the smallest "
+            f"predicted peak is {floor / 2**20:.1f} MiB (parameters, gradients and optimizer "
+            f"state alone take {fixed_bytes / 2**20:.1f} MiB)"
+        )
+    overhead = sum(costs[(name, c)] for name, c in choices.items() if c != KEEP)
+    return Plan(choices, peak, overhead, unmanaged, budget_bytes)
+
+
+def _fill_budget(
+    layers: list[LayerCost],
+    choices: dict[str, str],
+    costs: dict[tuple[str, str], float],
+    fixed_bytes: int,
+    budget_bytes: int,
+) -> None:
+    """Greedy: while the peak is over the budget, take the change of one kept layer that frees
+    the most resident bytes per predicted second (the transfer window is paid once, by the
+    first offload, so it is left out of the comparison)."""
+    while predict_peak(layers, choices, fixed_bytes) > budget_bytes:
+        before = _resident(layers, choices)
+        best: tuple[float, str, str] | None = None
+        for layer in layers:
+            if choices[layer.name] != KEEP:
+                continue
+            for option in (OFFLOAD, RECOMPUTE):
+                saved = before - _resident(layers, {**choices, layer.name: option})
+                if saved <= 0:
+                    continue
+                value = saved / (costs[(layer.name, option)] + 1e-9)
+                if best is None or value > best[0]:
+                    best = (value, layer.name, option)
+        if best is None:
+            return
+        choices[best[1]] = best[2]
+
+
+def _smallest_peak(layers: list[LayerCost], fixed_bytes: int) -> int:
+    """The lowest peak any combination reaches (each layer's smaller resident choice, with the
+    window of the layers offloaded for it)."""
+    choices = {}
+    for layer in layers:
+        choices[layer.name] = RECOMPUTE if layer.input_bytes < layer.saved_bytes else OFFLOAD
+    return min(
+        predict_peak(layers, choices, fixed_bytes),
+        predict_peak(layers, {layer.name: OFFLOAD for layer in layers}, fixed_bytes),
+    )

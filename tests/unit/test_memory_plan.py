@@ -1,0 +1,67 @@
+"""The memory plan (F17): the predicted peak fits the budget at the least predicted time."""
+
+from __future__ import annotations
+
+import pytest
+
+from phalanx.errors import ConfigError
+from phalanx.memory.plan import KEEP, OFFLOAD, RECOMPUTE, LayerCost, make_plan, predict_peak
+
+MIB = 2**20
+
+
+def layers() -> list[LayerCost]:
+    # a cheap-to-recompute layer with big saved tensors, a costly one, and small ones
+    return [
+        LayerCost("0", saved_bytes=8 * MIB, input_bytes=1 * MIB, forward_s=0.001, backward_s=0.002),
+        LayerCost("1", saved_bytes=8 * MIB, input_bytes=8 * MIB, forward_s=0.050, backward_s=0.1),
+        LayerCost("2", saved_bytes=4 * MIB, input_bytes=8 * MIB, forward_s=0.040, backward_s=0.08),
+        LayerCost("3", saved_bytes=1 * MIB, input_bytes=4 * MIB, forward_s=0.001, backward_s=0.002),
+    ]
+
+
+def plan(budget_mib: float | None, bandwidth: float = 1e9, **kw: object):
+    return make_plan(
+        layers(),
+        fixed_bytes=2 * MIB,
+        budget_bytes=None if budget_mib is None else int(budget_mib * MIB),
+        write_bytes_per_s=bandwidth,
+        read_bytes_per_s=bandwidth,
+        **kw,
+    )
+
+
+def test_no_budget_keeps_everything() -> None:
+    p = plan(None)
+    assert set(p.choices.values()) == {KEEP}
+    assert p.predicted_peak == p.unmanaged_peak == (2 + 8 + 8 + 4 + 1) * MIB
+    assert p.predicted_overhead_s == 0
+
+
+@pytest.mark.parametrize("budget", [20, 16, 12, 10])
+def test_the_plan_fits_the_budget(budget: float) -> None:
+    p = plan(budget)
+    assert p.predicted_peak <= budget * MIB
+    assert p.predicted_peak == predict_peak(layers(), p.choices, 2 * MIB)
+    assert "budget" in p.describe()
+
+
+def test_hidden_offload_first_and_recompute_where_the_link_is_slow() -> None:
+    p = plan(16)  # at 1 GB/s layers 0 and 1 hide their transfers behind the next layer
+    assert (p.choices["0"], p.choices["1"], p.choices["3"]) == (OFFLOAD, OFFLOAD, KEEP)
+    assert p.predicted_overhead_s < layers()[2].forward_s  # cheaper than recomputing layer 2
+    slow = plan(16, bandwidth=1e7)  # 0.8 s per 8 MiB: recomputing layer 0 costs 1 ms
+    assert slow.choices["0"] == RECOMPUTE
+    assert slow.predicted_peak <= 16 * MIB
+
+
+def test_layers_named_by_hand_and_errors() -> None:
+    p = plan(None, offload=["2"], recompute=["0"])
+    assert (p.choices["2"], p.choices["0"]) == (OFFLOAD, RECOMPUTE)
+    with pytest.raises(ConfigError, match="memory.offload: unknown layer 'conv9'; layers: 0, 1"):
+        plan(None, offload=["conv9"])
+    with pytest.raises(
+        ConfigError,
+        match=r"memory.budget_mb: 9.0 MiB cannot be met: the smallest predicted peak is 10.0",
+    ):
+        plan(9)
