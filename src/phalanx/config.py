@@ -20,6 +20,7 @@ from phalanx.data.sources import DataConfig
 from phalanx.errors import ConfigError
 from phalanx.exchange.base import ExchangeConfig
 from phalanx.fields import ConfigValueError, from_dict, join_key, option
+from phalanx.memory.manager import MemoryConfig
 from phalanx.models.layers import ModelConfig
 from phalanx.optim.factory import OptimizerConfig
 from phalanx.optim.schedule import SchedulerConfig
@@ -52,6 +53,9 @@ class RunConfig:
     parallel: ParallelConfig = option(
         factory=ParallelConfig, doc="data x pipeline layout, micro-batches, schedule"
     )
+    memory: MemoryConfig = option(
+        factory=MemoryConfig, doc="peak memory budget: offload or recompute activations"
+    )
 
     def __post_init__(self) -> None:
         """Checks that span tables: the stage keys of [[model.layers]] against [parallel]
@@ -64,6 +68,10 @@ class RunConfig:
                 len(layers) if layers else _num_layers(self.model), parallel.num_stages
             )
             parallel.check_batch(self.data.batch_size // self.train.accumulate_steps)
+        if self.memory.enabled and parallel.enabled:
+            raise ConfigValueError(
+                "memory", "the memory manager works on one stage per model copy: pipeline = 1"
+            )
 
     def check_world(self, world_size: int) -> None:
         """One-line errors for a layout this many processes cannot run: P must divide the

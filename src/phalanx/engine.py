@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import weakref
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -19,6 +20,7 @@ from phalanx.exchange.compression import make_codec
 from phalanx.exchange.link import LinkModel, calibrate
 from phalanx.exchange.threshold import BackwardRecorder, Choice, agree_profile, choose_bucket_bytes
 from phalanx.faults import fault_at
+from phalanx.memory.manager import MemoryManager
 from phalanx.metrics import PhaseTimer, StepStats
 from phalanx.parallel.layout import ParallelConfig
 from phalanx.parallel.pipeline import PipelineParallel, build_pipeline
@@ -85,6 +87,7 @@ class Engine:
         parallel: ParallelConfig | None = None,
         stages: list[int] | None = None,
         sample_input: Any = None,
+        memory: MemoryManager | None = None,
     ) -> None:
         if bucket_mb != AUTO and (isinstance(bucket_mb, str) or not bucket_mb > 0):
             raise ConfigError(f"bucket_mb: got {bucket_mb!r}; allowed: a size > 0 (MiB) or 'auto'")
@@ -115,6 +118,12 @@ class Engine:
             self.pipeline = build_pipeline(model, loss_fn, parallel, self.ctx, sample_input, stages)
             model, self.ctx = self.pipeline.local, self.pipeline.data_context
             self.pipeline.before_backward = self._before_pipeline_backward
+        if memory is not None and self.pipeline is not None:
+            raise ConfigError(
+                "memory: the memory manager works on one stage per model copy; "
+                "use it with pipeline = 1"
+            )
+        self.memory = memory
         self._closed = False
         self._module = model.to(self.ctx.device)
         self.loss_fn = loss_fn
@@ -195,20 +204,9 @@ class Engine:
             total_loss, skip = self._pipeline_forward_backward(micro, scale)
             timer.mark("backward")
             micro = []  # done: the loop below is the one-stage path
-        for i, (x, y) in enumerate(micro):
-            loss = self._forward(x, y)
-            total_loss += loss.detach() / len(micro)
-            timer.mark("forward")
-            last = i == len(micro) - 1
-            if last and (skip := self._nonfinite_before_exchange(total_loss)):
-                break
-            self.buckets.arm(launch=last)
-            if self._recorder is not None and last:
-                self._recorder.start()
-            (loss * scale).backward()
-            if self._recorder is not None:
-                self._recorder.stop()
-            timer.mark("backward")
+        if micro:
+            with self.memory.step() if self.memory is not None else nullcontext():
+                total_loss, skip = self._forward_backward(micro, scale, timer)
         if not self.strategy.is_trainer:  # a dedicated server joins the trainers' agreement
             skip = self._nonfinite_before_exchange(total_loss)
         launched_in_backward = sum(b.launched for b in self.buckets.buckets)
@@ -233,6 +231,29 @@ class Engine:
             self.num_updates += 1
         self.num_steps += 1
         return total_loss
+
+    def _forward_backward(
+        self, micro: list[tuple[Any, torch.Tensor]], scale: float, timer: PhaseTimer
+    ) -> tuple[torch.Tensor, bool]:
+        """Phase 2 in one process: forward and backward per micro-batch (the loss multiplied by
+        ``scale``); only the last backward launches the exchange. Returns (mean loss, whether
+        the step must be skipped before the exchange)."""
+        total_loss = torch.zeros((), device=self.ctx.device)
+        for i, (x, y) in enumerate(micro):
+            loss = self._forward(x, y)
+            total_loss += loss.detach() / len(micro)
+            timer.mark("forward")
+            last = i == len(micro) - 1
+            if last and self._nonfinite_before_exchange(total_loss):
+                return total_loss, True
+            self.buckets.arm(launch=last)
+            if self._recorder is not None and last:
+                self._recorder.start()
+            (loss * scale).backward()
+            if self._recorder is not None:
+                self._recorder.stop()
+            timer.mark("backward")
+        return total_loss, False
 
     def _pipeline_forward_backward(
         self, micro: list[tuple[Any, torch.Tensor]], scale: float
@@ -609,6 +630,8 @@ class Engine:
             self.strategy.close()
         finally:
             self.buckets.remove_hooks()
+            if self.memory is not None:
+                self.memory.close()
 
     def __enter__(self) -> Engine:
         return self

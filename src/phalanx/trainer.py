@@ -27,8 +27,10 @@ from phalanx.data.pipeline import Pipeline
 from phalanx.data.readers import training_reader
 from phalanx.data.sources import Dataset, load_source
 from phalanx.engine import Engine
+from phalanx.errors import ConfigError
 from phalanx.exchange.base import make_strategy
 from phalanx.fields import option, require
+from phalanx.memory.manager import MemoryManager
 from phalanx.metrics import JsonlWriter, Progress
 from phalanx.models.layers import build_model
 from phalanx.optim.factory import make_optimizer_factory
@@ -143,8 +145,10 @@ class Trainer:
         torch.manual_seed(config.train.seed)
         self.run_dir = Path(_agree(str(run_dir), self.ctx))
         self.data = load_source(config.data)
+        model = build_model(config.model)
+        self.memory = _memory_manager(config, model, self.data, self.ctx.device)
         self.engine = Engine(
-            build_model(config.model),
+            model,
             loss_fn,
             make_optimizer_factory(config.optimizer),
             exchange=make_strategy(config.exchange.strategy, config.exchange.options),
@@ -159,6 +163,7 @@ class Trainer:
             parallel=config.parallel,
             stages=config.stage_of_layers(),
             sample_input=_sample_microbatch(config, self.data),
+            memory=self.memory,
         )
         # Data is sharded over the ranks that train (dedicated parameter servers don't).
         self.shard = (self.engine.data_rank, self.engine.data_world_size)
@@ -200,6 +205,8 @@ class Trainer:
         train_time, metrics, start_step = 0.0, {}, self.step
         if is_main and self.engine.pipeline is not None and self.step == 0:
             progress.write(self.engine.pipeline.describe())
+        if is_main and self.memory is not None and self.step == 0:
+            progress.write(self.memory.describe())
         restore_handler = self._catch_sigterm()
         try:
             while self.step < self.total_steps and not self.preempted:
@@ -425,6 +432,26 @@ def _from_single_file(payload: dict[str, Any]) -> dict[str, Any]:
         "scheduler": (payload.get("scheduler"),),
         "rng": {str(r): state for r, state in enumerate(streams)},
     }
+
+
+def _memory_manager(
+    config: RunConfig, model: torch.nn.Module, data: Dataset, device: torch.device
+) -> MemoryManager | None:
+    """``[memory]``'s plan applied to the model (profiled on a copy with one micro-batch)."""
+    if not config.memory.enabled:
+        return None
+    if not isinstance(model, torch.nn.Sequential):
+        raise ConfigError("memory: the memory manager plans per layer of an nn.Sequential")
+    size = config.data.batch_size // config.train.accumulate_steps
+    sample = (data.x_train[:size], data.y_train[:size])
+    return MemoryManager.build(
+        list(model.children()),
+        config.memory,
+        device,
+        sample,
+        loss_fn,
+        make_optimizer_factory(config.optimizer),
+    )
 
 
 def _sample_microbatch(config: RunConfig, data: Dataset) -> torch.Tensor | None:

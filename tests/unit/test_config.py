@@ -120,7 +120,8 @@ def test_unknown_section_lists_sections():
     message = config_error(overrides=["foo.bar=1"])
     assert message.startswith("foo: unknown key")
     sections = (
-        "checkpoint, data, exchange, log, model, optimizer, parallel, runtime, scheduler, train"
+        "checkpoint, data, exchange, log, memory, model, optimizer, parallel, runtime, "
+        "scheduler, train"
     )
     assert f"allowed: {sections}" in message
 

@@ -1,0 +1,185 @@
+"""The memory manager: ``[memory]`` turns into a plan (F17) applied with offload (F18) and
+recomputation around the Engine's forward and backward.
+
+    manager = MemoryManager.build(layers, MemoryConfig(budget_mb=300), device, sample, loss_fn,
+                                  optimizer_factory)
+    print(manager.plan.describe())
+    engine = px.Engine(model, loss_fn, optimizer_factory, memory=manager)
+
+Phases of ``build``:
+  Phase 1 (profile, only with a budget): a copy of the layers trains two steps on the sample
+    batch (phalanx.memory.profile); the real model is not touched.
+  Phase 2 (tier): the next tier is opened (pinned host memory on CUDA, a spill file on CPU) and
+    its write/read bandwidth measured with a transfer the size of the largest layer's saved
+    tensors.
+  Phase 3 (plan): keep / offload / recompute per layer, the named layers first, the budget's
+    choices by least predicted time per byte.
+  Phase 4 (apply): recomputed layers run under torch.utils.checkpoint (their module and
+    parameter names do not change); offloaded layers get an ActivationOffloader, whose
+    ``step()`` the Engine enters around forward and backward.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from phalanx.fields import ConfigValueError, option, require
+from phalanx.memory.plan import OFFLOAD, RECOMPUTE, LayerCost, Plan, make_plan
+from phalanx.memory.tiers import TierConfig, make_tier, measure_bandwidth
+
+logger = logging.getLogger("phalanx")
+PROFILE_STEPS = 2  # one warm-up and one timed step on a copy of the model
+MIN_BANDWIDTH_PROBE = 1 << 20
+
+
+@dataclass(kw_only=True)
+class MemoryConfig:
+    """Fit a step into less device memory: offload or recompute layers' saved activations."""
+
+    budget_mb: float = option(0.0, "peak memory to fit, MiB (0: no budget, only named layers)")
+    offload: list[str] = option(factory=list, doc="layers (by name: '3') whose activations move")
+    recompute: list[str] = option(factory=list, doc="layers recomputed in backward (checkpoint)")
+    tier: TierConfig = option(factory=TierConfig, doc="where offloaded activations go")
+
+    def __post_init__(self) -> None:
+        require(self.budget_mb >= 0, "budget_mb", f"must be >= 0 MiB, got {self.budget_mb}")
+        both = sorted(set(self.offload) & set(self.recompute))
+        require(
+            not both, "recompute", f"layer {both[0]!r} is also in memory.offload" if both else ""
+        )
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.budget_mb or self.offload or self.recompute)
+
+
+class MemoryManager:
+    """The applied plan: recomputation patched into layers, and the offloader (or None)."""
+
+    def __init__(self, plan: Plan, offloader: Any, layers: list[nn.Module]) -> None:
+        self.plan = plan
+        self.offloader = offloader
+        self.layers = layers
+        for name in plan.layers(RECOMPUTE):
+            _recompute(layers[int(name)])
+
+    @classmethod
+    def build(
+        cls,
+        layers: list[nn.Module],
+        config: MemoryConfig,
+        device: torch.device,
+        sample: tuple[torch.Tensor, torch.Tensor],
+        loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
+        optimizer_factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+    ) -> MemoryManager:
+        names = [str(i) for i in range(len(layers))]
+        for key, given in (("offload", config.offload), ("recompute", config.recompute)):
+            unknown = [n for n in given if n not in names]
+            if unknown:
+                raise ConfigValueError(
+                    f"memory.{key}", f"unknown layer {unknown[0]!r}; layers: 0..{len(names) - 1}"
+                )
+        devices = [device] if device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):  # the run's random streams stay untouched
+            costs, fixed = _costs(layers, config, device, sample, loss_fn, optimizer_factory)
+            # Phase 2: the tier and its measured bandwidth.
+            tier = make_tier(config.tier, device)
+            probe = max(MIN_BANDWIDTH_PROBE, max((c.saved_bytes for c in costs), default=0))
+            write, read = measure_bandwidth(tier, probe)
+        # Phase 3: the plan.
+        plan = make_plan(
+            costs,
+            fixed,
+            int(config.budget_mb * 2**20) or None,
+            write_bytes_per_s=write,
+            read_bytes_per_s=read,
+            offload=config.offload,
+            recompute=config.recompute,
+        )
+        plan.notes.append(
+            f"tier {type(tier).__name__}: write {write / 1e9:.2f} GB/s, read {read / 1e9:.2f} GB/s"
+        )
+        # Phase 4: apply.
+        offloaded = [int(name) for name in plan.layers(OFFLOAD)]
+        offloader = None
+        if offloaded:
+            from phalanx.memory.offload import ActivationOffloader
+
+            offloader = ActivationOffloader(layers, offloaded, tier)
+        else:
+            tier.close()
+        return cls(plan, offloader, layers)
+
+    @contextmanager
+    def step(self) -> Iterator[None]:
+        """Around one step's forward and backward (every micro-batch)."""
+        if self.offloader is None:
+            yield
+            return
+        with self.offloader.step():
+            yield
+
+    def describe(self) -> str:
+        return "\n".join([self.plan.describe(), *(f"  {n}" for n in self.plan.notes)])
+
+    def close(self) -> None:
+        if self.offloader is not None:
+            self.offloader.close()
+            self.offloader = None
+
+
+def _costs(
+    layers: list[nn.Module],
+    config: MemoryConfig,
+    device: torch.device,
+    sample: tuple[torch.Tensor, torch.Tensor],
+    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
+    optimizer_factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+) -> tuple[list[LayerCost], int]:
+    """Phase 1: per-layer costs from a profile of a copy of the layers (with a budget), or
+    zero costs when only named layers are managed (nothing to choose)."""
+    if not config.budget_mb:
+        return [LayerCost(str(i), 0, 0, 0.0, 0.0) for i in range(len(layers))], 0
+    from phalanx.memory.profile import profile_model
+
+    copies = copy.deepcopy(layers)
+    profile = profile_model(
+        copies, loss_fn, optimizer_factory, [sample] * PROFILE_STEPS, device, warmup=1
+    )
+    inputs = [sample[0].numel() * sample[0].element_size()]
+    inputs += [layer.output_bytes for layer in profile.layers[:-1]]
+    costs = [
+        LayerCost(layer.name, layer.saved_bytes, inputs[i], layer.forward_s, layer.backward_s)
+        for i, layer in enumerate(profile.layers)
+    ]
+    fixed = sum(
+        layer.param_bytes + layer.buffer_bytes + layer.grad_bytes + layer.optimizer_bytes
+        for layer in profile.layers
+    )
+    del copies
+    return costs, fixed
+
+
+def _recompute(layer: nn.Module) -> None:
+    """Run ``layer`` under torch.utils.checkpoint from now on: only its input is saved, its
+    forward runs again in backward. The instance's forward is wrapped, so module and parameter
+    names (and state dicts) stay as they were."""
+    from torch.utils.checkpoint import checkpoint
+
+    forward = layer.forward
+
+    def checkpointed(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    layer.forward = checkpointed  # type: ignore[method-assign]

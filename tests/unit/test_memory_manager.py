@@ -1,0 +1,62 @@
+"""``[memory]`` in a real run: the planned offload and recomputation train the same model as the
+unmanaged run, bit for bit; the plan is printed; bad layer names and budgets are one line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.unit.test_cli import assert_one_line_error, run_main
+
+CONFIG = """
+[model]
+name = "digits_cnn"
+options = { channels = 32, hidden = 64, dropout = 0.1 }
+[data]
+source = "digits"
+batch_size = 128
+[train]
+steps = 3
+progress = false
+[optimizer]
+name = "adam"
+lr = 0.001
+"""
+
+
+def train(tmp_path: Path, name: str, *sets: str) -> tuple[list[float], float]:
+    config = tmp_path / "run.toml"
+    config.write_text(CONFIG)
+    run_dir = tmp_path / name
+    args = ["train", str(config), "--run-dir", str(run_dir)]
+    for item in sets:
+        args += ["--set", item]
+    assert run_main(args) == 0
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    return [r["loss"] for r in records], summary["val_loss"]
+
+
+def test_managed_runs_equal_the_unmanaged_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    unmanaged = train(tmp_path, "none")
+    offloaded = train(tmp_path, "offload", 'memory.offload=["1", "2", "7"]')
+    recomputed = train(tmp_path, "recompute", 'memory.recompute=["4", "8"]')  # 8: dropout
+    budgeted = train(tmp_path, "budget", "memory.budget_mb=9", "train.progress=true")
+    assert offloaded == unmanaged and recomputed == unmanaged and budgeted == unmanaged
+    printed = "".join(capsys.readouterr())
+    assert "memory plan: predicted peak" in printed and "budget 9.0 MiB" in printed
+
+
+def test_bad_memory_options_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    config = tmp_path / "run.toml"
+    config.write_text(CONFIG)
+    assert run_main(["train", str(config), "--set", 'memory.offload=["conv9"]']) == 2
+    assert_one_line_error(capsys.readouterr().err, "memory.offload: unknown layer 'conv9'")
+    assert run_main(["train", str(config), "--set", "memory.budget_mb=1"]) == 2
+    assert_one_line_error(capsys.readouterr().err, "memory.budget_mb: 1.0 MiB cannot be met")
+    assert run_main(["train", str(config), "--set", "memory.budget_mb=-1"]) == 2
+    assert_one_line_error(capsys.readouterr().err, "memory.budget_mb: must be >= 0")
