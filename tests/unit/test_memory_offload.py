@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import threading
+import weakref
 from pathlib import Path
 
 import pytest
@@ -168,6 +169,41 @@ def test_in_place_change_of_a_saved_tensor_is_an_error(tmp_path):
             tier.gate.set()
             with pytest.raises(RuntimeError, match="modified in place while it was being"):
                 loss.backward()
+
+
+class FullDisk(SpillFileTier):
+    def _write(self, slot, data):
+        self._end(slot, "write", 0.0)
+        raise OSError(28, "No space left on device")
+
+
+def test_failed_write_is_an_error_in_backward(tmp_path):
+    model = mlp(depth=2)
+    tier = FullDisk(directory=tmp_path)
+    with ActivationOffloader(list(model.blocks), {0, 1}, tier, min_bytes=1024) as offloader:
+        with offloader.step():
+            loss = model(torch.randn(256, 64)).sum()
+            with pytest.raises(RuntimeError, match="offload of layer 1 failed"):
+                loss.backward()
+
+
+def test_activations_are_freed_once_written(tmp_path):
+    model = mlp(depth=4)
+    outputs = []
+    for block in model.blocks:
+        block.register_forward_hook(lambda m, a, out: outputs.append(weakref.ref(out)))
+    x = torch.randn(256, 64)
+    loss = model(x).sum()  # unmanaged: autograd keeps every block's output for the next Linear
+    assert all(ref() is not None for ref in outputs[:-1])
+    del loss
+    outputs.clear()
+    with offloader_for(model, tmp_path) as offloader, offloader.step():
+        loss = model(x).sum()
+        for future, _ in list(offloader._writes):
+            future.result()
+        # Written: nothing holds them any more (the last block's output is in the loss' graph).
+        assert all(ref() is None for ref in outputs[:-1])
+        loss.backward()
 
 
 def test_micro_batches_and_retained_graph(tmp_path):

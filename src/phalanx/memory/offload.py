@@ -72,6 +72,7 @@ class _Record:
         self.stale = False  # the source changed while it was being written
 
     def __del__(self) -> None:
+        # Phase 3: the graph let go of the last handle; the next step reuses the space.
         try:
             self.tier.free(self.slot)
         except Exception:  # noqa: BLE001 - interpreter shutdown; the tier is going away anyway
@@ -188,7 +189,7 @@ class ActivationOffloader:
 
     def live_records(self) -> int:
         """Storages still held in the tier for a graph not yet freed (0 after a backward)."""
-        return sum(ref() is not None for refs in self._by_layer for ref in refs)
+        return len({id(r) for refs in self._by_layer for ref in refs if (r := ref()) is not None})
 
     def close(self) -> None:
         """Remove the hooks, stop the tier's thread and close it (its file, its buffers)."""
@@ -237,8 +238,9 @@ class ActivationOffloader:
         seen = self._seen.get(key)
         if seen is not None:
             source, ref, version = seen
-            if source() is not None and version == tensor._version:
-                record = ref()
+            alive = source()  # alive: its storage, hence this address, is still the same
+            if alive is not None and alive.untyped_storage().data_ptr() == key:
+                record = ref() if version == tensor._version else None
         if record is None:
             record = self._move(tensor, storage, layer)
             self._seen[key] = (weakref.ref(tensor), weakref.ref(record), tensor._version)
@@ -300,6 +302,7 @@ class ActivationOffloader:
 
     # -- Phase 2: backward ---------------------------------------------------------------------
     def _backward_starts(self, layer: int, grad_outputs: Any) -> None:
+        # Phase 2: layer ``layer``'s backward starts; what it and its predecessors need is read.
         self._prefetch(layer, ahead=False)  # the first layer backward reaches: not yet asked
         for previous in range(layer - 1, max(-1, layer - 1 - self.lookahead), -1):
             self._prefetch(previous, ahead=True)
@@ -332,8 +335,14 @@ class ActivationOffloader:
             self._request(record)
             self._backward_starts(saved.layer, None)
         start = time.perf_counter()
-        loaded = record.read.result()
-        self.stats.backward_wait_s += time.perf_counter() - start
+        try:
+            loaded = record.read.result()
+        finally:
+            self.stats.backward_wait_s += time.perf_counter() - start
+            written = record.slot.written  # on CPU done by now: the read was queued after it
+            if written.done() and written.exception() is not None:  # e.g. the disk is full
+                error = written.exception()
+                raise RuntimeError(f"offload of layer {saved.layer} failed: {error}") from error
         if record.stale:
             raise RuntimeError(
                 f"a tensor saved by layer {saved.layer} was modified in place while it was "

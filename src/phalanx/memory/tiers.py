@@ -6,9 +6,10 @@ out of device memory and back, asynchronously, and reuses its space across steps
 - ``pinned_host`` (CUDA): device -> page-locked host buffers, copied on a side CUDA stream; a
   completion thread waits on each copy's event before it lets go of the device tensor.
 - ``spill_file`` (CPU): host memory -> one spill file per process on local disk, written and read
-  by one I/O thread with ``os.pwrite``/``os.preadv``; direct I/O (``O_DIRECT``) where the file
-  system takes it, else the page cache with ``fdatasync`` + ``POSIX_FADV_DONTNEED``, so spilled
-  pages leave memory instead of moving into the page cache.
+  by one I/O thread with ``os.pwrite``/``os.preadv`` (direct writes double-buffered with a disk
+  thread under it); direct I/O (``O_DIRECT``) where the file system takes it, else the page
+  cache with ``fdatasync`` + ``POSIX_FADV_DONTNEED``, so spilled pages leave memory instead of
+  moving into the page cache.
 
 Every request is logged (``tier.log``) in submission order, so tests can check *when* a transfer
 was asked for without timing anything.
