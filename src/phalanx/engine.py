@@ -49,6 +49,10 @@ class Engine:
       Phase 5: update (the strategy applies the optimizer).
     Parameters and buffers are broadcast from rank 0 at construction so all replicas start equal.
 
+    With ``parallel`` (pipeline > 1, phalanx.parallel) Phase 2 is torch's pipeline schedule over
+    this rank's stages and the Engine's world is the mesh's data sub-group; with ``memory`` (a
+    MemoryManager, phalanx.memory) Phase 2 runs inside its offload/recompute plan.
+
     Lifecycle: ``close()`` is optional. The Engine registers its teardown with the Context at
     construction, so ``phalanx.shutdown()`` and interpreter exit wait for pending send-backs
     and stop the communication thread before the process group is destroyed. ``with
