@@ -260,6 +260,11 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
     pipeline.add_arguments(
         targets.add_parser("pipeline", help="pipeline schedules vs torch.distributed.pipelining")
     )
+    from phalanx.bench import memory
+
+    memory.add_arguments(
+        targets.add_parser("memory", help="offload/recompute plan vs checkpoint, save_on_cpu")
+    )
 
 
 def cmd_train(args: argparse.Namespace) -> int:

@@ -165,6 +165,8 @@ def _costs(
         layer.param_bytes + layer.buffer_bytes + layer.grad_bytes + layer.optimizer_bytes
         for layer in profile.layers
     )
+    # In backward the gradient arriving at a layer and the one it produces live together.
+    fixed += max(inputs[i] + layer.output_bytes for i, layer in enumerate(profile.layers))
     del copies
     return costs, fixed
 

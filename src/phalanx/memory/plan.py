@@ -12,14 +12,16 @@ bandwidth of the next tier:
   it is cheaper than the transfer.
 
 The predicted peak is the fixed bytes (parameters, gradients, optimizer state) plus the saved
-activations still on the device at the end of forward, plus the transfer window (the largest
-offloaded layer, which is in flight while the next one computes). The planner adds the choice
-that saves the most bytes per predicted second first until the peak fits the budget; when even
-offloading or recomputing every layer does not fit, it says so in one line.
+activations still on the device at the end of forward, plus the transfer window (the two
+largest offloaded layers: in backward the one computing and the one prefetched are back at
+once). For each cap on the size of an offloaded layer, the planner adds the choice that frees
+the most bytes per predicted second until the peak fits, and keeps the cheapest plan that fits
+(the smallest-peak plan too is a candidate); when none fits it says so in one line.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from phalanx.errors import ConfigError
@@ -78,12 +80,22 @@ def offload_cost(
     return max(0.0, write - hide_write) + max(0.0, read - hide_read)
 
 
-def predict_peak(layers: list[LayerCost], choices: dict[str, str], fixed_bytes: int) -> int:
-    """Fixed bytes + activations on the device at the end of forward + the transfer window."""
-    window = max(
-        (layer.saved_bytes for layer in layers if choices.get(layer.name) == OFFLOAD), default=0
+def predict_peak(
+    layers: list[LayerCost],
+    choices: dict[str, str],
+    fixed_bytes: int,
+    offload_overhead_bytes: int = 0,
+) -> int:
+    """Fixed bytes (parameters, gradients, optimizer state and backward's transient gradients)
+    + activations on the device at the end of forward + the transfer window: in backward two
+    offloaded layers are back at once (the one computing and the one prefetched for the
+    next), so the two largest count; + the tier's own buffers when anything is offloaded."""
+    offloaded = sorted(
+        (layer.saved_bytes for layer in layers if choices.get(layer.name) == OFFLOAD),
+        reverse=True,
     )
-    return fixed_bytes + _resident(layers, choices) + window
+    overhead = offload_overhead_bytes if offloaded else 0
+    return fixed_bytes + _resident(layers, choices) + sum(offloaded[:2]) + overhead
 
 
 def _resident(layers: list[LayerCost], choices: dict[str, str]) -> int:
@@ -107,6 +119,7 @@ def make_plan(
     read_bytes_per_s: float,
     offload: list[str] | None = None,
     recompute: list[str] | None = None,
+    offload_overhead_bytes: int = 0,
 ) -> Plan:
     """The cheapest plan whose predicted peak fits ``budget_bytes`` (None: only the choices
     given by name). ``offload``/``recompute`` name layers that must take that choice."""
@@ -122,43 +135,76 @@ def make_plan(
         choices[name] = OFFLOAD
     for name in recompute or []:
         choices[name] = RECOMPUTE
-    unmanaged = predict_peak(layers, {}, fixed_bytes)
+
+    def peak_of(plan: dict[str, str]) -> int:
+        return predict_peak(layers, plan, fixed_bytes, offload_overhead_bytes)
+
+    unmanaged = peak_of({})
     costs = {
         (layer.name, OFFLOAD): offload_cost(layers, i, write_bytes_per_s, read_bytes_per_s)
         for i, layer in enumerate(layers)
     }
     costs.update({(layer.name, RECOMPUTE): layer.forward_s for layer in layers})
     if budget_bytes is not None:
-        _fill_budget(layers, choices, costs, fixed_bytes, budget_bytes)
-    peak = predict_peak(layers, choices, fixed_bytes)
+        choices = _cheapest_fit(layers, choices, costs, peak_of, budget_bytes)
+    peak = peak_of(choices)
     if budget_bytes is not None and peak > budget_bytes:
-        floor = _smallest_peak(layers, fixed_bytes)
+        floor = min(peak_of(plan) for plan in _floor_plans(layers, {}))
         raise ConfigError(
             f"memory.budget_mb: {budget_bytes / 2**20:.1f} MiB cannot be met: the smallest "
-            f"predicted peak is {floor / 2**20:.1f} MiB (parameters, gradients and optimizer "
-            f"state alone take {fixed_bytes / 2**20:.1f} MiB)"
+            f"predicted peak is {floor / 2**20:.1f} MiB (parameters, gradients, optimizer state "
+            f"and backward's transient gradients alone take {fixed_bytes / 2**20:.1f} MiB)"
         )
     overhead = sum(costs[(name, c)] for name, c in choices.items() if c != KEEP)
     return Plan(choices, peak, overhead, unmanaged, budget_bytes)
+
+
+def _cheapest_fit(
+    layers: list[LayerCost],
+    given: dict[str, str],
+    costs: dict[tuple[str, str], float],
+    peak_of: Callable[[dict[str, str]], int],
+    budget_bytes: int,
+) -> dict[str, str]:
+    """The cheapest choices found that fit: for every cap on the size of an offloaded layer
+    (the transfer window grows with the largest ones), fill greedily; keep the cheapest
+    that fits (or the given choices when none does: the caller reports it)."""
+    best: tuple[float, dict[str, str]] | None = None
+    for cap in sorted({0, *(layer.saved_bytes for layer in layers)}):
+        choices = dict(given)
+        _fill_budget(layers, choices, costs, peak_of, budget_bytes, cap)
+        if peak_of(choices) > budget_bytes:
+            continue
+        total = sum(costs[(name, c)] for name, c in choices.items() if c != KEEP)
+        if best is None or total < best[0]:
+            best = (total, choices)
+    for floor in _floor_plans(layers, given):
+        if peak_of(floor) <= budget_bytes:
+            total = sum(costs[(name, c)] for name, c in floor.items() if c != KEEP)
+            if best is None or total < best[0]:
+                best = (total, floor)
+    return given if best is None else best[1]
 
 
 def _fill_budget(
     layers: list[LayerCost],
     choices: dict[str, str],
     costs: dict[tuple[str, str], float],
-    fixed_bytes: int,
+    peak_of: Callable[[dict[str, str]], int],
     budget_bytes: int,
+    cap: int,
 ) -> None:
     """Greedy: while the peak is over the budget, take the change of one kept layer that frees
-    the most resident bytes per predicted second (the transfer window is paid once, by the
-    first offload, so it is left out of the comparison)."""
-    while predict_peak(layers, choices, fixed_bytes) > budget_bytes:
+    the most resident bytes per predicted second; layers saving more than ``cap`` bytes are
+    not offloaded (the window is bounded by the cap, so it is left out of the comparison)."""
+    while peak_of(choices) > budget_bytes:
         before = _resident(layers, choices)
         best: tuple[float, str, str] | None = None
         for layer in layers:
             if choices[layer.name] != KEEP:
                 continue
-            for option in (OFFLOAD, RECOMPUTE):
+            options = (OFFLOAD, RECOMPUTE) if layer.saved_bytes <= cap else (RECOMPUTE,)
+            for option in options:
                 saved = before - _resident(layers, {**choices, layer.name: option})
                 if saved <= 0:
                     continue
@@ -170,13 +216,16 @@ def _fill_budget(
         choices[best[1]] = best[2]
 
 
-def _smallest_peak(layers: list[LayerCost], fixed_bytes: int) -> int:
-    """The lowest peak any combination reaches (each layer's smaller resident choice, with the
-    window of the layers offloaded for it)."""
-    choices = {}
-    for layer in layers:
-        choices[layer.name] = RECOMPUTE if layer.input_bytes < layer.saved_bytes else OFFLOAD
-    return min(
-        predict_peak(layers, choices, fixed_bytes),
-        predict_peak(layers, {layer.name: OFFLOAD for layer in layers}, fixed_bytes),
-    )
+def _floor_plans(layers: list[LayerCost], given: dict[str, str]) -> list[dict[str, str]]:
+    """The plans with the smallest peaks: every layer not given by name offloaded, or each on
+    its smaller resident choice (recompute where its input is smaller than what it saves)."""
+    free = [layer for layer in layers if given.get(layer.name, KEEP) == KEEP]
+    offload_all = {**given, **{layer.name: OFFLOAD for layer in free}}
+    mixed = {
+        **given,
+        **{
+            layer.name: RECOMPUTE if layer.input_bytes < layer.saved_bytes else OFFLOAD
+            for layer in free
+        },
+    }
+    return [offload_all, mixed]

@@ -1,0 +1,671 @@
+"""``phalanx bench memory``: phalanx's memory manager against torch's own tools, on a model whose
+saved activations dominate the peak.
+
+Model: a deep pre-activation ResNet-style conv net at a large batch (``build_layers``): a 3 x 3
+stem convolution, ``blocks`` residual blocks (BatchNorm, ReLU, conv, BatchNorm, ReLU, conv, plus
+the input) of ``channels`` channels at ``image_size`` x ``image_size``, and a head (average
+pool, Linear to 10 classes); SGD with momentum. Each block saves four activation tensors of
+batch x channels x size x size floats (BatchNorm's input, two ReLU outputs the convolutions also
+save, the second BatchNorm's input), while parameters, gradients and optimizer state are a few
+hundred KiB: the saved activations are almost the whole peak.
+
+Variants, each one plain training loop (forward, backward, optimizer step) around the same model:
+  - ``none``: nothing managed;
+  - ``checkpoint``: every layer of the nn.Sequential (stem, each block, head) under
+    ``torch.utils.checkpoint`` (``use_reentrant=False``): full recomputation;
+  - ``save_on_cpu``: forward and backward under ``torch.autograd.graph.save_on_cpu(pin_memory=
+    False)``. It moves saved tensors to *host* memory; on a CPU-only machine they already are
+    there (``tensor.cpu()`` returns the tensor itself), so it can't lower the peak: the honest
+    result of torch's offload tool on this machine;
+  - ``phalanx@F``: ``MemoryManager.build(layers, MemoryConfig(budget_mb=F x U))`` with the
+    manager's ``step()`` around forward and backward, where U is the planner's own predicted
+    unmanaged peak (parameters, gradients, optimizer state and every saved activation, from its
+    profile of the model; computed once, in round 0's ``none`` process, after its measurement).
+    Offloaded layers go to the spill-file tier (``--spill-dir``, default the temp directory).
+
+Method: every measurement is a fresh process (``run_ranks`` with one rank, one intra-op thread)
+started with ``MALLOC_MMAP_THRESHOLD_`` low (``allocator_env()``, put in this process's
+environment around the spawn: glibc reads it when a process starts, ``run_ranks(env=...)`` sets it
+too late), so every block from 64 KiB up is its own mapping, returned to the kernel when freed.
+In each process: build the model and the variant (phalanx: the manager's profile and plan), then
+  1. peak: one step (it creates the optimizer state, which stays), ``gc.collect()``,
+     ``malloc_trim``; baseline = the RSS now (interpreter, torch, model, optimizer state, the batch,
+     phalanx's tier and staging buffer; gradients are freed by ``zero_grad``); ``reset_peak()``
+     (the kernel's high-water mark restarts from the RSS now); ``peak_steps`` steps; peak = VmHWM
+     - baseline: the most memory a step adds above what the process holds between steps;
+  2. time: glibc switched (``mallopt``) to keep freed memory in its heap for reuse, never trimmed
+     (``_Allocator.reuse``: as a caching allocator does; mapping and zeroing fresh pages for every
+     tensor makes steps ~2.5x slower, glibc's default re-faults part of them each step),
+     ``warmup`` steps, then ``steps`` timed steps (``perf_counter``, median; the minor page faults
+     of each are recorded: 0 once warm).
+The plans phalanx makes with either allocator are the same (checked: the offload is predicted to
+hide behind compute either way). ``rounds`` rounds run every variant once, the order rotated by
+one each round (round 0 starts with ``none``, whose process then computes U). Reported per
+variant: median step time and peak over rounds, the median of the per-round ratios to ``none``
+(time and peak) and to ``checkpoint``, phalanx's budget and predicted peak, and the spill file's
+bytes written and read per step (the offloader's stats). Every variant computes the same losses
+(checked: ``same_losses``).
+
+``fresh_processes=False`` (the tests) runs everything in the calling process instead: its heap
+already holds freed memory, so the peaks are rough (reused heap pages are not counted, a heap
+that grows is), and glibc is left in the reuse mode afterwards.
+
+Targets (issue 12): at the 50% budget phalanx's step time is at most 1.24x ``none`` (Layrub
+reports +24.1% at -58.2% memory); at every budget phalanx is no slower than full recomputation
+(``checkpoint``), whose peak is compared alongside.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import gc
+import os
+import resource
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from phalanx.errors import ConfigError
+
+LR, MOMENTUM, CLASSES = 0.01, 0.9, 10
+BASELINES = ("none", "checkpoint", "save_on_cpu")
+UNBOUNDED_MB = 2.0**40  # a budget every plan fits: the plan keeps every layer, U is its peak
+OVERHEAD_TARGET = 0.24  # at the 50% budget (Layrub: +24.1% step time at -58.2% memory)
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
+
+
+@dataclass(frozen=True)
+class MemoryBenchConfig:
+    """Everything one ``phalanx bench memory`` run uses (recorded in the JSON)."""
+
+    batch_size: int = 96
+    channels: int = 16
+    image_size: int = 32
+    blocks: int = 8
+    budgets: tuple[float, ...] = (0.75, 0.5, 0.3)
+    rounds: int = 3
+    steps: int = 3
+    warmup: int = 2  # steps before the timed ones (the first grows the reused heap)
+    peak_steps: int = 1  # after one step (the optimizer state appears in the first)
+    seed: int = 0
+    threads: int = 1
+    spill_dir: str = ""  # '' = the temp directory
+    fresh_processes: bool = True  # False: every variant in this process (tests; peaks rougher)
+    timeout_s: float = 600.0  # per measuring process
+
+    @property
+    def nproc(self) -> int:
+        return 1  # one measuring process at a time
+
+    def validate(self) -> None:
+        for key in ("batch_size", "channels", "image_size", "blocks", "rounds", "steps",
+                    "peak_steps"):  # fmt: skip
+            if getattr(self, key) < 1:
+                raise ConfigError(f"--{key.replace('_', '-')}: must be >= 1")
+        if self.warmup < 0:
+            raise ConfigError("--warmup: must be >= 0")
+        if self.threads < 0:
+            raise ConfigError("--threads: must be >= 0")
+        if not self.budgets:
+            raise ConfigError("--budgets: give at least one fraction, e.g. 0.75,0.5,0.3")
+        for fraction in self.budgets:
+            if not 0 < fraction < 1:
+                raise ConfigError(f"--budgets: {fraction} is not a fraction in (0, 1)")
+        if len(set(self.budgets)) != len(self.budgets):
+            raise ConfigError("--budgets: a fraction is given twice")
+        if self.spill_dir and not os.path.isdir(self.spill_dir):
+            raise ConfigError(f"--spill-dir: {self.spill_dir!r} is not a directory")
+
+    def variants(self) -> list[str]:
+        return [*BASELINES, *(phalanx_name(f) for f in self.budgets)]
+
+
+def phalanx_name(fraction: float) -> str:
+    return f"phalanx@{fraction:g}"
+
+
+# -- the model ----------------------------------------------------------------------------------
+class PreActBlock(nn.Module):
+    """x + conv(relu(bn(conv(relu(bn(x)))))): saves four tensors of x's size, none shared with
+    the neighbouring blocks (x itself is saved by this block's first BatchNorm only)."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.bn1 = nn.BatchNorm2d(channels)
+        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(channels)
+        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.conv1(F.relu(self.bn1(x)))
+        return x + self.conv2(F.relu(self.bn2(h)))
+
+
+def build_layers(cfg: MemoryBenchConfig) -> list[nn.Module]:
+    """The benchmark's layers (an nn.Sequential's children), identical in every process."""
+    torch.manual_seed(cfg.seed)
+    head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cfg.channels, CLASSES))
+    return [
+        nn.Conv2d(3, cfg.channels, 3, padding=1),
+        *[PreActBlock(cfg.channels) for _ in range(cfg.blocks)],
+        head,
+    ]
+
+
+def make_batch(cfg: MemoryBenchConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(cfg.seed + 1)
+    size = (cfg.batch_size, 3, cfg.image_size, cfg.image_size)
+    x = torch.randn(size, generator=generator)
+    return x, torch.randint(0, CLASSES, (cfg.batch_size,), generator=generator)
+
+
+def _sgd(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=LR, momentum=MOMENTUM)
+
+
+def _loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(output, target)
+
+
+class _Checkpointed(nn.Module):
+    """torch.utils.checkpoint around one layer: only its input is saved, backward reruns it."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(self.inner, x, use_reentrant=False)
+
+
+# -- one measurement (a fresh process, or this one) ---------------------------------------------
+def _worker(ctx: Any, cfg: MemoryBenchConfig, variant: str, budget_mb: float, probe: bool) -> Any:
+    return measure_variant(cfg, variant, budget_mb, probe)
+
+
+def measure_variant(
+    cfg: MemoryBenchConfig, variant: str, budget_mb: float = 0.0, probe: bool = False
+) -> dict[str, Any]:
+    """Build the model and ``variant``; measure the peak RSS ``cfg.peak_steps`` steps add above
+    the RSS before them (after one step), then time ``cfg.steps`` steps after ``cfg.warmup``
+    (module docstring). ``budget_mb``: phalanx's budget. ``probe``: afterwards, also plan with
+    an unbounded budget and return the planner's unmanaged peak (``unmanaged_predicted_bytes``).
+    A budget the planner cannot meet returns ``{"variant", "error"}`` instead of raising."""
+    from phalanx.memory import measure
+    from phalanx.memory.manager import MemoryConfig, MemoryManager
+    from phalanx.memory.tiers import TierConfig
+
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    allocator = _Allocator()
+    allocator.measuring()  # fresh processes start so (the environment): here for in-process runs
+    device = torch.device("cpu")
+    layers = build_layers(cfg)
+    x, y = make_batch(cfg)
+    manager: MemoryManager | None = None
+    around: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
+    if variant == "checkpoint":
+        layers = [_Checkpointed(layer) for layer in layers]
+    elif variant == "save_on_cpu":
+        around = _save_on_cpu
+    elif variant.startswith("phalanx@"):
+        memory = MemoryConfig(budget_mb=budget_mb, tier=TierConfig(directory=cfg.spill_dir))
+        try:
+            manager = MemoryManager.build(layers, memory, device, (x, y), _loss, _sgd)
+        except ConfigError as e:  # the budget is below the planner's floor: a result, reported
+            return {"variant": variant, "error": str(e)}
+        around = manager.step
+    elif variant != "none":
+        raise ConfigError(f"bench memory: unknown variant {variant!r}")
+    model = nn.Sequential(*layers).train()
+    optimizer = _sgd(list(model.parameters()))
+    losses: list[float] = []
+
+    def step() -> None:
+        with around():
+            loss = _loss(model(x), y)
+            loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))
+
+    # Phase 1: the peak, every large block its own mapping (freed to the kernel at once).
+    allocator.measuring()
+    step()  # the first step allocates the optimizer state, which stays
+    gc.collect()
+    allocator.trim()
+    baseline = measure.current_rss_bytes()
+    reset = measure.reset_peak()
+    peak_times = []
+    for _ in range(cfg.peak_steps):
+        start = time.perf_counter()
+        step()
+        peak_times.append(time.perf_counter() - start)
+    peak_rss = measure.peak_bytes()
+    # Phase 2: the time, freed blocks kept in the heap for reuse (no page faults once warm).
+    allocator.reuse()
+    for _ in range(cfg.warmup):
+        step()
+    times, faults, spill = [], [], []
+    for _ in range(cfg.steps):
+        faulted = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faulted)
+        if manager is not None and manager.offloader is not None:
+            spill.append(manager.offloader.stats.as_dict())
+    out: dict[str, Any] = {
+        "variant": variant,
+        "step_s": times,
+        "median_step_s": statistics.median(times),
+        "minor_faults": faults,
+        "peak_phase_step_s": peak_times,
+        "baseline_rss_bytes": baseline,
+        "peak_rss_bytes": peak_rss,
+        "peak_bytes": max(0, peak_rss - baseline),
+        "peak_reset": reset,
+        "allocator_control": allocator.available,
+        "cgroup_peak_bytes": measure.cgroup_peak_bytes(),
+        "losses": losses,
+        "pid": os.getpid(),
+    }
+    if manager is not None:
+        plan = manager.plan
+        out["plan"] = {
+            "budget_bytes": plan.budget,
+            "predicted_peak_bytes": plan.predicted_peak,
+            "unmanaged_peak_bytes": plan.unmanaged_peak,
+            "predicted_overhead_s": plan.predicted_overhead_s,
+            "choices": plan.choices,
+            "describe": manager.describe(),
+        }
+        out["spill"] = spill
+        manager.close()
+    if probe:
+        del model, optimizer, layers
+        gc.collect()
+        planner = MemoryManager.build(
+            build_layers(cfg), MemoryConfig(budget_mb=UNBOUNDED_MB), device, (x, y), _loss, _sgd
+        )
+        out["unmanaged_predicted_bytes"] = planner.plan.unmanaged_peak
+        planner.close()
+    return out
+
+
+def _save_on_cpu() -> contextlib.AbstractContextManager[Any]:
+    return torch.autograd.graph.save_on_cpu(pin_memory=False)
+
+
+def fixed_bytes(cfg: MemoryBenchConfig) -> int:
+    """Parameters + gradients + SGD momentum + buffers: the model state in the planner's peak."""
+    layers = build_layers(cfg)
+    params = sum(p.numel() * p.element_size() for layer in layers for p in layer.parameters())
+    buffers = sum(b.numel() * b.element_size() for layer in layers for b in layer.buffers())
+    return 3 * params + buffers
+
+
+# -- in the caller ------------------------------------------------------------------------------
+class _Allocator:
+    """glibc's malloc switched between two modes at run time (``mallopt``; elsewhere a no-op).
+
+    ``measuring``: blocks from 64 KiB up are their own mappings (``measure.MMAP_THRESHOLD``, as
+    ``allocator_env()`` sets at start-up), so a freed tensor leaves the RSS at once and the
+    high-water mark shows a step's true peak; ``trim`` gives the heap's free pages back first
+    (``malloc_trim``). ``reuse``: blocks up to 32 MiB (glibc's largest threshold) come from the
+    heap and freed memory stays there, never trimmed, so after one step a step faults no new
+    page, as with a caching allocator (a GPU's): the times are compute and transfers. glibc's
+    default (dynamic thresholds, trimming) re-faults and zeroes tens of thousands of pages a
+    step here, full recomputation ~150k, which would time the kernel instead."""
+
+    REUSE_MMAP, REUSE_TRIM, MEASURING_TRIM = 32 << 20, 2**31 - 1, 128 << 10
+
+    def __init__(self) -> None:
+        try:
+            self.libc: Any = ctypes.CDLL(None)
+            self.available = bool(self.libc.mallopt and self.libc.malloc_trim)
+        except (OSError, AttributeError):
+            self.available = False
+
+    def reuse(self) -> None:
+        self._set(self.REUSE_MMAP, self.REUSE_TRIM)
+
+    def measuring(self) -> None:
+        from phalanx.memory.measure import MMAP_THRESHOLD
+
+        self._set(MMAP_THRESHOLD, self.MEASURING_TRIM)
+
+    def trim(self) -> None:
+        if self.available:
+            self.libc.malloc_trim(0)
+
+    def _set(self, mmap_threshold: int, trim_threshold: int) -> None:
+        if self.available:
+            self.libc.mallopt(M_MMAP_THRESHOLD, mmap_threshold)
+            self.libc.mallopt(M_TRIM_THRESHOLD, trim_threshold)
+
+
+@contextlib.contextmanager
+def _allocator_env() -> Iterator[None]:
+    """``allocator_env()`` in os.environ while the measuring processes are spawned: glibc reads
+    it when a process starts (``run_ranks(env=...)`` sets variables too late for that)."""
+    from phalanx.memory.measure import allocator_env
+
+    saved = {key: os.environ.get(key) for key in allocator_env()}
+    os.environ.update(allocator_env())
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _run_one(cfg: MemoryBenchConfig, variant: str, budget_mb: float, probe: bool) -> Any:
+    if not cfg.fresh_processes:
+        threads = torch.get_num_threads()
+        try:
+            return measure_variant(cfg, variant, budget_mb, probe)
+        finally:
+            torch.set_num_threads(threads)
+    from phalanx.runtime.context import RuntimeConfig
+    from phalanx.runtime.spawn import run_ranks
+
+    runtime = RuntimeConfig(threads=cfg.threads, timeout_s=cfg.timeout_s)
+    args = (cfg, variant, budget_mb, probe)
+    with _allocator_env():
+        return run_ranks(_worker, 1, *args, timeout=cfg.timeout_s, runtime=runtime)[0]
+
+
+def rotate(names: list[str], by: int) -> list[str]:
+    by %= len(names)
+    return names[by:] + names[:by]
+
+
+def run_benchmark(cfg: MemoryBenchConfig) -> dict[str, Any]:
+    """Every round runs every variant once (each in a fresh process unless
+    ``cfg.fresh_processes`` is off), in an order rotated per round; returns every number."""
+    from phalanx.bench import machine_meta
+
+    cfg.validate()
+    started = time.perf_counter()
+    variants = cfg.variants()
+    budgets: dict[str, float] = {}
+    unmanaged_predicted = 0
+    rounds: list[dict[str, Any]] = []
+    for r in range(cfg.rounds):
+        measured: dict[str, Any] = {}
+        order = rotate(variants, r)  # round 0 starts with none: it computes the budgets
+        for name in order:
+            probe = r == 0 and name == "none"
+            result = _run_one(cfg, name, budgets.get(name, 0.0), probe)
+            if probe:
+                unmanaged_predicted = result["unmanaged_predicted_bytes"]
+                for fraction in cfg.budgets:
+                    budgets[phalanx_name(fraction)] = fraction * unmanaged_predicted / 2**20
+            measured[name] = result
+        rounds.append({"order": order, "variants": measured})
+    meta = {
+        **machine_meta(),
+        "wall_s": time.perf_counter() - started,
+        "config": asdict(cfg),
+        "model": (
+            f"pre-activation conv net: {cfg.blocks} blocks x {cfg.channels} channels at "
+            f"{cfg.image_size}x{cfg.image_size}, batch {cfg.batch_size}"
+        ),
+        "params": sum(p.numel() for layer in build_layers(cfg) for p in layer.parameters()),
+        "fixed_bytes": fixed_bytes(cfg),
+        "unmanaged_predicted_bytes": unmanaged_predicted,
+        "budgets_mb": budgets,
+    }
+    return summarize({"meta": meta, "rounds": rounds}, cfg)
+
+
+def summarize(result: dict[str, Any], cfg: MemoryBenchConfig) -> dict[str, Any]:
+    """Per variant: medians over rounds, the medians of the per-round ratios to ``none`` and to
+    ``checkpoint``; then the two targets."""
+    rounds = result["rounds"]
+    summary: dict[str, Any] = {}
+    for name in cfg.variants():
+        runs = [r["variants"][name] for r in rounds]
+        failed = [run["error"] for run in runs if "error" in run]
+        if failed:
+            summary[name] = {"error": failed[0], "failed_rounds": len(failed)}
+            continue
+        row: dict[str, Any] = {
+            "step_s": [run["median_step_s"] for run in runs],
+            "peak_bytes": [run["peak_bytes"] for run in runs],
+        }
+        row["max_loss_diff_vs_none"] = max(
+            abs(a - b)
+            for r in rounds
+            for a, b in zip(r["variants"][name]["losses"], r["variants"]["none"]["losses"])
+        )
+        row["median_minor_faults"] = statistics.median(
+            f for run in runs for f in run["minor_faults"]
+        )
+        row["median_step_s"] = statistics.median(row["step_s"])
+        row["median_peak_bytes"] = statistics.median(row["peak_bytes"])
+        row["time_vs_none_rounds"] = _ratios(
+            runs, [r["variants"]["none"] for r in rounds], "median_step_s"
+        )
+        for base in ("none", "checkpoint"):
+            base_runs = [r["variants"][base] for r in rounds]
+            row[f"time_vs_{base}"] = _median_ratio(runs, base_runs, "median_step_s")
+            row[f"peak_vs_{base}"] = _median_ratio(runs, base_runs, "peak_bytes")
+        if name.startswith("phalanx@"):
+            plans = [run["plan"] for run in runs]
+            row["budget_bytes"] = plans[0]["budget_bytes"]
+            row["predicted_peak_bytes"] = statistics.median(
+                p["predicted_peak_bytes"] for p in plans
+            )
+            row["choices"] = [_count_choices(p["choices"]) for p in plans]
+            spill = [s for run in runs for s in run["spill"]]
+            for key in ("bytes_written", "bytes_read", "backward_wait_s", "forward_wait_s"):
+                row[f"spill_{key}"] = statistics.median(s[key] for s in spill) if spill else 0
+        summary[name] = row
+    result["summary"] = summary
+    result["meta"]["same_losses"] = all(
+        row.get("max_loss_diff_vs_none", 0.0) == 0.0 for row in summary.values()
+    )
+    result["targets"] = _targets(summary, cfg)
+    return result
+
+
+def _ratios(runs: list[dict], bases: list[dict], key: str) -> list[float]:
+    return [run[key] / base[key] for run, base in zip(runs, bases) if base[key] > 0]
+
+
+def _median_ratio(runs: list[dict], bases: list[dict], key: str) -> float | None:
+    ratios = _ratios(runs, bases, key)
+    return statistics.median(ratios) if ratios else None
+
+
+def _count_choices(choices: dict[str, str]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for choice in choices.values():
+        counts[choice] = counts.get(choice, 0) + 1
+    return counts
+
+
+def _targets(summary: dict[str, Any], cfg: MemoryBenchConfig) -> list[dict[str, Any]]:
+    """The issue's two targets as PASS/MISS lines with their numbers."""
+    out = []
+    half = summary.get(phalanx_name(0.5))
+    if half is None:
+        out.append({
+            "target": "overhead at 50%", "pass": None,
+            "line": "n/a   overhead at the 50% budget: 0.5 is not among --budgets",
+        })  # fmt: skip
+    elif "error" in half:
+        out.append({
+            "target": "overhead at 50%", "pass": False,
+            "line": f"MISS  step time at the 50% budget: not run: {half['error']}",
+        })  # fmt: skip
+    else:
+        overhead = half["time_vs_none"] - 1
+        ok = overhead <= OVERHEAD_TARGET
+        out.append({
+            "target": "overhead at 50%", "pass": ok, "overhead": overhead,
+            "line": (
+                f"{'PASS' if ok else 'MISS'}  step time at the 50% budget: {overhead:+.1%} vs "
+                f"none (target <= +{OVERHEAD_TARGET:.0%}; Layrub +24.1% at -58.2%), peak "
+                f"{_change(half['peak_vs_none'])}"
+            ),
+        })  # fmt: skip
+    ckpt = summary["checkpoint"]
+    for fraction in cfg.budgets:
+        row = summary[phalanx_name(fraction)]
+        if "error" in row:
+            out.append({
+                "target": f"no slower than recomputation at {fraction:g}", "pass": False,
+                "line": f"MISS  budget {fraction:.0%}: not run: {row['error']}",
+            })  # fmt: skip
+            continue
+        ratio, peak = row["time_vs_checkpoint"], row["peak_vs_checkpoint"]
+        ok = ratio <= 1.0
+        where = (
+            "at a HIGHER peak" if peak is not None and peak > 1.0 else "at a lower or equal peak"
+        )
+        out.append({
+            "target": f"no slower than recomputation at {fraction:g}", "pass": ok,
+            "time_vs_checkpoint": ratio, "peak_vs_checkpoint": peak,
+            "line": (
+                f"{'PASS' if ok else 'MISS'}  budget {fraction:.0%}: phalanx "
+                f"{1e3 * row['median_step_s']:.0f} ms vs full recomputation "
+                f"{1e3 * ckpt['median_step_s']:.0f} ms ({ratio:.2f}x), peak "
+                f"{_mib(row['median_peak_bytes']):.0f} vs {_mib(ckpt['median_peak_bytes']):.0f} "
+                f"MiB ({_times(peak)}, {where})"
+            ),
+        })  # fmt: skip
+    return out
+
+
+def _mib(nbytes: float) -> float:
+    return nbytes / 2**20
+
+
+def _change(ratio: float | None) -> str:
+    return "-" if ratio is None else f"{ratio - 1:+.1%}"
+
+
+def _spread(ratios: list[float]) -> str:
+    return f"{min(ratios):.2f}-{max(ratios):.2f}" if ratios else "-"
+
+
+def _times(ratio: float | None) -> str:
+    return "-" if ratio is None else f"{ratio:.2f}x"
+
+
+def format_report(result: dict[str, Any]) -> str:
+    meta, summary = result["meta"], result["summary"]
+    cfg = meta["config"]
+    where = "one fresh process per measurement" if cfg["fresh_processes"] else "in this process"
+    lines = [
+        f"{meta['model']}; {meta['params']:,} parameters; {cfg['rounds']} round(s) x "
+        f"{cfg['steps']} timed step(s) after {cfg['warmup']} warm-up, {where}",
+        f"planner: unmanaged peak {_mib(meta['unmanaged_predicted_bytes']):.1f} MiB predicted "
+        f"(parameters + gradients + optimizer {_mib(meta['fixed_bytes']):.2f} MiB)",
+        f"{'variant':<14} {'step ms':>8} {'vs none':>8} {'rounds':>11} {'peak MiB':>9} "
+        f"{'vs none':>8} {'budget':>7} {'predicted':>9} {'spill w/r MiB':>14}  plan",
+    ]
+    for name, row in summary.items():
+        if "error" in row:
+            lines.append(f"{name:<14} not run: {row['error']}")
+            continue
+        budget = predicted = spill = plan = ""
+        if "budget_bytes" in row:
+            budget = f"{_mib(row['budget_bytes']):.0f}"
+            predicted = f"{_mib(row['predicted_peak_bytes']):.0f}"
+            spill = f"{_mib(row['spill_bytes_written']):.0f}/{_mib(row['spill_bytes_read']):.0f}"
+            plan = ", ".join(f"{n} {c}" for c, n in sorted(row["choices"][0].items()))
+        lines.append(
+            f"{name:<14} {1e3 * row['median_step_s']:>8.1f} {_times(row['time_vs_none']):>8} "
+            f"{_spread(row['time_vs_none_rounds']):>11} "
+            f"{_mib(row['median_peak_bytes']):>9.1f} {_times(row['peak_vs_none']):>8} "
+            f"{budget:>7} {predicted:>9} {spill:>14}  {plan}"
+        )
+    lines.append(
+        "peak: VmHWM - RSS before the peak step (what a step adds above what the process holds "
+        "between steps); vs none: median of per-round ratios, rounds: their range; spill: per step"
+    )
+    faults = ", ".join(
+        f"{name} {row['median_minor_faults']:.0f}"
+        for name, row in summary.items()
+        if "error" not in row
+    )
+    lines.append(f"minor page faults per timed step (median): {faults}")
+    for name, row in summary.items():
+        if "budget_bytes" in row and row["median_peak_bytes"] > row["budget_bytes"]:
+            lines.append(
+                f"note: {name} measured {_mib(row['median_peak_bytes']):.0f} MiB, above its "
+                f"budget of {_mib(row['budget_bytes']):.0f} MiB (predicted "
+                f"{_mib(row['predicted_peak_bytes']):.0f} MiB)"
+            )
+    if not meta["same_losses"]:
+        lines.append("note: the variants' losses differ from none's (see the JSON)")
+    lines += [t["line"] for t in result["targets"]]
+    return "\n".join(lines)
+
+
+def _check(result: dict[str, Any]) -> None:
+    for name, row in result["summary"].items():
+        if "error" not in row and not row["median_step_s"] > 0:
+            raise ConfigError(f"bench memory: {name} measured a zero step time")
+    if not all(r["variants"]["none"]["peak_reset"] for r in result["rounds"]):
+        raise ConfigError("bench memory: cannot reset the RSS high-water mark (needs Linux /proc)")
+
+
+def parse_budgets(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise ConfigError(f"--budgets: expected fractions like 0.5,0.3, got {text!r}") from None
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags of ``phalanx bench memory``; sets ``handler``."""
+    defaults = MemoryBenchConfig()
+    p.add_argument("--rounds", type=int, default=defaults.rounds, help="rounds (default 3)")
+    p.add_argument("--steps", type=int, default=defaults.steps, help="timed steps per variant")
+    p.add_argument("--warmup", type=int, default=defaults.warmup, help="untimed steps first")
+    p.add_argument("--batch-size", type=int, default=defaults.batch_size, help="images per step")
+    p.add_argument("--blocks", type=int, default=defaults.blocks, help="residual blocks")
+    p.add_argument(
+        "--peak-steps", type=int, default=defaults.peak_steps, help="steps the peak covers"
+    )
+    p.add_argument(
+        "--budgets", default="0.75,0.5,0.3", help="phalanx budgets, fractions of the unmanaged peak"
+    )
+    p.add_argument("--spill-dir", default="", help="spill file directory (default: temp dir)")
+    p.add_argument("--json", metavar="PATH", help="write every number here")
+    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="tracebacks")
+    p.set_defaults(handler=cmd_memory)
+
+
+def cmd_memory(args: argparse.Namespace) -> int:
+    from phalanx.bench import run_and_report
+
+    cfg = MemoryBenchConfig(
+        batch_size=args.batch_size,
+        blocks=args.blocks,
+        budgets=parse_budgets(args.budgets),
+        rounds=args.rounds,
+        steps=args.steps,
+        warmup=args.warmup,
+        peak_steps=args.peak_steps,
+        spill_dir=args.spill_dir,
+    )
+    return run_and_report(cfg, run_benchmark, _check, format_report, args.json)

@@ -1,0 +1,120 @@
+"""``phalanx bench memory``: a tiny run end to end in this process (every variant measured, the
+same losses), the summary's ratios and PASS/MISS lines, one-line config errors. No timing
+assertions."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+
+from phalanx.bench import memory as bench
+from tests.unit.test_cli import assert_one_line_error, run_main
+
+TINY = bench.MemoryBenchConfig(
+    batch_size=32,
+    channels=4,
+    image_size=16,
+    blocks=3,
+    budgets=(0.5, 0.05),  # 0.05: below the planner's floor, reported instead of run
+    rounds=1,
+    steps=1,
+    warmup=0,
+    fresh_processes=False,
+)
+
+
+def _positive(x: Any) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+def test_tiny_run_measures_every_variant() -> None:
+    result = bench.run_benchmark(TINY)
+    (only,) = result["rounds"]
+    assert only["order"] == ["none", "checkpoint", "save_on_cpu", "phalanx@0.5", "phalanx@0.05"]
+    for name in ("none", "checkpoint", "save_on_cpu", "phalanx@0.5"):
+        run = only["variants"][name]
+        assert _positive(run["peak_bytes"]), (name, run)
+        assert _positive(run["median_step_s"]) and len(run["step_s"]) == 1
+        row = result["summary"][name]
+        assert _positive(row["median_step_s"]) and _positive(row["median_peak_bytes"])
+        assert _positive(row["time_vs_none"]) and _positive(row["time_vs_checkpoint"])
+    assert result["meta"]["same_losses"]  # offload and recomputation change no number
+    assert _positive(result["meta"]["unmanaged_predicted_bytes"])
+    half = result["summary"]["phalanx@0.5"]
+    assert half["budget_bytes"] == pytest.approx(0.5 * result["meta"]["unmanaged_predicted_bytes"])
+    assert half["predicted_peak_bytes"] <= half["budget_bytes"]
+    assert half["spill_bytes_written"] == half["spill_bytes_read"]
+    assert "cannot be met" in result["summary"]["phalanx@0.05"]["error"]
+    report = bench.format_report(result)
+    assert any(
+        line.startswith("phalanx@0.05") and "not run: memory.budget_mb:" in line
+        for line in report.splitlines()
+    )
+    lines = [t["line"] for t in result["targets"]]
+    assert lines[0].startswith(("PASS  step time at the 50% budget", "MISS  step time"))
+    assert lines[-1].startswith("MISS  budget 5%: not run")
+
+
+def _run(name: str, step_s: float, peak: int, **extra: Any) -> dict[str, Any]:
+    return {
+        "variant": name, "median_step_s": step_s, "peak_bytes": peak, "losses": [1.0],
+        "minor_faults": [0], **extra,
+    }  # fmt: skip
+
+
+def _phalanx(step_s: float, peak: int, budget: int) -> dict[str, Any]:
+    plan = {"budget_bytes": budget, "predicted_peak_bytes": budget, "choices": {"0": "offload"}}
+    spill = [{"bytes_written": 8, "bytes_read": 8, "backward_wait_s": 0, "forward_wait_s": 0}]
+    return _run("phalanx", step_s, peak, plan=plan, spill=spill)
+
+
+def test_targets_pass_and_miss_lines() -> None:
+    cfg = bench.MemoryBenchConfig(budgets=(0.75, 0.5), rounds=1)
+    mib = 2**20
+    variants = {
+        "none": _run("none", 1.0, 300 * mib),
+        "checkpoint": _run("checkpoint", 1.3, 120 * mib),
+        "save_on_cpu": _run("save_on_cpu", 1.0, 300 * mib),
+        "phalanx@0.75": _phalanx(1.4, 200 * mib, 225 * mib),  # slower than recomputation
+        "phalanx@0.5": _phalanx(1.2, 100 * mib, 150 * mib),
+    }
+    meta = {
+        "model": "m", "params": 1, "config": {**bench.asdict(cfg)},
+        "unmanaged_predicted_bytes": 300 * mib, "fixed_bytes": mib,
+    }  # fmt: skip
+    result = bench.summarize({"meta": meta, "rounds": [{"order": [], "variants": variants}]}, cfg)
+    half = result["summary"]["phalanx@0.5"]
+    assert half["time_vs_none"] == pytest.approx(1.2)
+    assert half["peak_vs_checkpoint"] == pytest.approx(100 / 120)
+    overhead, at_75, at_50 = result["targets"]
+    assert overhead["pass"] and overhead["line"].startswith("PASS  step time at the 50% budget:")
+    assert "+20.0% vs none" in overhead["line"] and "peak -66.7%" in overhead["line"]
+    assert not at_75["pass"] and "at a HIGHER peak" in at_75["line"]
+    assert at_50["pass"] and "(0.92x)" in at_50["line"] and "lower or equal peak" in at_50["line"]
+    assert "1200.0" in bench.format_report(result)
+
+
+def test_rotation_starts_round_zero_with_none() -> None:
+    names = bench.MemoryBenchConfig().variants()
+    assert bench.rotate(names, 0)[0] == "none"
+    assert bench.rotate(names, 1) == [*names[1:], "none"]
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (["--budgets", "0.5,x"], "--budgets: expected fractions"),
+        (["--budgets", "1.5"], "--budgets: 1.5 is not a fraction in (0, 1)"),
+        (["--budgets", "0.5,0.5"], "--budgets: a fraction is given twice"),
+        (["--rounds", "0"], "--rounds: must be >= 1"),
+        (["--batch-size", "0"], "--batch-size: must be >= 1"),
+        (["--spill-dir", "/no/such/dir"], "--spill-dir: '/no/such/dir' is not a directory"),
+    ],
+)
+def test_config_errors_are_one_line(
+    args: list[str], fragment: str, capsys: pytest.CaptureFixture
+) -> None:
+    assert run_main(["bench", "memory", *args]) == 2
+    assert_one_line_error(capsys.readouterr().err, fragment)
