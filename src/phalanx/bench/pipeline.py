@@ -219,6 +219,8 @@ class _TorchPipeline:
         from torch.distributed.pipelining import PipelineStage
         from torch.distributed.pipelining import schedules as torch_schedules
 
+        from phalanx.parallel.pipeline import _example
+
         device, group = reference.world.device, reference.pipe_group
         stages, params = [], []
         for s in reference.stage_ids:
@@ -233,8 +235,8 @@ class _TorchPipeline:
                     s,
                     reference.num_stages,
                     device,
-                    input_args=_meta(before, s > 0),
-                    output_args=None if after is None else _meta(after, True),
+                    input_args=_example(before),
+                    output_args=None if after is None else _example(after),
                     group=group,
                 )
             )
@@ -249,11 +251,6 @@ class _TorchPipeline:
         args = (x,) if self.first else ()
         self.schedule.step(*args, target=y if self.last else None, losses=[] if self.last else None)
         self.optimizer.step()
-
-
-def _meta(boundary: Any, requires_grad: bool) -> torch.Tensor:
-    example = torch.empty(boundary.shape, dtype=boundary.dtype, device="meta")
-    return example.requires_grad_(requires_grad and boundary.dtype.is_floating_point)
 
 
 # -- in the caller ----------------------------------------------------------------------------
