@@ -105,7 +105,8 @@ class Engine:
             raise ConfigError(f"max_grad_norm: must be > 0 or None, got {max_grad_norm}")
         self.nonfinite, self.max_nonfinite = nonfinite, max_nonfinite
         self._launch_in_pipeline = False  # this accumulation step's last backward launches
-        self._pipeline_loss_bad = False  # the last stage's loss was inf/NaN (pipeline > 1)
+        self._pipeline_bad_so_far = False  # the last stage's loss was inf/NaN (pipeline > 1)
+        self._pipeline_fault_nan = False  # an injected fault makes this step's loss NaN
         self.max_grad_norm = max_grad_norm
         self.grad_norm = float("nan")  # the last step's global gradient norm (with clipping)
         self.num_nonfinite_steps = 0  # steps skipped over the run
@@ -265,18 +266,38 @@ class Engine:
         """Phase 2 with pipeline > 1: torch's schedule runs each accumulation step's
         micro-batches through the stages; the buckets launch during the last backward
         (``_before_pipeline_backward``). Returns (mean loss, skip) where the loss is this
-        replica's on the rank with the last stage and 0 elsewhere."""
+        replica's on the rank with the last stage and 0 elsewhere. A bad loss poisons the last
+        stage's buckets, so its verdict travels with the exchange and ``_combine_over_stages``."""
         assert self.pipeline is not None
         total_loss = torch.zeros((), device=self.ctx.device)
         self.pipeline.reset_counts()
+        self._pipeline_fault_nan = (
+            self.pipeline.holds_last and fault_at("forward", self.num_steps + 1) == "nan"
+        )
+        self._pipeline_bad_so_far = False
         for i, (x, y) in enumerate(micro):
             self._launch_in_pipeline = i == len(micro) - 1 and self._pipeline_overlaps
             with self.precision.autocast():
                 loss = self.pipeline.step(x, y, scale)
             total_loss += loss / len(micro)
-        if self.pipeline.holds_last and fault_at("forward", self.num_steps + 1) == "nan":
+            self._pipeline_bad_so_far = self._pipeline_loss_bad_now()
+        if self._pipeline_fault_nan:
             total_loss = total_loss * float("nan")
+        if self.pipeline.holds_last and self.nonfinite is not None:
+            self.buckets.poison = self._pipeline_bad_so_far  # for buckets flushed after this
         return total_loss, self._pipeline_verdict_before_exchange(total_loss)
+
+    def _pipeline_loss_bad_now(self) -> bool:
+        """On the last stage's rank: whether any micro-batch loss of this step so far (or an
+        injected fault) is inf/NaN."""
+        assert self.pipeline is not None
+        if not self.pipeline.holds_last:
+            return False
+        return (
+            self._pipeline_bad_so_far
+            or self._pipeline_fault_nan
+            or not self.pipeline.losses_finite()
+        )
 
     @property
     def _pipeline_overlaps(self) -> bool:
@@ -287,29 +308,29 @@ class Engine:
         return len(self.pipeline.stage_ids) == 1 and not agree_first
 
     def _before_pipeline_backward(self, last_backward: bool) -> None:
-        self.buckets.arm(launch=last_backward and self._launch_in_pipeline)
+        launch = last_backward and self._launch_in_pipeline
+        if launch and self.nonfinite is not None:  # every forward of this stage is done
+            self.buckets.poison = self._pipeline_loss_bad_now()
+        self.buckets.arm(launch=launch)
 
     def _pipeline_verdict_before_exchange(self, loss: torch.Tensor) -> bool:
         """Strategies that update while gradients arrive agree on the loss's health before
         anything is exchanged: one flag all-reduced over the world (the last stages know)."""
         if self.nonfinite is None or not self.strategy.updates_during_exchange:
-            if self.pipeline is not None and self.pipeline.holds_last:
-                self._pipeline_loss_bad = not bool(torch.isfinite(loss))
             return False
         flag = torch.tensor([float(not bool(torch.isfinite(loss)))], device=self.ctx.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.world.group)
         return bool(flag.item() > 0)
 
     def _combine_over_stages(self, bad: bool, norm: float | None) -> tuple[bool, float | None]:
-        """Each stage's verdict and norm cover its own parameters: one all-reduce over the
-        world makes them the whole model's. Replicas hold the same exchanged gradients, so the
-        world's sum of squares counts each stage D times."""
+        """Each stage's verdict and norm cover its own parameters (a bad loss poisoned the
+        last stage's exchange, and the exchange made each stage's verdict its replicas'):
+        summing them over this replica's stages gives the whole model's, the same on every
+        rank, with no message between replicas."""
         assert self.pipeline is not None
-        bad = bad or self._pipeline_loss_bad
-        self._pipeline_loss_bad = False
-        squares = 0.0 if norm is None else norm * norm / self.pipeline.num_replicas
+        squares = 0.0 if norm is None else norm * norm
         value = torch.tensor([float(bad), squares], dtype=torch.float64, device=self.ctx.device)
-        dist.all_reduce(value, group=self.world.group)
+        value = self.pipeline.sum_over_stages(value)
         return bool(value[0].item() > 0), None if norm is None else float(value[1].item()) ** 0.5
 
     def _forward(self, x: Any, y: torch.Tensor) -> torch.Tensor:
@@ -634,6 +655,8 @@ class Engine:
             self.strategy.close()
         finally:
             self.buckets.remove_hooks()
+            if self.pipeline is not None:
+                self.pipeline.close()
             if self.memory is not None:
                 self.memory.close()
 

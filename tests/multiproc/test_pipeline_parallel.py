@@ -48,12 +48,18 @@ def batches(num_replicas: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     ]
 
 
-def reference(num_replicas: int, optimizer: str) -> dict[str, torch.Tensor]:
+def reference(
+    num_replicas: int, optimizer: str, max_grad_norm: float | None = None, skip_step: int = 0
+) -> dict[str, torch.Tensor]:
     model = make_model()
     opt = make_optimizer(optimizer)(list(model.parameters()))
-    for x, y in batches(num_replicas):
+    for step, (x, y) in enumerate(batches(num_replicas), start=1):
+        if step == skip_step:
+            continue
         opt.zero_grad()
         loss_fn(model(x), y).backward()
+        if max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
         opt.step()
     return {k: v.clone() for k, v in model.state_dict().items()}
 
@@ -64,8 +70,14 @@ def make_optimizer(name: str) -> Any:
     return lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)
 
 
+# The first layout of each world meets an injected NaN loss at step 2 on rank 1 (a last stage,
+# of replica 0): every rank, of every stage and replica, must skip that step, and the clipping
+# norm must be the whole model's.
+FAULT = "nan@forward:step=2:rank=1"
+GUARD_LAYOUT = ("1f1b nan+clip", {"schedule": "1f1b", "microbatches": 2}, {"max_grad_norm": 0.05})
 # (name, ParallelConfig kwargs, Engine kwargs, stages, optimizer)
 LAYOUTS_2 = [
+    (*GUARD_LAYOUT, [0, 0, 0, 1, 1, 1, 1], "sgd"),
     ("gpipe", {"schedule": "gpipe", "microbatches": 4}, {}, [0, 0, 0, 1, 1, 1, 1], "sgd"),
     ("1f1b uneven", {"schedule": "1f1b", "microbatches": 2}, {}, [0, 1, 1, 1, 1, 1, 1], "adam"),
     (
@@ -86,6 +98,7 @@ LAYOUTS_2 = [
 ]
 LAYOUTS_3 = [("gpipe", {"schedule": "gpipe", "microbatches": 4}, {}, [0, 0, 1, 1, 2, 2, 2], "sgd")]
 LAYOUTS_4 = [
+    (*GUARD_LAYOUT, [0, 0, 0, 0, 1, 1, 1], "adam"),
     (
         "1f1b partitioned",
         {"schedule": "1f1b", "microbatches": 4},
@@ -138,6 +151,7 @@ def train_layouts(ctx: Any, pipeline: int, layouts: list) -> list[dict]:
                 "reports_loss": engine.reports_loss,
                 "losses": losses,
                 "printed": str(engine.pipeline.stages),
+                "skipped": engine.num_nonfinite_steps,
             }
         )
         engine.close()
@@ -145,10 +159,15 @@ def train_layouts(ctx: Any, pipeline: int, layouts: list) -> list[dict]:
 
 
 def check_world(world_size: int, pipeline: int, layouts: list) -> None:
-    per_rank = run_ranks(train_layouts, world_size, pipeline, layouts, timeout=300)
+    guarded = layouts[0][0] == GUARD_LAYOUT[0]
+    env = {"PHALANX_FAULT": FAULT} if guarded else None
+    per_rank = run_ranks(train_layouts, world_size, pipeline, layouts, timeout=300, env=env)
     num_replicas = world_size // pipeline
-    for i, (name, _, _, _, optimizer) in enumerate(layouts):
-        expected = reference(num_replicas, optimizer)
+    for i, (name, _, engine_kw, _, optimizer) in enumerate(layouts):
+        skip_step = 2 if guarded and i == 0 else 0
+        expected = reference(
+            num_replicas, optimizer, engine_kw.get("max_grad_norm"), skip_step=skip_step
+        )
         seen: dict[str, torch.Tensor] = {}
         for rank, results in enumerate(per_rank):
             result = results[i]
@@ -159,9 +178,14 @@ def check_world(world_size: int, pipeline: int, layouts: list) -> None:
                 )
                 seen[key] = value
         assert sorted(seen) == sorted(expected), f"{name}: the stages hold the whole model"
-        reporting = [results[i] for results in per_rank if results[i]["reports_loss"]]
+        reporting = [rank for rank in range(world_size) if per_rank[rank][i]["reports_loss"]]
         assert len(reporting) == num_replicas, name  # one last stage per replica
-        assert all(torch.isfinite(torch.tensor(r["losses"])).all() for r in reporting)
+        for rank in reporting:  # the fault made rank 1's loss NaN; the others' stay finite
+            finite = torch.isfinite(torch.tensor(per_rank[rank][i]["losses"])).tolist()
+            bad_step = skip_step if rank == 1 else 0
+            assert finite == [step != bad_step for step in range(1, STEPS + 1)], (name, finite)
+        skipped = [results[i]["skipped"] for results in per_rank]
+        assert skipped == [int(skip_step > 0)] * world_size, (name, skipped)
     printed = per_rank[0][0]["printed"]
     assert "TransferLayer(stage 0 -> 1" in printed and "bytes per micro-batch" in printed
 

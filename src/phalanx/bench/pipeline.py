@@ -5,7 +5,10 @@ head) with the same split runs two ways in the same processes, alternating after
 phalanx's Engine with ``[parallel] pipeline = P`` and the same stages and schedule written
 directly with torch.distributed.pipelining (PipelineStage + schedule + AdamW). Reported:
 
-- step time (median over all timed steps, the slowest rank's) and throughput ratio;
+- step time and throughput ratio: each side runs blocks of ``steps`` consecutive steps (as in
+  training, where a rank's optimizer step overlaps the next step's start on the others), the
+  blocks alternating; a block's time is the slowest rank's; the ratio is the median over
+  adjacent block pairs;
 - the bubble: 1 - (time a rank spends computing its stages) / step time, averaged over ranks,
   next to the theory (P-1)/(M+P-1) (GPipe, 1F1B; interleaved divides the bubble by V);
 - parameter memory per rank as a share of the model (about 1/P);
@@ -43,7 +46,7 @@ class PipelineBenchConfig:
     dim: int = 128
     num_blocks: int = 4
     warmup: int = 2
-    rounds: int = 3
+    rounds: int = 10
     steps: int = 4
     seed: int = 0
     threads: int = 1
@@ -128,15 +131,25 @@ def _measure(
         engine.step(x, y)
         baseline.step(x, y)
     ours, theirs, bubbles = [], [], []
-    for i in range(cfg.rounds * cfg.steps):  # step by step, alternating which goes first, so
-        first_ours = i % 2 == 0  # drifts in the machine's speed hit both alike
+
+    def our_block() -> None:
+        busy = 0.0
+        for _ in range(cfg.steps):
+            engine.step(x, y)
+            busy += pipeline.busy_s
+        our_busy.append(busy)
+
+    our_busy: list[float] = []
+    for i in range(cfg.rounds):  # blocks of consecutive steps, alternating which side goes
+        first_ours = i % 2 == 0  # first, so drifts in the machine's speed hit both alike
         if not first_ours:
-            theirs.append(_timed(ctx, lambda: baseline.step(x, y)))
-        elapsed = _timed(ctx, lambda: engine.step(x, y))
-        ours.append(elapsed)
-        bubbles.append(_mean_over_ranks(ctx, 1.0 - pipeline.busy_s / elapsed))
+            theirs.append(_timed(ctx, lambda: [baseline.step(x, y) for _ in range(cfg.steps)]))
+        elapsed = _timed(ctx, our_block)
+        ours.append(elapsed / cfg.steps)
+        bubbles.append(_mean_over_ranks(ctx, 1.0 - our_busy[-1] / elapsed))
         if first_ours:
-            theirs.append(_timed(ctx, lambda: baseline.step(x, y)))
+            theirs.append(_timed(ctx, lambda: [baseline.step(x, y) for _ in range(cfg.steps)]))
+    theirs = [t / cfg.steps for t in theirs]
     local = sum(p.numel() * p.element_size() for p in pipeline.local.parameters())
     total = sum(p.numel() * p.element_size() for layer in layers for p in layer.parameters())
     shares = [None] * ctx.world_size
@@ -286,9 +299,14 @@ def format_report(result: dict[str, Any]) -> str:
             f"{100 * r['bubble_measured']:>6.1f}% {100 * r['bubble_theory']:>6.1f}% "
             f"{share:>12} {transfer:>16}"
         )
+    ratios = [r["throughput_ratio"] for r in result["rows"]]
     lines.append(
         "ratio: phalanx throughput / torch.distributed.pipelining throughput (median of the "
-        "ratios of adjacent steps)"
+        "ratios of adjacent blocks of steps)"
+    )
+    lines.append(
+        f"over all cells: median {statistics.median(ratios):.3f}, range "
+        f"{min(ratios):.3f}-{max(ratios):.3f}"
     )
     return "\n".join(lines)
 
@@ -305,8 +323,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--schedules", default="gpipe,1f1b,interleaved", help="comma list")
     p.add_argument("--microbatches", default="2,4,8", help="comma list of M")
     p.add_argument("--batch-size", type=int, default=32, help="sequences per step")
-    p.add_argument("--rounds", type=int, default=3, help="alternations of the two (default 3)")
-    p.add_argument("--steps", type=int, default=4, help="timed steps per round and side")
+    p.add_argument("--rounds", type=int, default=10, help="timed blocks per side (default 10)")
+    p.add_argument("--steps", type=int, default=4, help="consecutive steps per block (default 4)")
     p.add_argument("--json", metavar="PATH", help="write every number here")
     p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="tracebacks")
     p.set_defaults(handler=cmd_pipeline)

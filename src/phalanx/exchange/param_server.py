@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from phalanx.errors import ConfigError
-from phalanx.exchange.base import STRATEGIES, OptimizerFactory
+from phalanx.exchange.base import STRATEGIES, OptimizerFactory, holds_nonfinite
 from phalanx.exchange.buckets import Bucket
 from phalanx.exchange.comm import global_rank
 from phalanx.exchange.owners import OwnerUpdateStrategy
@@ -194,7 +194,7 @@ class ParameterServer(OwnerUpdateStrategy):
         """Step the optimizer on partition m of this bucket only (others have no gradient)."""
         assert self.sharded is not None and self.optimizer is not None
         lo, _ = self.ranges[bucket.index][m]
-        if not bool(torch.isfinite(summed).all()):
+        if holds_nonfinite([summed]):
             # Earlier buckets may already be updated: only this partition can still be saved.
             logger.warning(
                 "phalanx: ps server %d: inf/NaN gradients in bucket %d, partition %d: its update "

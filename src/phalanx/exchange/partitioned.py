@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from phalanx.exchange import schedule
-from phalanx.exchange.base import STRATEGIES, OptimizerFactory
+from phalanx.exchange.base import STRATEGIES, OptimizerFactory, holds_nonfinite
 from phalanx.exchange.buckets import Bucket
 from phalanx.exchange.comm import global_rank
 from phalanx.exchange.compression import Codec
@@ -249,7 +249,7 @@ class Partitioned(OwnerUpdateStrategy):
             layout = self.layouts[b]
             for (lo, hi), owner in zip(layout.ranges, layout.owners):
                 if owner == self.ctx.rank and hi > lo:
-                    local[0] += (~torch.isfinite(buffer[lo - offset : hi - offset])).any()
+                    local[0] += holds_nonfinite([buffer[lo - offset : hi - offset]])
         if want_norm:
             for grad in self._owned_grads():
                 local[1] += grad.double().square().sum()

@@ -37,6 +37,8 @@ from phalanx.parallel.schedules import schedule_kind
 from phalanx.parallel.transfer import TransferLayer
 from phalanx.runtime.context import Context
 
+_AGREE_TAG = 0x5048  # sum_over_stages' messages, apart from the schedule's activations
+
 logger = logging.getLogger("phalanx")
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 
@@ -174,6 +176,7 @@ class PipelineParallel:
         self._scale = 1.0
         self._losses: list[torch.Tensor] = []
         self._loss_fn = loss_fn
+        self._agreement_sends: tuple[torch.Tensor | None, list[Any]] = (None, [])
         self.before_backward: Callable[[bool], None] = lambda last: None
         # Benchmarks: time spent computing (forward and backward of this rank's stages) per
         # step, which makes the bubble measurable; off in training (on CUDA it synchronizes).
@@ -237,6 +240,50 @@ class PipelineParallel:
         if not self._losses:
             return torch.zeros((), device=self.world.device)
         return torch.stack(self._losses).mean()
+
+    def losses_finite(self) -> bool:
+        """On the last stage's rank: whether every micro-batch loss computed so far this
+        ``step`` is finite (True where there are none)."""
+        return not self._losses or bool(torch.isfinite(torch.stack(self._losses)).all())
+
+    def sum_over_stages(self, values: torch.Tensor) -> torch.Tensor:
+        """``values`` (a small float64 vector on this rank's device) summed over this
+        replica's pipeline ranks; the same result on each.
+
+        Rooted at pipeline rank 0, which holds stage 0 and so runs every schedule's final
+        backward: the others send theirs as soon as they finish and wait (they would wait for
+        stage 0's next forward anyway), and the root adds what has already arrived and sends
+        the sum on without waiting for it to land. An all-reduce would put a round trip on
+        the root's path to its optimizer step.
+        """
+        group, size = self.pipe_group, dist.get_world_size(self.pipe_group)
+        self._wait_agreement_sends()
+        if dist.get_rank(group) != 0:
+            root = global_rank(group, 0)
+            dist.send(values, root, group=group, tag=_AGREE_TAG)
+            total = torch.empty_like(values)
+            dist.recv(total, root, group=group, tag=_AGREE_TAG)
+            return total
+        total, incoming = values.clone(), torch.empty_like(values)
+        for r in range(1, size):
+            dist.recv(incoming, global_rank(group, r), group=group, tag=_AGREE_TAG)
+            total += incoming
+        sends = [
+            dist.isend(total, global_rank(group, r), group=group, tag=_AGREE_TAG)
+            for r in range(1, size)
+        ]
+        self._agreement_sends = (total, sends)  # the tensor must outlive the sends
+        return total.clone()
+
+    def close(self) -> None:
+        """Complete this rank's last messages (the Engine's close)."""
+        self._wait_agreement_sends()
+
+    def _wait_agreement_sends(self) -> None:
+        _, sends = self._agreement_sends
+        for work in sends:
+            work.wait()
+        self._agreement_sends = (None, [])
 
     def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor, **kwargs: Any) -> Any:
         loss = self._loss_fn(output, target)

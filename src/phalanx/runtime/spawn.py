@@ -119,6 +119,7 @@ def _rank_main(
 
     os.environ.update(env)
     os.environ["LOCAL_RANK"] = str(rank)  # phalanx.init binds cuda:LOCAL_RANK
+    os.environ["RANK"] = str(rank)  # as torchrun sets it (fault injection reads it)
     payload, failed = b"", False
     try:
         ctx = context.init(runtime, init_method=init_method, rank=rank, world_size=world_size)
