@@ -265,6 +265,11 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
     memory.add_arguments(
         targets.add_parser("memory", help="offload/recompute plan vs checkpoint, save_on_cpu")
     )
+    from phalanx.bench import optimizer
+
+    optimizer.add_arguments(
+        targets.add_parser("optimizer", help="optimizer state in memory vs in the spill file")
+    )
 
 
 def cmd_train(args: argparse.Namespace) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import weakref
 from collections.abc import Callable
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -158,6 +158,8 @@ class Engine:
             )
         self._optimizer_factory = optimizer
         self.optimizer = self.strategy.build_optimizer(self.trainable, optimizer)
+        # [memory] optimizer = "host": the state lives in the memory tier between steps.
+        self._mirror = None if memory is None else memory.attach_optimizer(self.optimizer)
         self.strategy.register_module(self._module)
         self._unregister_teardown = on_shutdown(_close_if_alive(weakref.ref(self)))
         # bucket_mb = "auto" (F12): measure the link now, profile backward in the first steps,
@@ -538,16 +540,22 @@ class Engine:
     ) -> None:
         """New bucket layout; parameters and optimizer state (even sharded) carry over."""
         self.strategy.sync()
-        carried = self.strategy.carry_optimizer_state(self.optimizer, self.trainable)
-        self.buckets.bucket_bytes = bucket_bytes
-        if first_bucket_bytes is not None:
-            self.buckets.first_bucket_bytes = first_bucket_bytes
-        self.buckets.build(order)
-        self.strategy.setup(self.ctx, self.buckets.buckets)
-        self.strategy.rebind_optimizer(
-            self.optimizer, self.trainable, self._optimizer_factory, carried
-        )
+        with self._optimizer_resident():
+            carried = self.strategy.carry_optimizer_state(self.optimizer, self.trainable)
+            self.buckets.bucket_bytes = bucket_bytes
+            if first_bucket_bytes is not None:
+                self.buckets.first_bucket_bytes = first_bucket_bytes
+            self.buckets.build(order)
+            self.strategy.setup(self.ctx, self.buckets.buckets)
+            self.strategy.rebind_optimizer(
+                self.optimizer, self.trainable, self._optimizer_factory, carried
+            )
         self.strategy.register_module(self._module)
+
+    def _optimizer_resident(self) -> AbstractContextManager[None]:
+        """The whole optimizer state in memory inside the block (it may live in the memory
+        tier between steps: ``[memory] optimizer = "host"``)."""
+        return nullcontext() if self._mirror is None else self._mirror.resident()
 
     # -- state --------------------------------------------------------------------------------
     def _broadcast_state(self) -> None:
@@ -576,7 +584,8 @@ class Engine:
         names = [named[id(p)] for p in self.trainable]
         model = self._module.state_dict()  # loads in place: the parameters themselves
         if stored is None:
-            shards, groups = self.strategy.optimizer_shards(self.optimizer, self.trainable)
+            with self._optimizer_resident():  # the returned tensors outlive the block
+                shards, groups = self.strategy.optimizer_shards(self.optimizer, self.trainable)
             return {
                 "model": model,
                 "optimizer": checkpoint.optimizer_to_dcp(shards, groups, self.trainable, names),
@@ -597,15 +606,21 @@ class Engine:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Load what ``state_dict`` describes (also the gathered form of earlier versions)."""
-        from phalanx import checkpoint
-
         self.strategy.sync()
         with torch.no_grad():  # in place: parameters may be views of strategy buffers
             for name, value in state["model"].items():
                 target = self._state_tensor(name)
                 if target.data_ptr() != value.data_ptr() or target.shape != value.shape:
                     target.copy_(value)
-        optimizer = state["optimizer"]
+        with self._optimizer_resident():
+            self._load_optimizer(state["optimizer"])
+        self.num_steps = int(state.get("num_steps", 0))
+        self.num_updates = int(state.get("num_updates", self.num_steps))
+        self.precision.load_state_dict(state.get("precision") or {})
+
+    def _load_optimizer(self, optimizer: dict[str, Any]) -> None:
+        from phalanx import checkpoint
+
         if any(isinstance(k, int) for k in optimizer.get("state", {})) or (
             optimizer.get("param_groups") and isinstance(optimizer["param_groups"], list)
         ):  # the gathered per-index form (single-file checkpoints)
@@ -615,9 +630,6 @@ class Engine:
             names = [named[id(p)] for p in self.trainable]
             shards, groups = checkpoint.optimizer_from_dcp(optimizer, self.trainable, names)
             self.strategy.load_optimizer_shards(self.optimizer, self.trainable, shards, groups)
-        self.num_steps = int(state.get("num_steps", 0))
-        self.num_updates = int(state.get("num_updates", self.num_steps))
-        self.precision.load_state_dict(state.get("precision") or {})
 
     def _state_tensor(self, name: str) -> torch.Tensor:
         tensors = dict(self._module.state_dict(keep_vars=True))
@@ -633,8 +645,9 @@ class Engine:
         self.strategy.sync()
 
     def optimizer_bytes(self) -> int:
-        """Bytes of optimizer state on this rank."""
-        return self.strategy.optimizer_bytes(self.optimizer)
+        """Bytes of optimizer state on this rank (in memory, plus in the memory tier)."""
+        stored = 0 if self._mirror is None else self._mirror.stored_bytes()
+        return self.strategy.optimizer_bytes(self.optimizer) + stored
 
     @property
     def module(self) -> torch.nn.Module:

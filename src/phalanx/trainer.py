@@ -441,7 +441,9 @@ def _memory_manager(
     if not config.memory.enabled:
         return None
     if not isinstance(model, torch.nn.Sequential):
-        raise ConfigError("memory: the memory manager plans per layer of an nn.Sequential")
+        if config.memory.plans_layers:
+            raise ConfigError("memory: the memory manager plans per layer of an nn.Sequential")
+        model = torch.nn.Sequential()  # optimizer = "host" alone needs no layers
     size = config.data.batch_size // config.train.accumulate_steps
     sample = (data.x_train[:size], data.y_train[:size])
     return MemoryManager.build(

@@ -13,6 +13,7 @@ from torch import nn
 
 import phalanx as px
 from phalanx.exchange import make_strategy
+from phalanx.memory.manager import MemoryConfig, MemoryManager
 from phalanx.optim import AdaGrad
 from tests.helpers.spawn import run_ranks
 from tests.multiproc.test_engine import LOCAL_BATCH, ReversedNet, _batches, _reference
@@ -31,9 +32,16 @@ STRATEGIES = [
     ("ps", {"servers": 1, "reduce": "star"}),
     ("ps", {"servers": 1, "reduce": "tree"}),
 ]
+STRATEGY_LIST = [("allreduce", {}), *STRATEGIES]
 
 
-def _engine(ctx: px.Context, model: nn.Module, factory, name: str, options: dict) -> px.Engine:
+def _engine(
+    ctx: px.Context, model: nn.Module, factory, name: str, options: dict, host: bool = False
+) -> px.Engine:
+    memory = None
+    if host:  # F19: optimizer state in a spill file between steps, stepped in small chunks
+        config = MemoryConfig(optimizer="host", optimizer_chunk_mb=0.002)
+        memory = MemoryManager.build([], config, ctx.device)
     return px.Engine(
         copy.deepcopy(model),
         nn.functional.cross_entropy,
@@ -41,6 +49,7 @@ def _engine(ctx: px.Context, model: nn.Module, factory, name: str, options: dict
         exchange=make_strategy(name, options),
         bucket_mb=0.004,  # several buckets, so several partitions per step
         context=ctx,
+        memory=memory,
     )
 
 
@@ -62,34 +71,38 @@ def _compare_all(ctx: px.Context) -> dict:
     model = ReversedNet()
     batches = _batches(ctx.world_size)
     out: dict = {"diffs": {}, "optimizer_bytes": {}}
-    for opt_name, factory in OPTIMIZERS.items():
-        for name, options in [("allreduce", {}), *STRATEGIES]:
-            engine = _engine(ctx, model, factory, name, options)
-            workers = engine.data_world_size
-            _train(
-                engine,
+    runs = [(o, f, n, s, False) for o, f in OPTIMIZERS.items() for n, s in STRATEGY_LIST]
+    runs += [("adam", OPTIMIZERS["adam"], n, s, True) for n, s in STRATEGY_LIST]
+    for opt_name, factory, name, options, host in runs:
+        engine = _engine(ctx, model, factory, name, options, host)
+        workers = engine.data_world_size
+        _train(
+            engine,
+            [(x[: LOCAL_BATCH * workers], y[: LOCAL_BATCH * workers]) for x, y in batches],
+        )
+        key = f"{name}{options}/{opt_name}" + (" host" if host else "")
+        if opt_name == "adam":
+            out["optimizer_bytes"][key] = engine.optimizer_bytes()
+        if engine.is_trainer:
+            # Compare with allreduce on the same global batch (ps servers shrink it).
+            ref = _reference(
+                model,
+                factory,
                 [(x[: LOCAL_BATCH * workers], y[: LOCAL_BATCH * workers]) for x, y in batches],
-            )
-            key = f"{name}{options}/{opt_name}"
-            if opt_name == "adam":
-                out["optimizer_bytes"][key] = engine.optimizer_bytes()
-            if engine.is_trainer:
-                # Compare with allreduce on the same global batch (ps servers shrink it).
-                ref = _reference(
-                    model,
-                    factory,
-                    [(x[: LOCAL_BATCH * workers], y[: LOCAL_BATCH * workers]) for x, y in batches],
-                )  # noqa: E501
-                diff = max(
-                    (a - b.detach()).abs().max().item()
-                    for a, b in zip(_params(engine), ref.parameters())
-                )  # noqa: E501
-                out["diffs"][key] = diff
-            out.setdefault("bytes", {})[key] = (
-                engine.stats.bytes_sent,
-                engine.stats.bytes_received,
-            )
-            engine.close()
+            )  # noqa: E501
+            diff = max(
+                (a - b.detach()).abs().max().item()
+                for a, b in zip(_params(engine), ref.parameters())
+            )  # noqa: E501
+            out["diffs"][key] = diff
+        out.setdefault("bytes", {})[key] = (
+            engine.stats.bytes_sent,
+            engine.stats.bytes_received,
+        )
+        if host and engine.optimizer_bytes() > 0:  # this rank holds state (ps: its servers)
+            mirror = engine.memory.mirror
+            out.setdefault("mirror", {})[key] = (mirror.stored_bytes(), mirror.num_chunks_stepped)
+        engine.close()
     return out
 
 
@@ -99,8 +112,10 @@ def test_strategies_equal_allreduce(world_size: int) -> None:
     for rank, r in enumerate(results):
         for key, diff in r["diffs"].items():
             assert diff < 2e-5, f"world {world_size} rank {rank} {key}: max diff {diff}"
-        expected = len(OPTIMIZERS) * (1 + len(STRATEGIES))
-        assert len(r["diffs"]) >= expected - len(OPTIMIZERS) * 2  # ps servers=1 ranks skip
+        expected = (len(OPTIMIZERS) + 1) * (1 + len(STRATEGIES))
+        assert len(r["diffs"]) >= expected - (len(OPTIMIZERS) + 1) * 2  # ps servers=1 skip
+        for key, (stored, chunks) in r["mirror"].items():  # the state really went to the tier
+            assert stored > 0 and chunks > 1, (rank, key, stored, chunks)
         for key, (sent, received) in r["bytes"].items():
             if "servers': 1" not in key:
                 assert sent > 0 or received > 0 or world_size == 1, key

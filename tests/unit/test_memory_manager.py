@@ -46,9 +46,18 @@ def test_managed_runs_equal_the_unmanaged_run(
     offloaded = train(tmp_path, "offload", 'memory.offload=["1", "2", "7"]')
     recomputed = train(tmp_path, "recompute", 'memory.recompute=["4", "8"]')  # 8: dropout
     budgeted = train(tmp_path, "budget", "memory.budget_mb=12", "train.progress=true")
+    host = train(
+        tmp_path,
+        "host",
+        'memory.optimizer="host"',
+        "memory.optimizer_chunk_mb=0.05",
+        "train.progress=true",
+    )
     assert offloaded == unmanaged and recomputed == unmanaged and budgeted == unmanaged
+    assert host == unmanaged
     printed = "".join(capsys.readouterr())
     assert "memory plan: predicted peak" in printed and "budget 12.0 MiB" in printed
+    assert "optimizer state: in the tier between steps, streamed in chunks of 0.05 MiB" in printed
 
 
 def test_bad_memory_options_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -60,3 +69,5 @@ def test_bad_memory_options_are_one_line(tmp_path: Path, capsys: pytest.CaptureF
     assert_one_line_error(capsys.readouterr().err, "memory.budget_mb: 1.0 MiB cannot be met")
     assert run_main(["train", str(config), "--set", "memory.budget_mb=-1"]) == 2
     assert_one_line_error(capsys.readouterr().err, "memory.budget_mb: must be >= 0")
+    assert run_main(["train", str(config), "--set", 'memory.optimizer="cpu"']) == 2
+    assert_one_line_error(capsys.readouterr().err, "memory.optimizer: got 'cpu'; allowed: device")

@@ -17,6 +17,9 @@ Phases of ``build``:
   Phase 4 (apply): recomputed layers run under torch.utils.checkpoint (their module and
     parameter names do not change); offloaded layers get an ActivationOffloader, whose
     ``step()`` the Engine enters around forward and backward.
+  Phase 5 (optimizer, with ``optimizer = "host"``): the Engine hands over the optimizer its
+    strategy built (``attach_optimizer``); an OptimizerMirror keeps its state in the tier
+    between steps (phalanx.memory.mirror).
 """
 
 from __future__ import annotations
@@ -32,10 +35,12 @@ import torch
 from torch import nn
 
 from phalanx.fields import ConfigValueError, option, require
+from phalanx.memory.mirror import OptimizerMirror
 from phalanx.memory.plan import OFFLOAD, RECOMPUTE, LayerCost, Plan, make_plan
-from phalanx.memory.tiers import TierConfig, make_tier, measure_bandwidth
+from phalanx.memory.tiers import Tier, TierConfig, make_tier, measure_bandwidth
 
 logger = logging.getLogger("phalanx")
+OPTIMIZER_PLACES = ("device", "host")
 PROFILE_STEPS = 2  # one warm-up and one timed step on a copy of the model
 MIN_BANDWIDTH_PROBE = 1 << 20
 
@@ -48,26 +53,57 @@ class MemoryConfig:
     offload: list[str] = option(factory=list, doc="layers (by name: '3') whose activations move")
     recompute: list[str] = option(factory=list, doc="layers recomputed in backward (checkpoint)")
     tier: TierConfig = option(factory=TierConfig, doc="where offloaded activations go")
+    optimizer: str = option(
+        "device",
+        "where optimizer state lives between steps: device, or host (the tier, streamed "
+        "through memory chunk by chunk at each step; F19)",
+    )
+    optimizer_chunk_mb: float = option(16.0, "optimizer = host: state per streamed chunk, MiB")
 
     def __post_init__(self) -> None:
         require(self.budget_mb >= 0, "budget_mb", f"must be >= 0 MiB, got {self.budget_mb}")
+        require(
+            self.optimizer in OPTIMIZER_PLACES,
+            "optimizer",
+            f"got {self.optimizer!r}; allowed: {', '.join(OPTIMIZER_PLACES)}",
+        )
+        require(
+            self.optimizer_chunk_mb > 0,
+            "optimizer_chunk_mb",
+            f"must be > 0 MiB, got {self.optimizer_chunk_mb}",
+        )
         both = sorted(set(self.offload) & set(self.recompute))
         require(
             not both, "recompute", f"layer {both[0]!r} is also in memory.offload" if both else ""
         )
 
     @property
-    def enabled(self) -> bool:
+    def plans_layers(self) -> bool:
+        """Whether activations are managed per layer (needs the model as a list of layers)."""
         return bool(self.budget_mb or self.offload or self.recompute)
+
+    @property
+    def enabled(self) -> bool:
+        return self.plans_layers or self.optimizer == "host"
 
 
 class MemoryManager:
     """The applied plan: recomputation patched into layers, and the offloader (or None)."""
 
-    def __init__(self, plan: Plan, offloader: Any, layers: list[nn.Module]) -> None:
+    def __init__(
+        self,
+        plan: Plan,
+        offloader: Any,
+        layers: list[nn.Module],
+        tier: Tier | None = None,
+        optimizer_chunk_bytes: int = 0,
+    ) -> None:
         self.plan = plan
         self.offloader = offloader
         self.layers = layers
+        self.tier = tier  # open while the offloader or the optimizer mirror uses it
+        self.optimizer_chunk_bytes = optimizer_chunk_bytes  # > 0: optimizer state in the tier
+        self.mirror: OptimizerMirror | None = None
         for name in plan.layers(RECOMPUTE):
             _recompute(layers[int(name)])
 
@@ -77,10 +113,15 @@ class MemoryManager:
         layers: list[nn.Module],
         config: MemoryConfig,
         device: torch.device,
-        sample: tuple[torch.Tensor, torch.Tensor],
-        loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
-        optimizer_factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+        sample: tuple[torch.Tensor, torch.Tensor] | None = None,
+        loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None = None,
+        optimizer_factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None,
     ) -> MemoryManager:
+        """The manager for ``layers`` (the model's, in order; [] with only ``optimizer =
+        "host"``). ``sample`` (one micro-batch), ``loss_fn`` and ``optimizer_factory`` are
+        needed with a budget, which profiles a copy of the layers."""
+        if config.budget_mb and (sample is None or loss_fn is None or optimizer_factory is None):
+            raise ValueError("budget_mb: the profile needs sample, loss_fn and optimizer_factory")
         names = [str(i) for i in range(len(layers))]
         for key, given in (("offload", config.offload), ("recompute", config.recompute)):
             unknown = [n for n in given if n not in names]
@@ -115,9 +156,25 @@ class MemoryManager:
             from phalanx.memory.offload import ActivationOffloader
 
             offloader = ActivationOffloader(layers, offloaded, tier)
-        else:
+        chunk_bytes = int(config.optimizer_chunk_mb * 2**20) if config.optimizer == "host" else 0
+        if chunk_bytes:
+            plan.notes.append(
+                f"optimizer state: in the tier between steps, streamed in chunks of "
+                f"{config.optimizer_chunk_mb:g} MiB"
+            )
+        if not offloaded and not chunk_bytes:
             tier.close()
-        return cls(plan, offloader, layers)
+            return cls(plan, None, layers)
+        return cls(plan, offloader, layers, tier, chunk_bytes)
+
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> OptimizerMirror | None:
+        """With ``optimizer = "host"``: keep ``optimizer``'s state in the tier (the Engine calls
+        this with the optimizer its strategy built)."""
+        if not self.optimizer_chunk_bytes:
+            return None
+        assert self.tier is not None and self.mirror is None
+        self.mirror = OptimizerMirror(optimizer, self.tier, self.optimizer_chunk_bytes)
+        return self.mirror
 
     @contextmanager
     def step(self) -> Iterator[None]:
@@ -132,18 +189,23 @@ class MemoryManager:
         return "\n".join([self.plan.describe(), *(f"  {n}" for n in self.plan.notes)])
 
     def close(self) -> None:
+        if self.mirror is not None:
+            self.mirror.close()
         if self.offloader is not None:
-            self.offloader.close()
+            self.offloader.close()  # closes the tier too
             self.offloader = None
+        elif self.tier is not None:
+            self.tier.close()
+        self.tier = None
 
 
 def _costs(
     layers: list[nn.Module],
     config: MemoryConfig,
     device: torch.device,
-    sample: tuple[torch.Tensor, torch.Tensor],
-    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
-    optimizer_factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+    sample: Any,
+    loss_fn: Any,
+    optimizer_factory: Any,
 ) -> tuple[list[LayerCost], int]:
     """Phase 1: per-layer costs from a profile of a copy of the layers (with a budget), or
     zero costs when only named layers are managed (nothing to choose)."""

@@ -1,0 +1,101 @@
+"""The optimizer-state mirror (F19): state in the spill file between steps, stepped chunk by
+chunk, bitwise the same parameters as the optimizer alone."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+
+from phalanx.memory.mirror import OptimizerMirror
+from phalanx.memory.tiers import SpillFileTier
+
+Factory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+OPTIMIZERS: dict[str, Factory] = {
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.1),
+    "sgd momentum": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
+    "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=0.05),
+}
+
+
+def model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Linear(32, 4))
+
+
+def train(
+    net: nn.Module, opt: torch.optim.Optimizer, steps: int, unused: bool = False
+) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    for step in range(steps):
+        x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+        opt.zero_grad()
+        nn.functional.mse_loss(net(x), y).backward()
+        if unused and step % 2:  # a parameter without gradient this step keeps its state
+            net[2].weight.grad = None
+        opt.step()
+    return [p.detach().clone() for p in net.parameters()]
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_mirror_steps_like_the_optimizer(name: str, tmp_path) -> None:
+    expected = train(net := model(), OPTIMIZERS[name](list(net.parameters())), 5, unused=True)
+    net = model()
+    opt = OPTIMIZERS[name](list(net.parameters()))
+    with SpillFileTier(directory=tmp_path) as tier:
+        mirror = OptimizerMirror(opt, tier, chunk_bytes=2000)  # several chunks
+        got = train(net, opt, 5, unused=True)
+        assert len(mirror._chunks) >= 3
+        assert mirror.stored_bytes() > 0 and tier.bytes_read > 0
+        # between steps no large state stays in memory
+        resident = [
+            v
+            for s in opt.state.values()
+            for v in s.values()
+            if torch.is_tensor(v) and v.numel() > 1
+        ]
+        assert resident == []
+        for a, b in zip(got, expected):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+        # the checkpoint view: every state back, equal to the plain optimizer's
+        with mirror.resident():
+            state = opt.state_dict()["state"]
+            assert all(
+                "exp_avg" in s or "momentum_buffer" in s or "sum" in s for s in state.values()
+            )
+        assert mirror.stored_bytes() > 0
+
+
+def test_mirror_survives_state_replacement_and_lr_schedule(tmp_path) -> None:
+    """An LR scheduler wraps the mirrored step; load_state_dict between steps replaces the
+    tensors (the mirror packs them afresh)."""
+    net = model()
+    opt = OPTIMIZERS["adamw"](list(net.parameters()))
+    reference_net = model()
+    reference = OPTIMIZERS["adamw"](list(reference_net.parameters()))
+    with SpillFileTier(directory=tmp_path) as tier:
+        mirror = OptimizerMirror(opt, tier, chunk_bytes=1 << 20)  # before the scheduler, as
+        schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)  # the Engine
+        reference_schedule = torch.optim.lr_scheduler.StepLR(reference, step_size=2, gamma=0.5)
+        for _ in range(2):
+            train(net, opt, 2)
+            train(reference_net, reference, 2)
+            schedule.step()
+            reference_schedule.step()
+            with mirror.resident():
+                opt.load_state_dict(copy.deepcopy(reference.state_dict()))
+        assert opt.param_groups[0]["lr"] == reference.param_groups[0]["lr"] == 0.005
+        for a, b in zip(net.parameters(), reference_net.parameters()):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_mirror_refuses_a_closure(tmp_path) -> None:
+    net = model()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    with SpillFileTier(directory=tmp_path) as tier:
+        OptimizerMirror(opt, tier, chunk_bytes=1 << 20)
+        with pytest.raises(ValueError, match="closure"):
+            opt.step(lambda: torch.zeros(()))
