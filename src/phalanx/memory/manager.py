@@ -155,7 +155,11 @@ class MemoryManager:
         if offloaded:
             from phalanx.memory.offload import ActivationOffloader
 
-            offloader = ActivationOffloader(layers, offloaded, tier)
+            # Forward holds at most one layer's writes in flight besides the layer computing:
+            # the plan's window (the two largest offloaded layers) then covers forward too.
+            largest = max(costs[i].saved_bytes for i in offloaded)
+            window = {"max_inflight_bytes": largest} if largest > 0 else {}
+            offloader = ActivationOffloader(layers, offloaded, tier, **window)
         chunk_bytes = int(config.optimizer_chunk_mb * 2**20) if config.optimizer == "host" else 0
         if chunk_bytes:
             plan.notes.append(
