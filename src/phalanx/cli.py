@@ -98,6 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_export(commands)
     _add_profile(commands)
     _add_bench(commands)
+    _add_plan(commands)
     from phalanx.data import cli_data
 
     cli_data.add_arguments(commands.add_parser("data", help="pack and inspect record stores"))
@@ -117,6 +118,9 @@ def _add_train(commands: argparse._SubParsersAction) -> None:
     p.add_argument("config", nargs="?", help="TOML config (optional with --resume)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR")
+    p.add_argument(
+        "--trace", metavar="DIR", help="write a Chrome trace of steps 2-4 to DIR/trace.json"
+    )
     p.add_argument("--run-dir", help="run directory (default: runs/<config>-<time>)")
     p.add_argument(
         "--max-restarts",
@@ -240,6 +244,14 @@ def _version() -> str:
     return f"{PROG} {__version__} (torch {torch_version})"
 
 
+def _add_plan(commands: argparse._SubParsersAction) -> None:
+    from phalanx.planner import plan
+
+    plan.add_arguments(
+        commands.add_parser("plan", help="predict step time and speed-up at N devices")
+    )
+
+
 def _add_bench(commands: argparse._SubParsersAction) -> None:
     p = commands.add_parser("bench", help="benchmarks against the PyTorch baseline")
     targets = p.add_subparsers(dest="target", metavar="TARGET", required=True)
@@ -282,6 +294,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         config = load_config(args.config, args.set)
     else:
         config = config_from_data(_saved_config(Path(args.resume)), args.set)
+    if args.trace:
+        config.trace.directory = args.trace
     run_dir = Path(args.resume or args.run_dir or config.train.run_dir or _default_run_dir(args))
     in_worker = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     world_size = int(os.environ["WORLD_SIZE"]) if in_worker else args.nproc * args.nnodes
@@ -375,6 +389,7 @@ def _train_launched(args: argparse.Namespace, run_dir: Path) -> int:
     worker_args = ["train"] + ([args.config] if args.config else [])
     for item in args.set:
         worker_args += ["--set", item]
+    worker_args += ["--trace", args.trace] if args.trace else []
     worker_args += ["--resume", str(run_dir)] if args.resume else ["--run-dir", str(run_dir)]
     os.environ["PHALANX_LAUNCHED"] = "1"
     try:

@@ -26,6 +26,7 @@ from phalanx.optim.factory import OptimizerConfig
 from phalanx.optim.schedule import SchedulerConfig
 from phalanx.parallel.layout import ParallelConfig, check_stage_count, stages_from_layers
 from phalanx.runtime.context import RuntimeConfig
+from phalanx.tracing import TraceConfig
 from phalanx.trainer import TrainConfig
 from phalanx.viz import LogConfig
 
@@ -55,6 +56,9 @@ class RunConfig:
     )
     memory: MemoryConfig = option(
         factory=MemoryConfig, doc="peak memory budget: offload or recompute activations"
+    )
+    trace: TraceConfig = option(
+        factory=TraceConfig, doc="Chrome trace of a few steps ([trace]; --trace DIR)"
     )
 
     def __post_init__(self) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 import weakref
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
@@ -26,6 +27,7 @@ from phalanx.parallel.layout import ParallelConfig
 from phalanx.parallel.pipeline import PipelineParallel, build_pipeline
 from phalanx.precision import Precision
 from phalanx.runtime.context import Context, current_context, on_shutdown
+from phalanx.tracing import StepTracer, TraceConfig
 
 logger = logging.getLogger("phalanx")
 AUTO = "auto"
@@ -92,6 +94,7 @@ class Engine:
         stages: list[int] | None = None,
         sample_input: Any = None,
         memory: MemoryManager | None = None,
+        trace: TraceConfig | None = None,
     ) -> None:
         if bucket_mb != AUTO and (isinstance(bucket_mb, str) or not bucket_mb > 0):
             raise ConfigError(f"bucket_mb: got {bucket_mb!r}; allowed: a size > 0 (MiB) or 'auto'")
@@ -113,6 +116,10 @@ class Engine:
         self.consecutive_nonfinite = 0
         self.ctx = context or current_context()
         self.world = self.ctx  # every process; self.ctx becomes the data-parallel group
+        self.tracer: StepTracer | None = None  # Chrome traces of a few steps (phalanx.tracing)
+        self._backward_started = 0.0  # perf_counter at the last backward's start (traces)
+        if trace is not None and trace.enabled:
+            self.tracer = StepTracer(trace, self.ctx.rank, self.ctx.device)
         self.pipeline: PipelineParallel | None = None
         if parallel is not None and parallel.enabled:
             if bucket_mb == AUTO:
@@ -191,6 +198,7 @@ class Engine:
         """Train on one batch; returns this rank's mean loss (a detached 0-dim tensor)."""
         timer = self._timer
         timer.start()
+        tracing = self.tracer is not None and self.tracer.begin(self.num_steps + 1)
         self._module.train()
         # Phase 1: zero buckets; split into micro-batches.
         self.buckets.zero()
@@ -208,8 +216,10 @@ class Engine:
         # Phase 2: forward/backward; only the last micro-step launches the exchange.
         skip = False
         if self.pipeline is not None:
+            started = time.perf_counter()
             total_loss, skip = self._pipeline_forward_backward(micro, scale)
             timer.mark("backward")
+            self._trace("compute", "pipeline schedule", started)
             micro = []  # done: the loop below is the one-stage path
         if micro:
             with self.memory.step() if self.memory is not None else nullcontext():
@@ -222,13 +232,20 @@ class Engine:
             self.buckets.flush()
             fault_at("exchange", self.num_steps + 1)
             # Phase 4: wait for the exchange; parameters no rank used get no gradient.
+            waited = time.perf_counter()
             self.strategy.finish()
             timer.mark("exchange")
+            end = self._trace("wait", "exchange", waited)
+            if tracing:
+                assert self.tracer is not None
+                self.tracer.buckets(self.buckets.buckets, self._backward_started, end)
             skip = self._inspect_gradients()
         # Phase 5: update (not for a step whose loss or gradients hold inf/NaN on any rank).
+        updating = time.perf_counter()
         if not skip:
             self.strategy.update(self.optimizer)
         timer.mark("optimizer")
+        self._trace("optimizer", "update" if not skip else "skipped", updating)
         self._count_nonfinite(skip)
         self._record(timer.read(), launched_in_backward)
         if not skip:  # every rank skips alike: the layout schedule counts updates only
@@ -237,7 +254,32 @@ class Engine:
             self._maybe_choose_threshold()
             self.num_updates += 1
         self.num_steps += 1
+        if tracing:
+            assert self.tracer is not None
+            self.tracer.finish_step(self.world.group, self._trace_meta())
         return total_loss
+
+    def _trace(self, lane: str, name: str, start: float, **args: Any) -> float:
+        """Record [start, now] on ``lane`` when this step is traced; returns now."""
+        if self.tracer is None or not self.tracer.step:
+            return time.perf_counter()
+        end = self.tracer.now()
+        self.tracer.span(lane, name, start, end, **args)
+        return end
+
+    def trace_input(self, start: float, end: float) -> None:
+        """The Trainer's wait for the next batch, for the trace of the step that follows."""
+        if self.tracer is not None and self.tracer.step:
+            self.tracer.span("input", "next batch", start, end)
+
+    def _trace_meta(self) -> dict[str, Any]:
+        return {
+            "strategy": type(self.strategy).__name__,
+            "world_size": self.world.world_size,
+            "bucket_bytes": [b.nbytes for b in self.buckets.buckets],
+            "compress": self.strategy.codec.name,
+            "device": str(self.ctx.device),
+        }
 
     def _forward_backward(
         self, micro: list[tuple[Any, torch.Tensor]], scale: float, timer: PhaseTimer
@@ -247,9 +289,11 @@ class Engine:
         the step must be skipped before the exchange)."""
         total_loss = torch.zeros((), device=self.ctx.device)
         for i, (x, y) in enumerate(micro):
+            started = time.perf_counter()
             loss = self._forward(x, y)
             total_loss += loss.detach() / len(micro)
             timer.mark("forward")
+            self._backward_started = self._trace("compute", "forward", started, micro=i)
             last = i == len(micro) - 1
             if last and self._nonfinite_before_exchange(total_loss):
                 return total_loss, True
@@ -260,6 +304,8 @@ class Engine:
             if self._recorder is not None:
                 self._recorder.stop()
             timer.mark("backward")
+            if not last:  # the last backward is traced per bucket, from the buckets' times
+                self._trace("compute", "backward", self._backward_started, micro=i)
         return total_loss, False
 
     def _pipeline_forward_backward(

@@ -164,6 +164,7 @@ class Trainer:
             stages=config.stage_of_layers(),
             sample_input=_sample_microbatch(config, self.data),
             memory=self.memory,
+            trace=config.trace,
         )
         # Data is sharded over the ranks that train (dedicated parameter servers don't).
         self.shard = (self.engine.data_rank, self.engine.data_world_size)
@@ -212,10 +213,15 @@ class Trainer:
             while self.step < self.total_steps and not self.preempted:
                 t0 = time.perf_counter()
                 x, y = self.loader.next()
+                self.engine.trace_input(t0, time.perf_counter())
                 loss, self.preempted = self._global_mean(self.engine.step(x, y))
                 lr = self.engine.optimizer.param_groups[0]["lr"]  # the rate this step used
                 if self.scheduler is not None:
                     self.scheduler.step()
+                tracer = self.engine.tracer
+                if tracer is not None and tracer.written is not None and is_main:
+                    progress.write(f"trace of steps: {tracer.written} (open in ui.perfetto.dev)")
+                    tracer.written = None
                 self.engine.stats.input_wait_s = self.loader.last_wait_s
                 self.engine.stats.input_buffers_ready = self.loader.last_ready
                 elapsed = time.perf_counter() - t0

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from phalanx.exchange.base import STRATEGIES, Strategy
+from phalanx.exchange.base import STRATEGIES, Strategy, stamp_done
 from phalanx.exchange.buckets import Bucket
 from phalanx.exchange.comm import CommThread, wait
 from phalanx.exchange.ring import GatherExchange, p2p_allreduce, prefers_gather
@@ -53,11 +53,15 @@ class AllReduce(Strategy):
                 return
             rank, p, group, codec = self.ctx.rank, self.ctx.world_size, self.comm.group, self.codec
             self._works.append(
-                self.comm.submit(lambda: p2p_allreduce(bucket.flat, rank, p, group, codec))
+                stamp_done(
+                    bucket,
+                    self.comm.submit(lambda: p2p_allreduce(bucket.flat, rank, p, group, codec)),
+                )
             )  # noqa: E501
             return
         # Gradients arrive pre-divided by p (the Engine scales the loss), so the sum is the mean.
-        self._works.append(dist.all_reduce(bucket.flat, group=self.ctx.group, async_op=True))
+        work = dist.all_reduce(bucket.flat, group=self.ctx.group, async_op=True)
+        self._works.append(stamp_done(bucket, work))
         world = self.ctx.world_size
         volume = 2 * (world - 1) * bucket.nbytes // world
         self.count_bytes(volume, volume)

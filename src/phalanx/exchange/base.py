@@ -13,8 +13,10 @@ Strategies never see model code; the Engine never branches on a strategy's name.
 from __future__ import annotations
 
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -84,6 +86,20 @@ def strategy_config(name: str, options: dict[str, Any]) -> Any:
     except ConfigError as e:
         key, _, reason = str(e).partition(": ")
         raise ConfigValueError(key, reason) from None
+
+
+def stamp_done(bucket: Bucket, handle: Any) -> Any:
+    """Set ``bucket.done_time`` when ``handle`` (a backend Work or a communication thread's
+    Future) completes: the exchange lane of traces (phalanx.tracing). Returns ``handle``."""
+
+    def stamp(*_: Any) -> None:
+        bucket.done_time = time.perf_counter()
+
+    if isinstance(handle, Future):
+        handle.add_done_callback(stamp)
+    elif hasattr(handle, "get_future"):
+        handle.get_future().add_done_callback(stamp)
+    return handle
 
 
 def holds_nonfinite(tensors: list[torch.Tensor]) -> bool:

@@ -44,6 +44,8 @@ class Bucket:
     ready: bool = False
     launched: bool = False
     launch_time: float = 0.0
+    ready_time: float = 0.0  # perf_counter when its last gradient arrived this step
+    done_time: float = 0.0  # perf_counter when its exchange completed (stamped by strategies)
     pending_grads_at_launch: int = 0  # parameters of the model still waiting for backward
     extra: dict = field(default_factory=dict)  # strategy-owned per-bucket state
 
@@ -178,6 +180,7 @@ class GradientBuckets:
         for bucket in self.buckets:
             bucket.num_pending = len(bucket.params)
             bucket.ready = bucket.launched = False
+            bucket.ready_time = bucket.done_time = 0.0
 
     def _on_grad(self, p: torch.nn.Parameter) -> None:
         """Phase 2: runs inside backward, right after autograd accumulated ``p.grad``."""
@@ -197,6 +200,7 @@ class GradientBuckets:
         bucket.num_pending -= 1
         if bucket.num_pending == 0:
             bucket.ready = True
+            bucket.ready_time = time.perf_counter()
             if self.launch_enabled:
                 self._launch_ready()
 

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from phalanx.errors import ConfigError
-from phalanx.exchange.base import STRATEGIES, OptimizerFactory, holds_nonfinite
+from phalanx.exchange.base import STRATEGIES, OptimizerFactory, holds_nonfinite, stamp_done
 from phalanx.exchange.buckets import Bucket
 from phalanx.exchange.comm import global_rank
 from phalanx.exchange.owners import OwnerUpdateStrategy
@@ -130,7 +130,9 @@ class ParameterServer(OwnerUpdateStrategy):
         self._wait_params(bucket.index)
         pushed, updated = threading.Event(), threading.Event()
         self.count_bytes(*self._pull_bytes(bucket))  # the pull ends in the background: tally it now
-        job = self.comm.submit(lambda: self._serve_bucket(bucket, pushed, updated))
+        job = stamp_done(
+            bucket, self.comm.submit(lambda: self._serve_bucket(bucket, pushed, updated))
+        )
         self._pushed.append((pushed, job))
         self._updated.append((updated, job))
         self._pending_params[bucket.index] = job

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from phalanx.exchange import schedule
-from phalanx.exchange.base import STRATEGIES, OptimizerFactory, holds_nonfinite
+from phalanx.exchange.base import STRATEGIES, OptimizerFactory, holds_nonfinite, stamp_done
 from phalanx.exchange.buckets import Bucket
 from phalanx.exchange.comm import global_rank
 from phalanx.exchange.compression import Codec
@@ -231,7 +231,9 @@ class Partitioned(OwnerUpdateStrategy):
         assert self.comm is not None and self.plan is not None
         self._wait_params(bucket.index)  # its parameters must have arrived before they change
         layout, plan = self.layouts[bucket.index], self.plan
-        job = self.comm.submit(lambda: plan.reduce(bucket.flat, layout, self.count_bytes))
+        job = stamp_done(
+            bucket, self.comm.submit(lambda: plan.reduce(bucket.flat, layout, self.count_bytes))
+        )
         self._pending_reduce[bucket.index] = job
 
     def finish(self) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from phalanx.exchange.base import STRATEGIES, Strategy
+from phalanx.exchange.base import STRATEGIES, Strategy, stamp_done
 from phalanx.exchange.buckets import Bucket
 from phalanx.exchange.comm import CommThread, wait
 from phalanx.exchange.compression import Codec
@@ -80,6 +80,7 @@ class Tree(Strategy):
         assert self.comm is not None and self.ctx is not None
         rank, world, group, codec = self.ctx.rank, self.ctx.world_size, self.comm.group, self.codec
         job = self.comm.submit(lambda: tree_allreduce(bucket.flat, rank, world, group, codec))
+        stamp_done(bucket, job)
         self._jobs.append(job)
 
     def finish(self) -> None:

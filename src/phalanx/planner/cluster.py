@@ -1,0 +1,279 @@
+"""The cluster a plan is for: nodes x devices, and the two levels of links between devices.
+
+A ``ClusterConfig`` says how many devices each node holds, how many nodes there are, and what a
+message costs within a node (``intra``) and between nodes (``inter``): alpha seconds of latency
+plus bytes / beta seconds on the wire, per message and direction (the model of
+``phalanx.exchange.link``). Rank r lives on node r // devices_per_node. Where the devices of a
+node share one network card (``shared_nic``), their inter-node messages queue at it.
+
+Sources: a TOML file (``load_cluster``; configs/clusters/*.toml), or the ``link.json`` that
+``phalanx bench link`` / ``LinkModel.save`` writes, for the machine it ran on (``from_link``).
+Every mistake is a one-line ConfigError naming the file and the key.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from phalanx.errors import ConfigError
+from phalanx.fields import ConfigValueError, from_dict, option, require
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised only on 3.10
+    import tomli as tomllib
+
+INTRA, INTER = "intra", "inter"  # link levels: within a node, between nodes
+LEVELS = (INTRA, INTER)
+
+
+@dataclass(kw_only=True)
+class LinkConfig:
+    """One level of links: a message of n bytes takes alpha_s + n / beta_bytes_per_s."""
+
+    alpha_s: float = option(doc="latency per message in seconds (software and wire)")
+    beta_bytes_per_s: float = option(doc="bandwidth per direction in bytes per second")
+
+    def __post_init__(self) -> None:
+        require(
+            math.isfinite(self.alpha_s) and self.alpha_s >= 0,
+            "alpha_s",
+            f"must be a finite number >= 0 seconds, got {self.alpha_s!r}",
+        )
+        require(
+            self.beta_bytes_per_s > 0,
+            "beta_bytes_per_s",
+            f"must be > 0 bytes per second, got {self.beta_bytes_per_s!r}",
+        )
+
+    def message_s(self, nbytes: float) -> float:
+        """Seconds one message of ``nbytes`` bytes occupies this link."""
+        return self.alpha_s + nbytes / self.beta_bytes_per_s
+
+
+@dataclass(kw_only=True)
+class ClusterConfig:
+    """Devices, their placement on nodes and the links between them (see the module doc)."""
+
+    name: str = option(doc="a short name for tables and plots")
+    devices_per_node: int = option(doc="devices (ranks) on each node")
+    intra: LinkConfig = option(doc="links between devices of one node ([intra])")
+    inter: LinkConfig | None = option(
+        None, "links between nodes ([inter]); needed unless the cluster is one node"
+    )
+    nodes: int = option(0, "nodes available (0: as many as a plan asks for)")
+    shared_nic: bool = option(
+        True, "the devices of a node share one network card for inter-node messages"
+    )
+    compute_speed: float = option(
+        1.0, "how many times faster a device computes than the one the step profile came from"
+    )
+    codec_s_per_byte: float = option(
+        0.0, "compression cost: seconds per uncompressed gradient byte to encode and decode a hop"
+    )
+    description: str = option("", "where the numbers come from")
+
+    def __post_init__(self) -> None:
+        require(bool(self.name.strip()), "name", "must not be empty")
+        require(
+            self.devices_per_node >= 1,
+            "devices_per_node",
+            f"must be >= 1, got {self.devices_per_node}",
+        )
+        require(self.nodes >= 0, "nodes", f"must be >= 0 (0: unlimited), got {self.nodes}")
+        require(
+            math.isfinite(self.compute_speed) and self.compute_speed > 0,
+            "compute_speed",
+            f"must be > 0, got {self.compute_speed!r}",
+        )
+        require(
+            math.isfinite(self.codec_s_per_byte) and self.codec_s_per_byte >= 0,
+            "codec_s_per_byte",
+            f"must be >= 0, got {self.codec_s_per_byte!r}",
+        )
+
+    # -- placement ------------------------------------------------------------------------------
+    @property
+    def capacity(self) -> int | None:
+        """Devices in the cluster (None: unlimited)."""
+        return self.nodes * self.devices_per_node if self.nodes else None
+
+    def check_devices(self, num_devices: int) -> None:
+        """One-line ConfigError when ``num_devices`` ranks do not fit this cluster."""
+        if num_devices < 1:
+            raise ConfigError(f"--devices: counts must be >= 1, got {num_devices}")
+        if self.capacity is not None and num_devices > self.capacity:
+            raise ConfigError(
+                f"--devices: {num_devices} devices do not fit cluster {self.name!r} "
+                f"({self.nodes} nodes x {self.devices_per_node} devices = {self.capacity})"
+            )
+        if self.inter is None and num_devices > self.devices_per_node:
+            raise ConfigError(
+                f"--devices: {num_devices} devices need more than one node of cluster "
+                f"{self.name!r}, which has no [inter] link"
+            )
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.devices_per_node
+
+    def num_nodes(self, num_devices: int) -> int:
+        """Nodes that ``num_devices`` ranks occupy (filled one after another)."""
+        return -(-num_devices // self.devices_per_node)
+
+    def link(self, level: str) -> LinkConfig:
+        """The link of ``level`` (``INTRA`` or ``INTER``)."""
+        if level == INTER:
+            assert self.inter is not None, "check_devices() refuses inter-node plans without it"
+            return self.inter
+        return self.intra
+
+    def ring_link(self, num_devices: int) -> tuple[float, float]:
+        """(alpha, beta) that ``phalanx.exchange.link.calibrate`` would fit for a ring allreduce
+        over ``num_devices`` ranks: each ring step waits for its slowest link, so the ring is
+        paced by the inter-node link as soon as the ranks span two nodes."""
+        if num_devices <= self.devices_per_node:
+            return self.intra.alpha_s, self.intra.beta_bytes_per_s
+        inter = self.link(INTER)
+        return (
+            max(self.intra.alpha_s, inter.alpha_s),
+            min(self.intra.beta_bytes_per_s, inter.beta_bytes_per_s),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def cluster_from_dict(data: dict[str, Any], where: str = "cluster") -> ClusterConfig:
+    """A ClusterConfig from parsed TOML; errors are one line: '<where>: <key>: <reason>'."""
+    for key in ("name", "devices_per_node", "intra"):
+        if key not in data:
+            raise ConfigError(f"{where}: {key}: missing (a cluster needs name, "
+                              "devices_per_node and an [intra] table)")  # fmt: skip
+    for level in LEVELS:
+        table = data.get(level)
+        for key in ("alpha_s", "beta_bytes_per_s"):
+            if isinstance(table, dict) and key not in table:
+                raise ConfigError(f"{where}: {level}.{key}: missing")
+    try:
+        data = dict(data)
+        inter = data.pop("inter", None)
+        cluster = from_dict(ClusterConfig, data, "")
+        if inter is not None:
+            cluster = replace(cluster, inter=from_dict(LinkConfig, inter, "inter"))
+    except ConfigValueError as e:
+        raise ConfigError(f"{where}: {e.key}: {e.reason}") from None
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
+    if cluster.inter is None and cluster.nodes != 1:
+        raise ConfigError(f"{where}: inter: missing; a cluster of more than one node needs it")
+    return cluster
+
+
+def load_cluster(path: str | Path) -> ClusterConfig:
+    """Read a cluster TOML file (configs/clusters/*.toml); one-line ConfigError on any mistake."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"cluster file not found: {path}")
+    try:
+        with path.open("rb") as f:
+            data = tomllib.load(f)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: invalid TOML: {e}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not a UTF-8 text file") from None
+    return cluster_from_dict(data, str(path))
+
+
+def from_link(
+    link: Any,
+    *,
+    name: str = "this machine",
+    devices_per_node: int | None = None,
+    codec_s_per_byte: float = 0.0,
+) -> ClusterConfig:
+    """The one-node cluster that a ``phalanx bench link`` calibration measured.
+
+    ``link``: a ``phalanx.exchange.link.LinkModel``, or the path of its ``link.json`` (or of
+    the directory holding it). ``devices_per_node`` defaults to the calibrated world size. The
+    link fitted a ring allreduce, whose alpha and beta are per message and direction: exactly
+    the intra-node link of this model."""
+    from phalanx.exchange.link import LinkModel
+
+    if not isinstance(link, LinkModel):
+        try:
+            link = LinkModel.load(link)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    if link.world_size < 2 or math.isinf(link.beta_bytes_per_s):
+        raise ConfigError(
+            "link model: calibrated on one process, it measured no link; run "
+            "`phalanx bench link --nproc 2 --json link.json` (or more processes)"
+        )
+    return ClusterConfig(
+        name=name,
+        nodes=1,
+        devices_per_node=devices_per_node or link.world_size,
+        intra=LinkConfig(alpha_s=link.alpha_s, beta_bytes_per_s=link.beta_bytes_per_s),
+        codec_s_per_byte=codec_s_per_byte,
+        description=f"calibrated by phalanx bench link ({link.backend or 'unknown'} backend, "
+        f"{link.world_size} ranks)",
+    )
+
+
+def measure_codec_s_per_byte(
+    name: str = "fp16", nbytes: int = 8 * 2**20, repeats: int = 7, device: str = "cpu"
+) -> float:
+    """Seconds per uncompressed gradient byte to encode a message with phalanx's codec and
+    decode-add it at the receiver (exchange/compression.py), on this process: the
+    ``codec_s_per_byte`` of a cluster file. Median of ``repeats`` after one warm-up; about
+    0.1 s for the default 8 MiB on a CPU core."""
+    import statistics
+    import time
+
+    import torch
+
+    from phalanx.exchange.compression import make_codec
+
+    codec = make_codec(name)
+    if codec.wire_dtype is None:
+        return 0.0
+    values = torch.randn(nbytes // 4, device=device)
+    target = torch.zeros_like(values)
+    times = []
+    for _ in range(repeats + 1):
+        if values.device.type == "cuda":
+            torch.cuda.synchronize(values.device)
+        start = time.perf_counter()
+        message = codec.encode(values)
+        codec.decode_add(message, target)
+        if values.device.type == "cuda":
+            torch.cuda.synchronize(values.device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:]) / (values.numel() * values.element_size())
+
+
+def cluster_to_toml(cluster: ClusterConfig, comment: str = "") -> str:
+    """The TOML text of ``cluster`` (``load_cluster`` reads it back unchanged); ``comment``
+    lines go first, each prefixed with '# '."""
+
+    def value(v: Any) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, str):
+            return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        return repr(v)
+
+    lines = [f"# {line}".rstrip() for line in comment.splitlines()]
+    for key in ("name", "description", "nodes", "devices_per_node", "shared_nic",
+                "compute_speed", "codec_s_per_byte"):  # fmt: skip
+        lines.append(f"{key} = {value(getattr(cluster, key))}")
+    for level in LEVELS:
+        link = getattr(cluster, level)
+        if link is not None:
+            lines += ["", f"[{level}]", f"alpha_s = {value(link.alpha_s)}",
+                      f"beta_bytes_per_s = {value(link.beta_bytes_per_s)}"]  # fmt: skip
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,523 @@
+"""``phalanx plan``: the predicted step, throughput and speed-up at N devices for every setup.
+
+For each device count N and each strategy x threshold x compression, the simulator (sim.py)
+predicts the steady-state step; from it, samples/s = trainers x batch / step, the speed-up over
+one device running the plain step (no exchange: input, forward, backward, optimizer) and the
+scaling efficiency = speed-up / N. The threshold ``auto`` is what ``bucket_mb = "auto"`` ends
+with: ``choose_bucket_bytes`` proposes a size from the step's backward profile and the link a
+calibration would measure on N ranks of this cluster, then the Engine keeps the fastest of that
+size, 25 MiB and one bucket for the whole model (exchange/autotune.py) -- here the fastest
+predicted.
+
+Phases of ``make_plan``:
+  Phase 1: the setups (strategies from the registry, the config's own options for its
+    strategy, the thresholds, the compressions).
+  Phase 2: per N, per setup, the simulation; setups the simulation cannot afford (a ``ps``
+    star on hundreds of ranks) or that cannot run on N devices (``ps`` with as many servers)
+    are listed as skipped with the reason.
+  Phase 3: the best setup per N.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from phalanx.errors import ConfigError
+from phalanx.planner.cluster import ClusterConfig
+from phalanx.planner.sim import (
+    DEFAULT_BUCKET_BYTES,
+    MAX_ROUNDS,
+    ExchangeSetup,
+    Simulator,
+    StepResult,
+)
+from phalanx.planner.step import StepProfile
+
+MIB = 2**20
+AUTO = "auto"
+DEFAULT_DEVICES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+DEFAULT_THRESHOLDS = ("25", AUTO)
+DEFAULT_COMPRESSIONS = ("none", "fp16")
+
+
+def default_strategies() -> list[str]:
+    """The phalanx exchange strategies the planner has a schedule for (registry order)."""
+    import phalanx.exchange  # noqa: F401  (registers the strategies)
+    from phalanx.exchange.base import STRATEGIES
+    from phalanx.planner.schedules import SCHEDULES
+
+    return [name for name in STRATEGIES.names() if name in SCHEDULES]
+
+
+@dataclass(kw_only=True)
+class PlanRow:
+    """One setup at one N: its simulated step, or why it was skipped."""
+
+    devices: int
+    setup: ExchangeSetup
+    result: StepResult | None = None
+    skipped: str = ""
+    speedup: float = 0.0
+    efficiency: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "devices": self.devices,
+            "strategy": self.setup.strategy,
+            "options": self.setup.options,
+            "threshold": self.setup.threshold_label,
+            "bucket_bytes": self.setup.bucket_bytes,
+            "first_bucket_bytes": self.setup.first_bucket_bytes,
+            "compress": self.setup.compress,
+        }
+        if self.result is None:
+            return {**out, "skipped": self.skipped}
+        return {
+            **out,
+            **self.result.to_dict(),
+            "speedup": self.speedup,
+            "efficiency": self.efficiency,
+        }
+
+
+@dataclass(kw_only=True)
+class Plan:
+    """Every row of a plan, and what it was made from."""
+
+    cluster: ClusterConfig
+    profile: StepProfile
+    devices: list[int]
+    rows: list[PlanRow] = field(default_factory=list)
+
+    @property
+    def single_device_s(self) -> float:
+        return self.profile.scaled(self.cluster.compute_speed).compute_s
+
+    def best(self, devices: int) -> PlanRow | None:
+        """The row with the most samples/s at ``devices`` (None if every setup was skipped)."""
+        done = [r for r in self.rows if r.devices == devices and r.result is not None]
+        return max(done, key=lambda r: r.result.samples_per_s) if done else None  # type: ignore[union-attr]
+
+    def to_dict(self) -> dict[str, Any]:
+        best = {str(n): (b.to_dict() if (b := self.best(n)) else None) for n in self.devices}
+        return {
+            "cluster": self.cluster.to_dict(),
+            "profile": {
+                "source": self.profile.source,
+                "batch_size": self.profile.batch_size,
+                "layers": len(self.profile.layers),
+                "gradient_bytes": self.profile.total_grad_bytes,
+                "forward_s": self.profile.forward_s,
+                "backward_s": self.profile.backward_s,
+                "optimizer_s": self.profile.optimizer_s,
+                "single_device_step_s": self.single_device_s,
+            },
+            "devices": self.devices,
+            "rows": [r.to_dict() for r in self.rows],
+            "best": best,
+        }
+
+
+def make_plan(
+    profile: StepProfile,
+    cluster: ClusterConfig,
+    devices: list[int],
+    strategies: list[tuple[str, dict[str, Any]]],
+    thresholds: tuple[str, ...] | list[str] = DEFAULT_THRESHOLDS,
+    compressions: tuple[str, ...] | list[str] = DEFAULT_COMPRESSIONS,
+    max_rounds: int | None = None,
+) -> Plan:
+    """Simulate every setup at every device count (see the module docstring)."""
+    for n in devices:
+        cluster.check_devices(n)
+    simulator = Simulator(profile, cluster, max_rounds=max_rounds or MAX_ROUNDS)
+    plan = Plan(cluster=cluster, profile=profile, devices=list(devices))
+    single = plan.single_device_s
+    for n in devices:
+        specs = [
+            (name, options, threshold, compress)
+            for name, options in strategies
+            for threshold in thresholds
+            for compress in compressions
+        ]
+        simulator.prefetch(n, [s for spec in specs for s in _setups(simulator, n, *spec)])
+        for spec in specs:  # Phases 1 and 2
+            row = _row(simulator, n, *spec)
+            if row.result is not None:
+                row.speedup = row.result.samples_per_s * single / profile.batch_size
+                row.efficiency = row.speedup / n
+            plan.rows.append(row)
+    return plan
+
+
+def _setups(
+    simulator: Simulator, n: int, name: str, options: dict, threshold: str, compress: str
+) -> list[ExchangeSetup]:
+    """The setups one threshold spec stands for (``auto``: the autotuner's candidates)."""
+    return [
+        ExchangeSetup(
+            strategy=name,
+            options=dict(options),
+            bucket_bytes=bucket_bytes,
+            first_bucket_bytes=first,
+            compress=compress,
+            threshold_label=label,
+        )
+        for label, bucket_bytes, first in _thresholds(simulator, n, threshold)
+    ]
+
+
+def _row(
+    simulator: Simulator, n: int, name: str, options: dict, threshold: str, compress: str
+) -> PlanRow:
+    """One setup at n devices; ``auto`` tries the autotuner's candidates and keeps the best."""
+    best: PlanRow | None = None
+    for setup in _setups(simulator, n, name, options, threshold, compress):
+        try:
+            result = simulator.run(n, setup)
+        except ConfigError as e:  # over the budget, or not runnable at n (ps servers >= n)
+            return PlanRow(devices=n, setup=setup, skipped=str(e))
+        if best is None or result.step_s < best.result.step_s:  # type: ignore[union-attr]
+            best = PlanRow(devices=n, setup=setup, result=result)
+    assert best is not None
+    return best
+
+
+def _thresholds(simulator: Simulator, n: int, threshold: str) -> list[tuple[str, int, int]]:
+    """(label, bucket bytes, first bucket bytes) to simulate for one threshold spec."""
+    from phalanx.exchange.buckets import FIRST_BUCKET_BYTES
+
+    if threshold != AUTO:
+        size = _parse_mib(threshold)
+        return [(f"{threshold} MiB", size, FIRST_BUCKET_BYTES)]
+    from phalanx.exchange.link import LinkModel
+    from phalanx.exchange.threshold import choose_bucket_bytes
+
+    profile = simulator.profile
+    total = profile.total_grad_bytes
+    if n == 1:
+        return [(f"auto ({total / MIB:.3g} MiB)", total + 1, total + 1)]
+    alpha, beta = simulator.cluster.ring_link(n)
+    link = LinkModel(alpha_s=alpha, beta_bytes_per_s=beta, world_size=n)
+    choice = choose_bucket_bytes(profile.to_backward_profile(), link, n).bucket_bytes
+    layouts = [
+        (choice, FIRST_BUCKET_BYTES),
+        (DEFAULT_BUCKET_BYTES, FIRST_BUCKET_BYTES),
+        (total + 1, total + 1),
+    ]
+    return [(f"auto ({b / MIB:.3g} MiB)", b, f) for b, f in dict.fromkeys(layouts)]
+
+
+def _parse_mib(text: str) -> int:
+    try:
+        value = float(text)
+    except ValueError:
+        raise ConfigError(f"--thresholds: {text!r} is not a size in MiB or 'auto'") from None
+    if not value > 0 or math.isinf(value):
+        raise ConfigError(f"--thresholds: sizes must be > 0 MiB, got {text!r}")
+    return int(value * MIB)
+
+
+# -- output -----------------------------------------------------------------------------------
+def format_plan(plan: Plan) -> str:
+    """The table per N (every setup, the best marked) and a summary of the best per N."""
+    p, c = plan.profile, plan.cluster
+    lines = [
+        f"phalanx plan | cluster {c.name} ({c.devices_per_node} devices/node, intra "
+        f"{_link(c.intra)}" + (f", inter {_link(c.inter)}" if c.inter else "") + ")",
+        f"step profile: {p.source or 'given'}; batch {p.batch_size}/device, {len(p.layers)} "
+        f"layers, gradients {p.total_grad_bytes / MIB:.1f} MiB, one device "
+        f"{plan.single_device_s * 1e3:.1f} ms/step (forward {p.forward_s * 1e3:.1f}, backward "
+        f"{p.backward_s * 1e3:.1f}, optimizer {p.optimizer_s * 1e3:.1f})",
+    ]
+    header = (
+        "N",
+        "strategy",
+        "threshold",
+        "compress",
+        "step ms",
+        "exposed ms",
+        "samples/s",
+        "speed-up",
+        "eff",
+        "",
+    )
+    for n in plan.devices:
+        rows = [header]
+        best = plan.best(n)
+        for row in (r for r in plan.rows if r.devices == n):
+            s = row.setup
+            name = s.strategy + (f"({_options(s.options)})" if s.options else "")
+            if row.result is None:
+                rows.append(
+                    (
+                        str(n),
+                        name,
+                        s.threshold_label,
+                        s.compress,
+                        "skipped",
+                        "",
+                        "",
+                        "",
+                        "",
+                        row.skipped,
+                    )
+                )
+                continue
+            r = row.result
+            rows.append(
+                (
+                    str(n),
+                    name,
+                    s.threshold_label,
+                    s.compress,
+                    f"{r.step_s * 1e3:.1f}",
+                    f"{r.exposed_s * 1e3:.1f}",
+                    f"{r.samples_per_s:.1f}",
+                    f"{row.speedup:.2f}x",
+                    f"{row.efficiency:.0%}",
+                    "<- best" if row is best else "",
+                )
+            )
+        lines.append("")
+        lines += _table(rows)
+    lines.append("")
+    lines.append("best per N:")
+    summary = [("N", "setup", "samples/s", "speed-up", "efficiency")]
+    for n in plan.devices:
+        best = plan.best(n)
+        if best is None:
+            summary.append((str(n), "every setup skipped", "", "", ""))
+            continue
+        summary.append(
+            (
+                str(n),
+                best.setup.label(),
+                f"{best.result.samples_per_s:.1f}",  # type: ignore[union-attr]
+                f"{best.speedup:.2f}x",
+                f"{best.efficiency:.0%}",
+            )
+        )
+    lines += _table(summary)
+    return "\n".join(lines)
+
+
+def _link(link: Any) -> str:
+    return f"{link.alpha_s * 1e6:.1f} us + n / {link.beta_bytes_per_s / 1e9:.2f} GB/s"
+
+
+def _options(options: dict[str, Any]) -> str:
+    return ",".join(f"{k}={v}" for k, v in sorted(options.items()))
+
+
+def _table(rows: list[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    last = len(widths) - 1  # free text (a note): never widens the other columns
+    widths[last] = 0
+    return [
+        "  "
+        + "  ".join(
+            cell.ljust(w) if i < 4 or i == last else cell.rjust(w)
+            for i, (cell, w) in enumerate(zip(r, widths))
+        ).rstrip()
+        for r in rows
+    ]
+
+
+def plot_plan(plan: Plan, output: Path) -> None:
+    """A PNG of the speed-up against N (log2 axis): per strategy its best setup, and ideal."""
+    from phalanx.memory.profile import require_matplotlib
+
+    pyplot = require_matplotlib()
+    fig, ax = pyplot.subplots(figsize=(8, 5))
+    ax.plot(plan.devices, plan.devices, color="grey", linestyle="--", label="linear")
+    for name in dict.fromkeys(r.setup.strategy for r in plan.rows):
+        points = []
+        for n in plan.devices:
+            done = [
+                r
+                for r in plan.rows
+                if r.devices == n and r.setup.strategy == name and r.result is not None
+            ]
+            if done:
+                points.append((n, max(r.speedup for r in done)))
+        if points:
+            ax.plot(*zip(*points), marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log", base=2)
+    ax.set_xticks(plan.devices, [str(n) for n in plan.devices])
+    ax.set_xlabel("devices")
+    ax.set_ylabel("speed-up over one device")
+    ax.set_title(
+        f"predicted speed-up on {plan.cluster.name}\n(per strategy: its best threshold and "
+        "compression)",
+        fontsize=10,
+    )
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    output.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(output, dpi=110)
+    pyplot.close(fig)
+
+
+def write_traces(plan: Plan, directory: Path) -> list[Path]:
+    """One Chrome trace per N: the simulated step of the best setup."""
+    from phalanx.planner.trace import write_trace
+
+    paths = []
+    for n in plan.devices:
+        best = plan.best(n)
+        if best is None or best.result is None:
+            continue
+        paths.append(
+            write_trace(
+                directory / f"plan-n{n}.json",
+                best.result.events,
+                source="phalanx plan (simulated)",
+                devices=n,
+                setup=best.setup.label(),
+                step_s=best.result.step_s,
+                cluster=plan.cluster.name,
+            )
+        )
+    return paths
+
+
+# -- command line -----------------------------------------------------------------------------
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags of ``phalanx plan``; sets ``handler``."""
+    p.add_argument("config", help="the run's TOML config (model, batch, exchange options)")
+    p.add_argument(
+        "--cluster",
+        required=True,
+        metavar="FILE",
+        help="cluster TOML (configs/clusters/), or the link.json of phalanx bench link",
+    )
+    p.add_argument(
+        "--devices",
+        metavar="N,N,...",
+        help="device counts (default 1,2,4,...,1024, as far as the cluster has devices)",
+    )
+    p.add_argument(
+        "--profile",
+        metavar="FILE",
+        help="step profile JSON (plan's own, phalanx profile --json, or a backward "
+        "profile); default: measure the config's model here",
+    )
+    p.add_argument(
+        "--strategies",
+        metavar="A,B",
+        help="strategies to plan (default: every one the planner models)",
+    )
+    p.add_argument(
+        "--thresholds",
+        default=",".join(DEFAULT_THRESHOLDS),
+        metavar="MIB,auto",
+        help="fusion thresholds in MiB, or auto (default 25,auto)",
+    )
+    p.add_argument(
+        "--compress",
+        default=",".join(DEFAULT_COMPRESSIONS),
+        metavar="none,fp16",
+        help="compressions (default none,fp16)",
+    )
+    p.add_argument("--steps", type=int, default=4, help="steps to measure without --profile")
+    p.add_argument("--device", default="auto", help="where to measure: auto, cpu or cuda[:N]")
+    p.add_argument("--json", metavar="FILE", help="write every number here")
+    p.add_argument("--plot", metavar="PNG", help="speed-up against N (viz extra)")
+    p.add_argument("--trace", metavar="DIR", help="a Chrome trace per N of the best setup")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="tracebacks")
+    p.set_defaults(handler=cmd_plan)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from phalanx.config import load_config
+    from phalanx.planner.step import load_step_profile, measure_step_profile
+
+    config = load_config(args.config, args.set)
+    cluster = read_cluster(args.cluster)
+    if args.devices is None:
+        devices = [n for n in DEFAULT_DEVICES if cluster.capacity is None or n <= cluster.capacity]
+    else:
+        devices = _parse_devices(args.devices)
+    for n in devices:
+        cluster.check_devices(n)
+    strategies = _strategies(args.strategies, config.exchange)
+    compressions = _names(args.compress, "--compress")
+    from phalanx.planner.schedules import WIRE_CODECS
+
+    for name in compressions:
+        if name not in WIRE_CODECS:
+            raise ConfigError(f"--compress: unknown {name!r}; known: {', '.join(WIRE_CODECS)}")
+    thresholds = _names(args.thresholds, "--thresholds")
+    for t in thresholds:
+        if t != AUTO:
+            _parse_mib(t)
+    if args.plot:
+        from phalanx.memory.profile import require_matplotlib
+
+        require_matplotlib()  # fail before the work, not after it
+    if args.profile:
+        profile = load_step_profile(args.profile)
+    else:
+        profile = measure_step_profile(config, steps=args.steps, device=args.device)
+    plan = make_plan(profile, cluster, devices, strategies, thresholds, compressions)
+    print(format_plan(plan))
+    if args.json:
+        from phalanx.checkpoint import atomic_write_text
+
+        atomic_write_text(Path(args.json), json.dumps(plan.to_dict(), indent=1) + "\n")
+        print(f"wrote {args.json}")
+    if args.plot:
+        plot_plan(plan, Path(args.plot))
+        print(f"wrote {args.plot}")
+    if args.trace:
+        paths = write_traces(plan, Path(args.trace))
+        print(f"wrote {len(paths)} trace(s) to {args.trace}")
+    return 0
+
+
+def read_cluster(path: str) -> ClusterConfig:
+    """A cluster TOML, or the link.json of ``phalanx bench link`` (this machine)."""
+    from phalanx.planner.cluster import from_link, load_cluster
+
+    if Path(path).suffix == ".json" or Path(path).is_dir():
+        return from_link(path)
+    return load_cluster(path)
+
+
+def _names(text: str, flag: str) -> list[str]:
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    if not names:
+        raise ConfigError(f"{flag}: give at least one value")
+    return list(dict.fromkeys(names))
+
+
+def _parse_devices(text: str) -> list[int]:
+    try:
+        devices = [int(x) for x in _names(text, "--devices")]
+    except ValueError:
+        raise ConfigError(f"--devices: expected counts like 1,2,4,8, got {text!r}") from None
+    if min(devices) < 1:
+        raise ConfigError(f"--devices: counts must be >= 1, got {text!r}")
+    return sorted(set(devices))
+
+
+def _strategies(text: str | None, exchange: Any) -> list[tuple[str, dict[str, Any]]]:
+    """(name, options) per strategy; the config's strategy keeps the config's options."""
+    from phalanx.planner.schedules import SCHEDULES
+
+    names = default_strategies() if text is None else _names(text, "--strategies")
+    for name in names:
+        if name not in SCHEDULES:
+            raise ConfigError(
+                f"--strategies: unknown {name!r}; known: {', '.join(SCHEDULES.names())}"
+            )
+    return [(n, dict(exchange.options) if n == exchange.strategy else {}) for n in names]

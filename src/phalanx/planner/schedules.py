@@ -1,0 +1,502 @@
+"""Each exchange strategy's message schedule for one bucket, as rounds of point-to-point messages.
+
+A ``Schedule`` (registered by name in ``SCHEDULES``, the names of phalanx's strategies plus
+``ring``) says, for one bucket of n bytes on P ranks, which messages travel in which order. Its
+work comes in ``Phase``s that the simulator (sim.py) runs one after another on the
+communication stream:
+  Phase 1 (``bucket_phases``): as soon as the bucket is launched during backward: the
+    allreduce, the reduce to the owners, or the push / server update / pull of a parameter
+    server. Each phase says whether the step waits for it (``gates = STEP``) or only the next
+    forward of the bucket's layers (``gates = FORWARD``: the pull of ``ps``).
+  Phase 2 (``optimizer_fraction``): after backward and every STEP phase, the optimizer runs on
+    the compute stream over this fraction of the gradients (1: replicated; 1/owners: sharded).
+  Phase 3 (``return_phases``): owners send the updated parameters back, bucket after bucket in
+    forward order, while the next forward runs (``partitioned``'s send-back: ``gates =
+    FORWARD``, each layer waits for its own bucket), or before it starts (``gates = STEP``).
+
+Rounds are in each rank's program order: a rank takes part in the rounds that name it, one
+after another, and its messages within one round run at the same time (a ring step sends and
+receives at once). Sizes are fractions of the bucket (a ``RoundTable`` holds them as arrays, so
+one table serves every bucket size), and each message has a ``kind``: ``GRAD`` (a gradient,
+compressed on the wire and coded at both ends), ``FORWARD`` (already compressed, passed on:
+decoded only) or ``PARAM`` (parameters: always exact).
+
+``WIRE_CODECS`` models compression: ``fp16``/``bf16`` halve a gradient's bytes, add the scale
+(4 bytes) to each message, and cost ``ClusterConfig.codec_s_per_byte`` per uncompressed byte.
+Nothing outside these registries branches on a strategy's or codec's name.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from phalanx.errors import ConfigError
+from phalanx.exchange import schedule as cyclic
+from phalanx.exchange.ring import GATHER_MAX_BYTES
+from phalanx.exchange.tree import tree_parent
+from phalanx.registry import Registry
+
+GRAD, FORWARD, PARAM = 0, 1, 2  # message kinds (indices into WireCodec's tables)
+KIND_NAMES = ("grad", "forward", "param")
+STEP, FORWARD_PASS = "step", "forward"  # what waits for a phase
+
+
+@dataclass(frozen=True)
+class Message:
+    """``nbytes`` (uncompressed) travel from rank ``src`` to rank ``dst``."""
+
+    src: int
+    dst: int
+    nbytes: float
+    kind: int = GRAD
+
+
+@dataclass(frozen=True, eq=False)
+class RoundTable:
+    """The messages of one phase, as arrays in program order; round r holds messages
+    ``starts[r]:starts[r+1]``. ``fraction``: each message's share of the bucket's bytes.
+    ``key`` identifies the table (for caches): equal keys, equal tables."""
+
+    key: tuple
+    src: np.ndarray
+    dst: np.ndarray
+    fraction: np.ndarray
+    kind: np.ndarray
+    starts: np.ndarray
+
+    @property
+    def num_rounds(self) -> int:
+        return len(self.starts) - 1
+
+    @property
+    def num_messages(self) -> int:
+        return len(self.src)
+
+    def rounds(self, nbytes: float) -> list[list[Message]]:
+        """The rounds with the message sizes of a bucket of ``nbytes`` bytes."""
+        out = []
+        for r in range(self.num_rounds):
+            lo, hi = int(self.starts[r]), int(self.starts[r + 1])
+            out.append(
+                [
+                    Message(int(s), int(d), float(f) * nbytes, int(k))
+                    for s, d, f, k in zip(
+                        self.src[lo:hi], self.dst[lo:hi], self.fraction[lo:hi], self.kind[lo:hi]
+                    )
+                ]
+            )
+        return out
+
+
+class _Builder:
+    """Collects rounds of (src, dst, fraction, kind) into a RoundTable."""
+
+    def __init__(self) -> None:
+        self.chunks: list[np.ndarray] = []  # (4, m) blocks of src, dst, fraction, kind
+        self.sizes: list[int] = []  # messages per round
+
+    def round(self, messages: Iterable[tuple[int, int, float, int]]) -> None:
+        """Append one round (skipped if empty)."""
+        block = np.asarray(list(messages), dtype=np.float64).reshape(-1, 4).T
+        if block.shape[1]:
+            self.chunks.append(block)
+            self.sizes.append(block.shape[1])
+
+    def rounds(
+        self, src: np.ndarray, dst: np.ndarray, fraction: float, kind: int, count: int
+    ) -> None:
+        """Append ``count`` rounds, each of the messages src[i] -> dst[i]."""
+        m = len(src)
+        block = np.empty((4, m * count))
+        block[0], block[1] = np.tile(src, count), np.tile(dst, count)
+        block[2], block[3] = fraction, kind
+        self.chunks.append(block)
+        self.sizes.extend([m] * count)
+
+    def singles(self, src: np.ndarray, dst: np.ndarray, fraction: float, kind: int) -> None:
+        """Append one round per message src[i] -> dst[i], in order."""
+        block = np.empty((4, len(src)))
+        block[0], block[1], block[2], block[3] = src, dst, fraction, kind
+        self.chunks.append(block)
+        self.sizes.extend([1] * len(src))
+
+    def table(self, key: tuple) -> RoundTable:
+        data = np.concatenate(self.chunks, axis=1) if self.chunks else np.zeros((4, 0))
+        return RoundTable(
+            key=key,
+            src=data[0].astype(np.int64),
+            dst=data[1].astype(np.int64),
+            fraction=data[2].copy(),
+            kind=data[3].astype(np.int64),
+            starts=np.concatenate(([0], np.cumsum(self.sizes, dtype=np.int64))),
+        )
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One step of a bucket's exchange on the communication stream: messages (``table``) or,
+    when ``table`` is None, an owner's optimizer update of ``update_fraction`` of the bucket."""
+
+    name: str
+    table: RoundTable | None = None
+    update_fraction: float = 0.0
+    gates: str = STEP
+
+
+# -- the rounds of the algorithms ----------------------------------------------------------------
+def _shares(num_parts: int) -> list[float]:
+    """Near-equal shares of a bucket split in ``num_parts`` (as ``sharding.bounds`` splits)."""
+    return [1.0 / num_parts] * num_parts
+
+
+@functools.lru_cache(maxsize=64)
+def ring_rounds(
+    world: int, reduce: bool = True, gather: bool = True, grad: bool = True
+) -> RoundTable:
+    """Ring reduce-scatter (p-1 steps) then all-gather (p-1 steps): in every step each rank
+    sends 1/p of the bucket to rank+1 while receiving 1/p from rank-1 (F14). ``grad`` False:
+    the all-gather carries parameters (exact); True: the owners' encoded chunks (FORWARD)."""
+    b = _Builder()
+    ranks = np.arange(world)
+    if reduce:
+        b.rounds(ranks, (ranks + 1) % world, 1.0 / world, GRAD, world - 1)
+    if gather:
+        b.rounds(ranks, (ranks + 1) % world, 1.0 / world, FORWARD if grad else PARAM, world - 1)
+    return b.table(("ring", world, reduce, gather, grad))
+
+
+@functools.lru_cache(maxsize=64)
+def gather_rounds(world: int) -> RoundTable:
+    """Every rank sends its whole message to every other rank in one round (phalanx's gather
+    for small compressed buckets at p = 2, exchange/ring.py)."""
+    b = _Builder()
+    b.round((s, d, 1.0, GRAD) for s in range(world) for d in range(world) if s != d)
+    return b.table(("gather", world))
+
+
+def _tree_up(ranks: list[int], share: float, b: _Builder) -> None:
+    """Binary-tree reduction to ranks[0] over positions 0..n-1 (phalanx.exchange.tree): in
+    round s, position i whose lowest set bit is s sends its partial sum to i - 2^s."""
+    n = len(ranks)
+    depth = math.ceil(math.log2(n)) if n > 1 else 0
+    for s in range(depth):
+        b.round(
+            (ranks[i], ranks[tree_parent(i)], share, GRAD)
+            for i in range(1, n)
+            if (i & -i) == 1 << s
+        )
+
+
+def _tree_down(ranks: list[int], share: float, kind: int, b: _Builder) -> None:
+    """Back down the same tree: each position forwards what it received to its children,
+    farthest first (a binomial broadcast from ranks[0], ceil(log2 n) rounds)."""
+    n = len(ranks)
+    depth = math.ceil(math.log2(n)) if n > 1 else 0
+    for t in range(depth):
+        step = 1 << (depth - 1 - t)
+        b.round(
+            (ranks[i], ranks[i + step], share, kind)
+            for i in range(0, n, 2 * step)
+            if i + step < n  # i + step is i's child: i's lowest set bit is above step
+        )
+
+
+@functools.lru_cache(maxsize=64)
+def tree_rounds(world: int) -> RoundTable:
+    """The ``tree`` strategy: reduce to rank 0 up a binary tree, then back down (F9)."""
+    b = _Builder()
+    ranks = list(range(world))
+    _tree_up(ranks, 1.0, b)
+    _tree_down(ranks, 1.0, GRAD, b)
+    return b.table(("tree", world))
+
+
+@functools.lru_cache(maxsize=64)
+def cyclic_rounds(world: int, send_back: bool) -> RoundTable:
+    """The documents' cyclic schedule (F4, phalanx.exchange.schedule): p-1 half-duplex cycles
+    in which floor(p/2) partitions each hop one rank; reduce, or the send-back of parameters.
+    Cycle k moves partition m from (2m+k+1) to (2m+k+2) mod p (send-back: (2m+k) to
+    (2m+k+1)); built with arrays, the same transfers as ``reduce_cycles``/``broadcast_cycles``
+    (a unit test compares them), because those build one object per transfer."""
+    b = _Builder()
+    parts = np.arange(cyclic.num_partitions(world))
+    share = 1.0 / len(parts)
+    offset = 0 if send_back else 1
+    for k in range(world - 1):
+        src = (2 * parts + k + offset) % world
+        b.rounds(src, (src + 1) % world, share, PARAM if send_back else GRAD, 1)
+    return b.table(("cyclic", world, send_back))
+
+
+@functools.lru_cache(maxsize=64)
+def ps_rounds(
+    world: int, owners: tuple[int, ...], workers: tuple[int, ...], reduce: str, pull: bool
+) -> RoundTable:
+    """Parameter-server push (or pull) of one bucket, partition by partition in owner order
+    (phalanx.exchange.param_server): star: each worker sends to the owner, which receives
+    from them one after another; tree: up (or down) a binary tree rooted at the owner."""
+    b = _Builder()
+    share = 1.0 / len(owners)
+    for owner in owners:
+        ranks = [owner] + [w for w in workers if w != owner]
+        if reduce == "tree":
+            if pull:
+                _tree_down(ranks, share, PARAM, b)
+            else:
+                _tree_up(ranks, share, b)
+            continue
+        others = np.asarray(ranks[1:], dtype=np.int64)  # star: one message per round, in order
+        if pull:
+            b.singles(np.full_like(others, owner), others, share, PARAM)
+        else:
+            b.singles(others, np.full_like(others, owner), share, GRAD)
+    return b.table(("ps", world, owners, workers, reduce, pull))
+
+
+# -- the schedules ---------------------------------------------------------------------------
+class Schedule(ABC):
+    """One strategy's messages per bucket (see the module docstring for the phases)."""
+
+    def check_world(self, world: int) -> None:
+        """One-line ConfigError if this schedule cannot run on ``world`` ranks."""
+        del world
+
+    def num_trainers(self, world: int) -> int:
+        """Ranks that run forward and backward (the others are dedicated servers)."""
+        return world
+
+    @abstractmethod
+    def bucket_phases(self, world: int, codec: WireCodec, nbytes: float) -> list[Phase]:
+        """Phase 1: what runs when a bucket of ``nbytes`` bytes is launched."""
+
+    def optimizer_fraction(self, world: int) -> float:
+        """Phase 2: the share of the gradients the busiest rank's optimizer updates."""
+        del world
+        return 1.0
+
+    def return_phases(self, world: int) -> list[Phase]:
+        """Phase 3: per bucket, after the optimizer, overlapping the next forward."""
+        del world
+        return []
+
+    def describe(self) -> str:
+        return type(self).__name__
+
+
+SCHEDULES: Registry[Schedule] = Registry("exchange schedule")
+
+
+def _strategy_options(name: str, options: dict[str, Any] | None) -> Any:
+    """The phalanx strategy's own Config for ``options`` (same keys, same one-line errors)."""
+    from phalanx.exchange.base import strategy_config
+    from phalanx.fields import ConfigValueError
+
+    try:
+        return strategy_config(name, dict(options or {}))
+    except ConfigValueError as e:
+        raise ConfigError(f"exchange.{e.key}: {e.reason}") from None
+
+
+@SCHEDULES.register("allreduce")
+class AllReduceSchedule(Schedule):
+    """The backend's ring allreduce; compressed: phalanx's point-to-point ring, or the
+    one-round gather at p = 2 for messages up to 2 MiB (exchange/ring.py)."""
+
+    def __init__(self, **options: Any) -> None:
+        _strategy_options("allreduce", options)
+
+    def bucket_phases(self, world: int, codec: WireCodec, nbytes: float) -> list[Phase]:
+        if world < 2:
+            return []
+        if codec.compresses and world == 2 and codec.wire_bytes(nbytes) <= GATHER_MAX_BYTES:
+            return [Phase("gather", gather_rounds(world))]
+        return [Phase("allreduce", ring_rounds(world))]
+
+
+@SCHEDULES.register("ring")
+class RingSchedule(Schedule):
+    """phalanx's point-to-point ring (exchange/ring.py) for every bucket: 2(p-1) steps."""
+
+    def bucket_phases(self, world: int, codec: WireCodec, nbytes: float) -> list[Phase]:
+        return [Phase("ring", ring_rounds(world))] if world > 1 else []
+
+
+@SCHEDULES.register("tree")
+class TreeSchedule(Schedule):
+    """Binary-tree reduce to rank 0 and broadcast back down, the whole bucket per message."""
+
+    def __init__(self, **options: Any) -> None:
+        _strategy_options("tree", options)
+
+    def bucket_phases(self, world: int, codec: WireCodec, nbytes: float) -> list[Phase]:
+        return [Phase("tree", tree_rounds(world))] if world > 1 else []
+
+
+@SCHEDULES.register("partitioned")
+class PartitionedSchedule(Schedule):
+    """Reduce each partition to its owner, the owner updates its shard, then sends it back
+    while the next forward runs. ``cyclic``: the documents' half-duplex schedule with
+    floor(p/2) owners; ``native``: p owners, ring reduce-scatter and all-gather (NCCL)."""
+
+    def __init__(self, **options: Any) -> None:
+        self.config = _strategy_options("partitioned", options)
+
+    @property
+    def _cyclic(self) -> bool:
+        return self.config.schedule == "cyclic"
+
+    def bucket_phases(self, world: int, codec: WireCodec, nbytes: float) -> list[Phase]:
+        if world < 2:
+            return []
+        if self._cyclic:
+            return [Phase("reduce", cyclic_rounds(world, False))]
+        return [Phase("reduce-scatter", ring_rounds(world, reduce=True, gather=False))]
+
+    def optimizer_fraction(self, world: int) -> float:
+        return 1.0 / (cyclic.num_partitions(world) if self._cyclic else world)
+
+    def return_phases(self, world: int) -> list[Phase]:
+        if world < 2:
+            return []
+        if self._cyclic:
+            return [Phase("send-back", cyclic_rounds(world, True), gates=FORWARD_PASS)]
+        table = ring_rounds(world, reduce=False, gather=True, grad=False)
+        return [Phase("all-gather", table, gates=FORWARD_PASS)]
+
+    def describe(self) -> str:
+        return f"partitioned ({self.config.schedule})"
+
+
+@SCHEDULES.register("ps")
+class ParameterServerSchedule(Schedule):
+    """Per bucket: push each partition to its server, the server updates it, pull it back.
+    ``servers = k`` dedicated ranks (the last k; 0: every rank serves one partition);
+    ``reduce``: ``star`` (direct messages, incast at the server) or ``tree``."""
+
+    def __init__(self, **options: Any) -> None:
+        self.config = _strategy_options("ps", options)
+
+    def check_world(self, world: int) -> None:
+        if self.config.servers >= world:
+            raise ConfigError(
+                f"exchange.options.servers: {self.config.servers} servers leave no worker on "
+                f"{world} devices"
+            )
+
+    def _roles(self, world: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        servers = self.config.servers
+        workers = tuple(range(world - servers))
+        owners = tuple(range(world)) if servers == 0 else tuple(range(world - servers, world))
+        return owners, workers
+
+    def num_trainers(self, world: int) -> int:
+        return world - self.config.servers
+
+    def bucket_phases(self, world: int, codec: WireCodec, nbytes: float) -> list[Phase]:
+        owners, workers = self._roles(world)
+        reduce = self.config.reduce
+        return [
+            Phase("push", ps_rounds(world, owners, workers, reduce, False)),
+            Phase("update", update_fraction=1.0 / len(owners)),
+            Phase("pull", ps_rounds(world, owners, workers, reduce, True), gates=FORWARD_PASS),
+        ]
+
+    def optimizer_fraction(self, world: int) -> float:
+        return 0.0  # the servers update each bucket as it arrives (the "update" phase)
+
+    def describe(self) -> str:
+        return f"ps (servers={self.config.servers}, {self.config.reduce})"
+
+
+@functools.lru_cache(maxsize=64)
+def tree_up_rounds(world: int) -> RoundTable:
+    """Only the reduction of ``tree_rounds``: the sum ends at rank 0."""
+    b = _Builder()
+    _tree_up(list(range(world)), 1.0, b)
+    return b.table(("tree_up", world))
+
+
+@functools.lru_cache(maxsize=64)
+def star_rounds(world: int, root: int = 0) -> RoundTable:
+    """The root sends the whole bucket (parameters) to every other rank, one after another."""
+    b = _Builder()
+    others = np.asarray([r for r in range(world) if r != root], dtype=np.int64)
+    b.singles(np.full_like(others, root), others, 1.0, PARAM)
+    return b.table(("star", world, root))
+
+
+@SCHEDULES.register("tree_ps")
+class TreeServerSchedule(Schedule):
+    """The parallel-CNN paper's parameter server (seed 001, Fig. 1 and section 2): each
+    layer's gradients are summed up a binary tree to the server (rank 0) while backward runs,
+    the server updates that layer, and before the next iteration every replica fetches the
+    updated parameters from the server. Not a phalanx strategy: modelled to compare with that
+    paper (phalanx's ``tree`` sends the sum back down the tree instead, overlapped)."""
+
+    def bucket_phases(self, world: int, codec: WireCodec, nbytes: float) -> list[Phase]:
+        if world < 2:
+            return []
+        return [Phase("reduce", tree_up_rounds(world)), Phase("update", update_fraction=1.0)]
+
+    def optimizer_fraction(self, world: int) -> float:
+        return 0.0 if world > 1 else 1.0
+
+    def return_phases(self, world: int) -> list[Phase]:
+        # STEP: the next iteration starts once every replica holds every parameter.
+        return [Phase("fetch", star_rounds(world), gates=STEP)] if world > 1 else []
+
+
+def make_schedule(name: str, options: dict[str, Any] | None = None) -> Schedule:
+    """The registered schedule ``name`` with the strategy's ``options``."""
+    return SCHEDULES.get(name)(**(options or {}))
+
+
+# -- compression on the wire ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class WireCodec:
+    """What a codec does to a message of each kind: the wire's bytes per uncompressed byte, the
+    bytes added per message, and the coding work in units of ``codec_s_per_byte`` per
+    uncompressed byte (1: encode and decode; 0.5: decode only)."""
+
+    name: str
+    ratio: tuple[float, float, float] = (1.0, 1.0, 1.0)  # by kind: GRAD, FORWARD, PARAM
+    overhead_bytes: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    coding: tuple[float, float, float] = (0.0, 0.0, 0.0)
+
+    @property
+    def compresses(self) -> bool:
+        return self.ratio[GRAD] < 1.0
+
+    def wire_bytes(self, nbytes: float, kind: int = GRAD) -> float:
+        return nbytes * self.ratio[kind] + self.overhead_bytes[kind]
+
+
+WIRE_CODECS: Registry[WireCodec] = Registry("compression")
+WIRE_CODECS.register("none")(lambda: WireCodec("none"))
+
+
+def _half_precision(name: str) -> WireCodec:
+    """16-bit gradients with one float32 scale per message (exchange/compression.py)."""
+    from phalanx.exchange.compression import SCALE_BYTES
+
+    return WireCodec(
+        name,
+        ratio=(0.5, 0.5, 1.0),
+        overhead_bytes=(SCALE_BYTES, SCALE_BYTES, 0.0),
+        coding=(1.0, 0.5, 0.0),
+    )
+
+
+WIRE_CODECS.register("fp16")(lambda: _half_precision("fp16"))
+WIRE_CODECS.register("bf16")(lambda: _half_precision("bf16"))
+
+
+def make_codec(name: str) -> WireCodec:
+    return WIRE_CODECS.get(name)()

@@ -1,0 +1,646 @@
+"""A discrete-event simulation of training steps: compute stream, buckets, communication stream.
+
+One representative trainer rank is simulated (every trainer runs the same layers on the same
+batch size; the exchange of a bucket is simulated message by message over all ranks by
+``network.Network``, and ends when its last rank finishes). Per step:
+  Phase 1 (input, forward): the input wait the pipeline does not hide, then the layers in forward
+    order; a layer whose parameters are still travelling back from the previous step (owner
+    updates, ``ps`` pulls) waits for them.
+  Phase 2 (backward): the layers in backward order; a gradient is ready when its layer's
+    backward ends; buckets are formed as the Engine forms them (``plan_buckets`` over the
+    gradients in ready order, the first capped at ``FIRST_BUCKET_BYTES``); a bucket is launched
+    when its last gradient is ready and every earlier bucket was launched (collectives are
+    issued in order).
+  Phase 3 (exchange): the communication stream serves launched buckets one at a time, each
+    bucket's phases (schedules.py) one after another, overlapping the rest of backward.
+  Phase 4 (wait, optimizer): after backward the step waits for every phase the step needs, then
+    the optimizer runs over the rank's share of the gradients.
+  Phase 5 (send back): owners send the updated buckets back in forward order; the next forward
+    overlaps them (Phase 1 of the next step), or waits for all of them (``gates = STEP``).
+Two steps are simulated; the second is the steady state that is reported (its forward meets the
+first step's send-back as every later step would). Its events (and the first step's that
+overlap it) are what trace.py writes.
+
+``predict_step`` is the entry point for a measured run: a BackwardProfile and a LinkModel of one
+node in, the predicted step out.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from phalanx.errors import ConfigError
+from phalanx.exchange.buckets import FIRST_BUCKET_BYTES, plan_buckets
+from phalanx.planner.cluster import ClusterConfig
+from phalanx.planner.network import Network
+from phalanx.planner.schedules import (
+    FORWARD_PASS,
+    STEP,
+    Phase,
+    make_codec,
+    make_schedule,
+)
+from phalanx.planner.step import StepProfile
+from phalanx.planner.trace import (
+    LANE_COMPUTE,
+    LANE_EXCHANGE,
+    LANE_INPUT,
+    LANE_OPTIMIZER,
+    LANE_WAIT,
+    TraceEvent,
+)
+
+MIB = 2**20
+DEFAULT_BUCKET_BYTES = 25 * MIB
+FLAG_BYTES = 4  # each parameter's usage flag travels in its bucket (one float32 element)
+MAX_ROUNDS = 40_000  # per phase and bucket: each round costs the simulation ~20 us at least
+NUM_STEPS = 2  # the first step warms the send-back up; the second is reported
+
+
+class TooLarge(ConfigError):
+    """A phase has more rounds than the simulation's budget (``max_rounds``)."""
+
+
+@dataclass(kw_only=True)
+class ExchangeSetup:
+    """What is exchanged how: a strategy (a registered schedule) and its options, the fusion
+    threshold, compression."""
+
+    strategy: str = "allreduce"
+    options: dict[str, Any] = field(default_factory=dict)
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    compress: str = "none"
+    first_bucket_bytes: int = FIRST_BUCKET_BYTES
+    threshold_label: str = ""  # how bucket_bytes was chosen ("25 MiB", "auto"), for tables
+    # 0: phalanx's buckets. > 0: Horovod's tensor fusion, to model published Horovod runs: a
+    # background loop wakes every cycle (or when the previous exchange ends, if later) and
+    # sends every gradient ready by then, up to bucket_bytes per message.
+    fusion_cycle_s: float = 0.0
+
+    def label(self) -> str:
+        options = ",".join(f"{k}={v}" for k, v in sorted(self.options.items()))
+        name = f"{self.strategy}({options})" if options else self.strategy
+        threshold = self.threshold_label or f"{self.bucket_bytes / MIB:.3g} MiB"
+        return f"{name} / {threshold} / {self.compress}"
+
+
+@dataclass(frozen=True)
+class BucketPlan:
+    """One fusion bucket: its gradients (indices in ready order) and their bytes."""
+
+    index: int
+    grads: tuple[int, ...]
+    nbytes: int  # gradients plus one usage flag per parameter, as the Engine's buckets
+
+
+def plan_step_buckets(
+    profile: StepProfile, bucket_bytes: int, first_bucket_bytes: int = FIRST_BUCKET_BYTES
+) -> list[BucketPlan]:
+    """The Engine's buckets for this profile: ``plan_buckets`` over byte-sized stand-ins of the
+    gradients in ready order (no memory: meta tensors, as threshold.py does)."""
+    sizes = profile.grad_sizes
+    if not sizes:
+        return []
+    stand_ins = [torch.empty(n, dtype=torch.uint8, device="meta") for n in sizes]
+    groups = plan_buckets(stand_ins, bucket_bytes, first_bucket_bytes)
+    return [
+        BucketPlan(index=b, grads=tuple(g), nbytes=sum(sizes[i] for i in g) + FLAG_BYTES * len(g))
+        for b, g in enumerate(groups)
+    ]
+
+
+@dataclass(kw_only=True)
+class StepResult:
+    """The simulated steady-state step of one rank (seconds, bytes per step)."""
+
+    world: int
+    trainers: int
+    setup: ExchangeSetup
+    schedule: str
+    step_s: float
+    compute_s: float  # input wait, forward, backward and optimizer: the busy compute stream
+    exposed_s: float  # the compute stream waiting for the exchange (step_s - compute_s)
+    exchange_wait_s: float  # of which after backward, for buckets still on the wire
+    parameter_wait_s: float  # of which in forward, for parameters still travelling back
+    optimizer_s: float
+    batch_size: int
+    bytes_intra: float  # on intra-node links, all ranks together
+    bytes_inter: float  # on inter-node links, all ranks together
+    max_bytes_sent: float  # sent by one rank at most (each phase's busiest sender, summed)
+    bucket_bytes: list[int]
+    events: list[TraceEvent] = field(default_factory=list)
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.trainers * self.batch_size / self.step_s
+
+    def to_dict(self, events: bool = False) -> dict[str, Any]:
+        out = {
+            "world": self.world,
+            "trainers": self.trainers,
+            "strategy": self.setup.strategy,
+            "options": self.setup.options,
+            "bucket_bytes_threshold": self.setup.bucket_bytes,
+            "threshold": self.setup.threshold_label or "fixed",
+            "compress": self.setup.compress,
+            "schedule": self.schedule,
+            "step_s": self.step_s,
+            "compute_s": self.compute_s,
+            "exposed_s": self.exposed_s,
+            "exchange_wait_s": self.exchange_wait_s,
+            "parameter_wait_s": self.parameter_wait_s,
+            "optimizer_s": self.optimizer_s,
+            "samples_per_s": self.samples_per_s,
+            "bytes_intra": self.bytes_intra,
+            "bytes_inter": self.bytes_inter,
+            "max_bytes_sent": self.max_bytes_sent,
+            "buckets": self.bucket_bytes,
+        }
+        if events:
+            out["events"] = [e.to_dict() for e in self.events]
+        return out
+
+
+class Simulator:
+    """Simulates steps of one step profile on one cluster; setups share the message caches."""
+
+    def __init__(
+        self, profile: StepProfile, cluster: ClusterConfig, max_rounds: int = MAX_ROUNDS
+    ) -> None:
+        self.profile = profile.scaled(cluster.compute_speed)
+        self.cluster = cluster
+        self.max_rounds = max_rounds
+        self._networks: dict[str, Network] = {}
+        layer_of_grad = [i for i, layer in enumerate(self.profile.layers) for _ in layer.grad_bytes]
+        self._layer_of_grad = layer_of_grad
+
+    def network(self, compress: str) -> Network:
+        if compress not in self._networks:
+            self._networks[compress] = Network(self.cluster, make_codec(compress))
+        return self._networks[compress]
+
+    # -- one setup ---------------------------------------------------------------------------
+    def prefetch(self, world: int, setups: list[ExchangeSetup]) -> None:
+        """Simulate the message phases of every bucket of ``setups`` in one vectorised run per
+        table and codec, so that ``run`` finds them cached (what a sweep should call first).
+        Setups over the round budget are left for ``run`` to report."""
+        wanted: dict[tuple, tuple[Network, Any, list[float]]] = {}
+        for setup in setups:
+            schedule = make_schedule(setup.strategy, setup.options)
+            network = self.network(setup.compress)
+            buckets = plan_step_buckets(self.profile, setup.bucket_bytes, setup.first_bucket_bytes)
+            for b in buckets:
+                for phase in schedule.bucket_phases(world, network.codec, b.nbytes) + (
+                    schedule.return_phases(world)
+                ):
+                    table = phase.table
+                    if table is None or table.num_rounds > self.max_rounds:
+                        continue
+                    key = (setup.compress, table.key)
+                    wanted.setdefault(key, (network, table, []))[2].append(b.nbytes)
+        for network, table, sizes in wanted.values():
+            network.seconds(table, world, sizes)
+
+    def run(self, world: int, setup: ExchangeSetup) -> StepResult:
+        """The steady-state step of ``setup`` on ``world`` ranks of the cluster."""
+        self.cluster.check_devices(world)
+        schedule = make_schedule(setup.strategy, setup.options)
+        schedule.check_world(world)
+        network = self.network(setup.compress)
+        if setup.fusion_cycle_s > 0:
+            return self._run_fused(world, setup, schedule, network)
+        buckets = plan_step_buckets(self.profile, setup.bucket_bytes, setup.first_bucket_bytes)
+        phases = [schedule.bucket_phases(world, network.codec, b.nbytes) for b in buckets]
+        returns = schedule.return_phases(world)
+        durations = self._durations(network, world, buckets, phases)
+        return_durations = self._durations(network, world, buckets, [returns] * len(buckets))
+        timeline = _Timeline(self.profile, buckets, self._layer_of_grad)
+        for step in range(NUM_STEPS):
+            timeline.step(
+                step,
+                phases,
+                durations,
+                returns,
+                return_durations,
+                schedule.optimizer_fraction(world),
+            )
+        moved = [
+            network.bytes(p.table, world, b.nbytes)
+            for b, ps in zip(buckets, phases)
+            for p in ps + returns
+            if p.table is not None
+        ]
+        return self._result(world, setup, schedule, timeline, moved, [b.nbytes for b in buckets])
+
+    def _result(
+        self,
+        world: int,
+        setup: ExchangeSetup,
+        schedule: Any,
+        timeline: _Timeline,
+        moved: list[Any],
+        bucket_bytes: list[int],
+    ) -> StepResult:
+        stats = timeline.stats[-1]
+        return StepResult(
+            world=world,
+            trainers=schedule.num_trainers(world),
+            setup=setup,
+            schedule=schedule.describe(),
+            step_s=stats["step_s"],
+            compute_s=stats["compute_s"],
+            exposed_s=stats["step_s"] - stats["compute_s"],
+            exchange_wait_s=stats["exchange_wait_s"],
+            parameter_wait_s=stats["parameter_wait_s"],
+            optimizer_s=stats["optimizer_s"],
+            batch_size=self.profile.batch_size,
+            bytes_intra=sum(m.intra for m in moved),
+            bytes_inter=sum(m.inter for m in moved),
+            max_bytes_sent=sum(m.max_sent_by_rank for m in moved),
+            bucket_bytes=bucket_bytes,
+            events=timeline.events_of_last_step(),
+        )
+
+    def _run_fused(
+        self, world: int, setup: ExchangeSetup, schedule: Any, network: Network
+    ) -> StepResult:
+        """Horovod's tensor fusion (``fusion_cycle_s``): buckets are formed while the step runs,
+        so phase durations come from ``Network.interpolated`` over a grid of sizes."""
+        total = self.profile.total_grad_bytes + FLAG_BYTES * len(self.profile.grad_sizes)
+        probe = schedule.bucket_phases(world, network.codec, float(total))
+        if schedule.return_phases(world) or any(p.gates != STEP for p in probe):
+            raise ConfigError(
+                f"exchange: fusion cycles model Horovod's allreduce; {schedule.describe()} "
+                "updates at owners and needs phalanx's buckets"
+            )
+        cap = max(1, setup.bucket_bytes)
+        for phase in probe:
+            if phase.table is not None and phase.table.num_rounds > self.max_rounds:
+                raise TooLarge(
+                    f"its {phase.name} on {world} ranks takes "
+                    f"{phase.table.num_rounds} rounds per message"
+                )
+        curves = {
+            p.table.key: network.interpolated(p.table, world, min(total, cap) + 1)
+            for p in probe
+            if p.table is not None
+        }
+        moved: list[Any] = []
+        recording = {"on": False}  # bytes are counted in the reported (last) step only
+
+        def exchange(nbytes: float) -> list[tuple[Phase, float]]:
+            out = []
+            for phase in schedule.bucket_phases(world, network.codec, nbytes):
+                if phase.table is None:
+                    out.append(
+                        (phase, self.profile.optimizer_s_per_byte * phase.update_fraction * nbytes)
+                    )
+                    continue
+                if phase.table.key not in curves:
+                    curves[phase.table.key] = network.interpolated(phase.table, world, cap + 1)
+                out.append((phase, float(curves[phase.table.key](nbytes))))
+                if recording["on"]:
+                    moved.append(network.bytes(phase.table, world, nbytes))
+            return out
+
+        timeline = _Timeline(self.profile, [], self._layer_of_grad)
+        sizes: list[int] = []
+        for step in range(NUM_STEPS):
+            recording["on"] = step == NUM_STEPS - 1
+            sizes = timeline.step_fused(
+                step, exchange, cap, setup.fusion_cycle_s, schedule.optimizer_fraction(world)
+            )
+        return self._result(world, setup, schedule, timeline, moved, sizes)
+
+    def _durations(
+        self, network: Network, world: int, buckets: list[BucketPlan], phases: list[list[Phase]]
+    ) -> list[list[float]]:
+        """Seconds of every phase of every bucket (one vectorised run per distinct table)."""
+        by_table: dict[tuple, list[float]] = {}
+        tables = {}
+        for bucket, bucket_phases in zip(buckets, phases):
+            for phase in bucket_phases:
+                if phase.table is not None:
+                    if phase.table.num_rounds > self.max_rounds:
+                        raise TooLarge(
+                            f"its {phase.name} on {world} ranks takes {phase.table.num_rounds} "
+                            f"rounds per bucket, over the simulation's limit of "
+                            f"{self.max_rounds}"
+                        )
+                    by_table.setdefault(phase.table.key, []).append(bucket.nbytes)
+                    tables[phase.table.key] = phase.table
+        seconds = {
+            key: dict(zip(sizes, network.seconds(tables[key], world, sizes)))
+            for key, sizes in by_table.items()
+        }
+        optimizer = self.profile.optimizer_s_per_byte
+        return [
+            [
+                seconds[p.table.key][b.nbytes]
+                if p.table is not None
+                else optimizer * p.update_fraction * b.nbytes
+                for p in bucket_phases
+            ]
+            for b, bucket_phases in zip(buckets, phases)
+        ]
+
+
+class _Timeline:
+    """The compute and communication streams of consecutive steps (Phases 1-5, module doc)."""
+
+    def __init__(
+        self, profile: StepProfile, buckets: list[BucketPlan], layer_of_grad: list[int]
+    ) -> None:
+        self.profile = profile
+        self.buckets = buckets
+        self.layer_buckets: list[set[int]] = [set() for _ in profile.layers]
+        self.last_layer: dict[int, list[int]] = {}  # layer -> buckets its backward completes
+        for b in buckets:
+            for g in b.grads:
+                self.layer_buckets[layer_of_grad[g]].add(b.index)
+            self.last_layer.setdefault(max(layer_of_grad[g] for g in b.grads), []).append(b.index)
+        self.now = 0.0
+        self.comm_free = 0.0
+        self.params_ready = [0.0] * len(buckets)
+        self.all_params_ready = 0.0  # return phases that gate the whole next step
+        self.events: list[TraceEvent] = []
+        self.stats: list[dict[str, float]] = []
+        self.step_starts: list[float] = []
+
+    def _event(
+        self, lane: str, name: str, start: float, end: float, step: int, **args: Any
+    ) -> None:
+        if end > start:
+            self.events.append(
+                TraceEvent(
+                    lane=lane,
+                    name=name,
+                    start_s=start,
+                    duration_s=end - start,
+                    step=step,
+                    args=args,
+                )
+            )
+
+    def step_fused(
+        self,
+        step: int,
+        exchange: Any,
+        cap: int,
+        cycle_s: float,
+        optimizer_fraction: float,
+    ) -> list[int]:
+        """One step with Horovod's fusion: Phases 1, 2 and 4 as in ``step``; in Phase 3 the
+        communication loop wakes at the first cycle tick after it is free and a gradient is
+        ready, and sends every ready gradient (in order, up to ``cap`` bytes) as one message.
+        Returns the sizes of the messages it sent."""
+        start = self.now
+        self.step_starts.append(start)
+        parameter_wait = self._forward(step)
+        backward_start = self.now
+        grad_ready = []
+        for layer in self.profile.layers:
+            self.now += layer.backward_s
+            grad_ready += [self.now] * len(layer.grad_bytes)
+        self._event(LANE_COMPUTE, "backward", backward_start, self.now, step)
+        sizes = [n + FLAG_BYTES for n in self.profile.grad_sizes]
+        sent: list[int] = []
+        step_done, i = self.now, 0
+        while i < len(sizes):
+            wake = max(self.comm_free, grad_ready[i], backward_start)
+            ticks = math.ceil((wake - backward_start) / cycle_s - 1e-9)
+            launch = backward_start + max(0, ticks) * cycle_s
+            nbytes, first = 0, i
+            while (
+                i < len(sizes)
+                and grad_ready[i] <= launch
+                and (i == first or nbytes + sizes[i] <= cap)
+            ):
+                nbytes += sizes[i]
+                i += 1
+            clock = launch
+            phases = exchange(nbytes)
+            for _, duration in phases:
+                clock += duration
+            b = len(sent)
+            self._event(
+                LANE_EXCHANGE,
+                f"b{b} exchange",
+                launch,
+                clock,
+                step,
+                bucket=b,
+                bytes=nbytes,
+                gradients=i - first,
+                phases={p.name: d for p, d in phases},
+            )
+            sent.append(nbytes)
+            self.comm_free = step_done = clock
+        step_done = max(step_done, self.now)
+        self._finish(step, start, step_done, optimizer_fraction, parameter_wait)
+        return sent
+
+    def _finish(
+        self,
+        step: int,
+        start: float,
+        step_done: float,
+        optimizer_fraction: float,
+        parameter_wait: float,
+    ) -> None:
+        """Phase 4 and the step's statistics (no send-back: fused exchanges have none)."""
+        profile = self.profile
+        exchange_wait = max(0.0, step_done - self.now)
+        self._event(LANE_WAIT, "exchange", self.now, step_done, step)
+        self.now = max(self.now, step_done)
+        optimizer_s = profile.optimizer_s * optimizer_fraction
+        self._event(LANE_OPTIMIZER, "optimizer", self.now, self.now + optimizer_s, step)
+        self.now += optimizer_s
+        compute = profile.input_s + profile.forward_s + profile.backward_s + optimizer_s
+        self.stats.append(
+            {
+                "step_s": self.now - start,
+                "compute_s": compute,
+                "exchange_wait_s": exchange_wait,
+                "parameter_wait_s": parameter_wait,
+                "optimizer_s": optimizer_s,
+            }
+        )
+
+    def _forward(self, step: int) -> float:
+        """Phase 1: input, then forward in the reverse of backward order; returns the time
+        spent waiting for parameters."""
+        profile, layers = self.profile, self.profile.layers
+        parameter_wait = 0.0
+        if profile.input_s > 0:
+            self._event(LANE_INPUT, "input", self.now, self.now + profile.input_s, step)
+            self.now += profile.input_s
+        if self.all_params_ready > self.now:
+            self._event(LANE_WAIT, "parameters", self.now, self.all_params_ready, step)
+            parameter_wait += self.all_params_ready - self.now
+            self.now = self.all_params_ready
+        segment = self.now
+        for index in reversed(range(len(layers))):
+            need = max((self.params_ready[b] for b in self.layer_buckets[index]), default=0.0)
+            if need > self.now:
+                self._event(LANE_COMPUTE, "forward", segment, self.now, step)
+                waited = sorted(self.layer_buckets[index])
+                self._event(LANE_WAIT, "parameters", self.now, need, step, buckets=waited)
+                parameter_wait += need - self.now
+                self.now = segment = need
+            self.now += layers[index].forward_s
+        self._event(LANE_COMPUTE, "forward", segment, self.now, step)
+        return parameter_wait
+
+    def step(
+        self,
+        step: int,
+        phases: list[list[Phase]],
+        durations: list[list[float]],
+        returns: list[Phase],
+        return_durations: list[list[float]],
+        optimizer_fraction: float,
+    ) -> None:
+        """One step with phalanx's buckets (Phases 1-5 of the module docstring)."""
+        layers = self.profile.layers
+        start = self.now
+        self.step_starts.append(start)
+        parameter_wait = self._forward(step)
+        # Phase 2: backward; buckets become ready as their last gradient does.
+        ready = [0.0] * len(self.buckets)
+        segment = backward_start = self.now
+        for index, layer in enumerate(layers):
+            self.now += layer.backward_s
+            for b in self.last_layer.get(index, []):
+                ready[b] = self.now
+                self._event(LANE_COMPUTE, f"backward b{b}", segment, self.now, step, bucket=b)
+                segment = self.now
+        self._event(LANE_COMPUTE, "backward", segment, self.now, step)
+        backward_end = self.now
+        # Phase 3: the communication stream, bucket after bucket in launch order.
+        launched, step_done = backward_start, backward_end
+        next_ready = [0.0] * len(self.buckets)
+        for bucket, bucket_phases, seconds in zip(self.buckets, phases, durations):
+            b = bucket.index
+            launched = max(launched, ready[b], self.params_ready[b])
+            clock = max(launched, self.comm_free)
+            gate_end = clock
+            for phase, duration in zip(bucket_phases, seconds):
+                if phase.gates == FORWARD_PASS:
+                    self._event(
+                        LANE_EXCHANGE,
+                        f"b{b} {phase.name}",
+                        clock,
+                        clock + duration,
+                        step,
+                        bucket=b,
+                        bytes=bucket.nbytes,
+                    )
+                clock += duration
+                if phase.gates == STEP:
+                    gate_end = clock
+                else:
+                    next_ready[b] = clock
+            self._event(
+                LANE_EXCHANGE,
+                f"b{b} exchange",
+                launched,
+                gate_end,
+                step,
+                bucket=b,
+                bytes=bucket.nbytes,
+                queued_s=max(0.0, self.comm_free - launched),
+                phases={p.name: d for p, d in zip(bucket_phases, seconds)},
+            )
+            self.comm_free = clock
+            step_done = max(step_done, gate_end)
+        # Phase 4: wait for the exchange, then the optimizer on this rank's share.
+        self._finish(step, start, step_done, optimizer_fraction, parameter_wait)
+        # Phase 5: send the updated buckets back, first those the next forward needs first.
+        for bucket in reversed(self.buckets):
+            b = bucket.index
+            clock = max(self.now, self.comm_free)
+            for phase, duration in zip(returns, return_durations[b]):
+                self._event(
+                    LANE_EXCHANGE,
+                    f"b{b} {phase.name}",
+                    clock,
+                    clock + duration,
+                    step,
+                    bucket=b,
+                    bytes=bucket.nbytes,
+                )
+                clock += duration
+                if phase.gates == STEP:
+                    self.all_params_ready = max(self.all_params_ready, clock)
+                else:
+                    next_ready[b] = clock
+            self.comm_free = clock
+        self.params_ready = next_ready
+
+    def events_of_last_step(self) -> list[TraceEvent]:
+        """The last step's events, with the earlier step's that overlap it clipped to its start;
+        times relative to its start."""
+        origin = self.step_starts[-1]
+        out = []
+        for e in self.events:
+            end = e.start_s + e.duration_s
+            if end <= origin:
+                continue
+            start = max(e.start_s, origin)
+            out.append(
+                TraceEvent(
+                    lane=e.lane,
+                    name=e.name,
+                    start_s=start - origin,
+                    duration_s=end - start,
+                    step=e.step,
+                    args=e.args,
+                )
+            )
+        return out
+
+
+# -- the entry point for measured runs -----------------------------------------------------
+def predict_step(
+    backward: Any,
+    link: Any,
+    *,
+    world_size: int,
+    forward_s: float,
+    batch_size: int,
+    strategy: str = "allreduce",
+    options: dict[str, Any] | None = None,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    compress: str = "none",
+    optimizer_s: float = 0.0,
+    input_s: float = 0.0,
+    codec_s_per_byte: float = 0.0,
+) -> StepResult:
+    """Predict one step of a run on ``world_size`` ranks of one node from what the run measured:
+    its ``BackwardProfile`` (exchange/threshold.py: gradient-ready times, bytes, E_b) and its
+    ``LinkModel`` (exchange/link.py, or the path of a link.json), plus the forward, optimizer
+    and input times of one step and the batch size per rank. ``bucket_bytes``: the threshold
+    the run used (after ``auto`` settled: ``engine`` logs it). ``codec_s_per_byte``: encode +
+    decode seconds per uncompressed gradient byte (only with ``compress``)."""
+    from phalanx.planner.cluster import from_link
+
+    cluster = from_link(link, devices_per_node=world_size, codec_s_per_byte=codec_s_per_byte)
+    profile = StepProfile.from_backward_profile(
+        backward,
+        forward_s=forward_s,
+        batch_size=batch_size,
+        optimizer_s=optimizer_s,
+        input_s=input_s,
+    )
+    setup = ExchangeSetup(
+        strategy=strategy,
+        options=dict(options or {}),
+        bucket_bytes=int(bucket_bytes),
+        compress=compress,
+    )
+    return Simulator(profile, cluster).run(world_size, setup)

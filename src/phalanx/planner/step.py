@@ -1,0 +1,346 @@
+"""The profile of one training step on one device: what the simulator replays.
+
+``StepProfile.layers`` are in backward order (the order gradients become ready): each layer has
+its forward and backward seconds and the bytes of the gradients that are ready when its backward
+ends. Forward runs the layers in the reverse order. Add the optimizer's seconds per gradient
+byte, the batch size, and the input wait the pipeline does not hide.
+
+Sources (each a constructor):
+  - ``from_backward_profile``: phalanx's measured ``BackwardProfile`` (the ``auto`` threshold's
+    gradient-ready times, exchange/threshold.py) plus the forward time, which that profile lacks;
+  - ``from_memory_profile``: ``phalanx profile``'s per-layer times and gradient bytes;
+  - ``synthesize``: published figures (throughput at a batch size, parameter count, layers).
+The JSON form (``to_dict``/``save``/``load``) is what ``phalanx plan --profile`` reads; ``load``
+also accepts the JSON of a MemoryProfile (``phalanx profile --json``) or of a BackwardProfile.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from phalanx.errors import ConfigError
+
+FORMAT = "phalanx.step/1"
+BYTES_PER_PARAM = 4  # float32 gradients
+BACKWARD_PER_FORWARD = 2.0  # backward computes two products per forward one (input and weights)
+
+
+@dataclass(kw_only=True)
+class LayerStep:
+    """One layer (or group of layers) of the step, on one device."""
+
+    name: str
+    forward_s: float
+    backward_s: float
+    grad_bytes: tuple[int, ...] = ()  # each gradient ready when this layer's backward ends
+
+    def __post_init__(self) -> None:
+        if self.forward_s < 0 or self.backward_s < 0:
+            raise ConfigError(f"step profile: layer {self.name!r}: times must be >= 0 seconds")
+        if any(n < 0 for n in self.grad_bytes):
+            raise ConfigError(f"step profile: layer {self.name!r}: gradient bytes must be >= 0")
+
+
+@dataclass(kw_only=True)
+class StepProfile:
+    """One step of one device: layers in backward order, optimizer, batch, input."""
+
+    layers: list[LayerStep]
+    batch_size: int
+    optimizer_s_per_byte: float = 0.0  # optimizer seconds per gradient byte it updates
+    input_s: float = 0.0  # per-step input wait that the input pipeline does not hide
+    source: str = ""  # where the numbers come from
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.layers:
+            raise ConfigError("step profile: needs at least one layer")
+        if self.batch_size < 1:
+            raise ConfigError(f"step profile: batch_size must be >= 1, got {self.batch_size}")
+        if self.optimizer_s_per_byte < 0 or self.input_s < 0:
+            raise ConfigError("step profile: optimizer_s_per_byte and input_s must be >= 0")
+
+    # -- totals --------------------------------------------------------------------------------
+    @property
+    def forward_s(self) -> float:
+        return sum(layer.forward_s for layer in self.layers)
+
+    @property
+    def backward_s(self) -> float:
+        return sum(layer.backward_s for layer in self.layers)
+
+    @property
+    def grad_sizes(self) -> list[int]:
+        """Every gradient's bytes, in the order they become ready."""
+        return [n for layer in self.layers for n in layer.grad_bytes]
+
+    @property
+    def total_grad_bytes(self) -> int:
+        return sum(self.grad_sizes)
+
+    @property
+    def optimizer_s(self) -> float:
+        """The optimizer's time over every gradient (one device, nothing sharded)."""
+        return self.optimizer_s_per_byte * self.total_grad_bytes
+
+    @property
+    def compute_s(self) -> float:
+        """The step on one device: input wait, forward, backward and optimizer, no exchange."""
+        return self.input_s + self.forward_s + self.backward_s + self.optimizer_s
+
+    def scaled(self, speed: float) -> StepProfile:
+        """The same step on a device ``speed`` times faster (compute and optimizer only)."""
+        if speed == 1.0:
+            return self
+        layers = [
+            replace(layer, forward_s=layer.forward_s / speed, backward_s=layer.backward_s / speed)
+            for layer in self.layers
+        ]
+        return replace(self, layers=layers, optimizer_s_per_byte=self.optimizer_s_per_byte / speed)
+
+    def to_backward_profile(self) -> Any:
+        """The ``BackwardProfile`` the ``auto`` threshold would have measured for this step."""
+        from phalanx.exchange.threshold import BackwardProfile
+
+        ready, sizes, clock = [], [], 0.0
+        for layer in self.layers:
+            clock += layer.backward_s
+            for n in layer.grad_bytes:
+                ready.append(clock)
+                sizes.append(n)
+        if not sizes:
+            raise ConfigError("step profile: no layer has gradients: nothing to exchange")
+        total = max(self.backward_s, ready[-1])
+        return BackwardProfile(ready_s=tuple(ready), nbytes=tuple(sizes), backward_s=total)
+
+    # -- constructors --------------------------------------------------------------------------
+    @classmethod
+    def from_backward_profile(
+        cls,
+        profile: Any,
+        *,
+        forward_s: float,
+        batch_size: int,
+        optimizer_s: float = 0.0,
+        input_s: float = 0.0,
+        source: str = "backward profile",
+    ) -> StepProfile:
+        """From a measured ``BackwardProfile``: each gradient is a layer whose backward runs from
+        the previous gradient's ready time to its own. The forward time (which that profile does
+        not measure) is split over the layers in proportion to their backward time; backward
+        left after the last gradient (the input gradient of the first layer) is a layer
+        without gradients."""
+        layers, previous = [], 0.0
+        backward_total = max(profile.backward_s, 1e-12)
+        for i, (ready, nbytes) in enumerate(zip(profile.ready_s, profile.nbytes)):
+            backward = max(0.0, ready - previous)
+            previous = max(previous, ready)
+            layers.append(
+                LayerStep(
+                    name=f"grad{i}",
+                    forward_s=forward_s * backward / backward_total,
+                    backward_s=backward,
+                    grad_bytes=(int(nbytes),),
+                )
+            )
+        tail = max(0.0, profile.backward_s - previous)
+        if tail > 0:
+            layers.append(
+                LayerStep(name="tail", forward_s=forward_s * tail / backward_total, backward_s=tail)
+            )
+        total = max(1, sum(profile.nbytes))
+        return cls(
+            layers=layers,
+            batch_size=batch_size,
+            optimizer_s_per_byte=optimizer_s / total,
+            input_s=input_s,
+            source=source,
+        )
+
+    @classmethod
+    def from_memory_profile(cls, profile: Any, source: str = "phalanx profile") -> StepProfile:
+        """From ``phalanx profile``'s MemoryProfile (memory/profile.py): its layers reversed,
+        the loss's backward first (no gradients), each layer's gradients as one tensor ready
+        when its backward ends. The loss's forward joins the last layer's."""
+        layers = [
+            LayerStep(
+                name="loss", forward_s=profile.loss_forward_s, backward_s=profile.loss_backward_s
+            )
+        ]
+        for layer in reversed(profile.layers):
+            grads = (layer.grad_bytes,) if layer.grad_bytes else ()
+            layers.append(
+                LayerStep(
+                    name=f"{layer.name} ({layer.type})",
+                    forward_s=layer.forward_s,
+                    backward_s=layer.backward_s,
+                    grad_bytes=grads,
+                )
+            )
+        total = max(1, sum(layer.grad_bytes for layer in profile.layers))
+        return cls(
+            layers=layers,
+            batch_size=profile.batch_size,
+            optimizer_s_per_byte=profile.optimizer_s / total,
+            source=f"{source} on {profile.device}",
+        )
+
+    @classmethod
+    def synthesize(
+        cls,
+        *,
+        samples_per_s: float,
+        batch_size: int,
+        layer_params: Sequence[float] | None = None,
+        num_params: float | None = None,
+        num_layers: int | None = None,
+        layer_compute: Sequence[float] | None = None,
+        layer_names: Sequence[str] | None = None,
+        backward_per_forward: float = BACKWARD_PER_FORWARD,
+        optimizer_s_per_byte: float = 0.0,
+        bytes_per_param: int = BYTES_PER_PARAM,
+        source: str = "synthesised",
+    ) -> StepProfile:
+        """A step from published figures: per-device ``samples_per_s`` at ``batch_size`` gives
+        the step's time; the optimizer takes ``optimizer_s_per_byte`` x gradient bytes of it
+        and the rest is forward + backward, backward = ``backward_per_forward`` x forward.
+
+        Layers are given in *forward* order (as papers list them): either ``layer_params``
+        (parameters per layer) or ``num_params`` spread evenly over ``num_layers``. Compute is
+        spread in proportion to ``layer_compute`` (e.g. multiply-adds per layer) or evenly."""
+        if samples_per_s <= 0 or batch_size < 1:
+            raise ConfigError("synthesize: samples_per_s must be > 0 and batch_size >= 1")
+        if layer_params is None:
+            if not num_params or not num_layers or num_layers < 1:
+                raise ConfigError("synthesize: give layer_params, or num_params and num_layers")
+            layer_params = [num_params / num_layers] * num_layers
+        weights = list(layer_compute) if layer_compute is not None else [1.0] * len(layer_params)
+        if len(weights) != len(layer_params) or sum(weights) <= 0:
+            raise ConfigError("synthesize: layer_compute needs one weight per layer, sum > 0")
+        names = list(layer_names) if layer_names is not None else []
+        names += [f"layer{i}" for i in range(len(names), len(layer_params))]
+        grads = [(int(round(p * bytes_per_param)),) if p > 0 else () for p in layer_params]
+        total_bytes = sum(sum(g) for g in grads)
+        step_s = batch_size / samples_per_s
+        optimizer_s = optimizer_s_per_byte * total_bytes
+        if optimizer_s >= step_s:
+            raise ConfigError("synthesize: the optimizer alone takes longer than the step")
+        forward_total = (step_s - optimizer_s) / (1.0 + backward_per_forward)
+        total_weight = sum(weights)
+        forward_layers = [
+            LayerStep(
+                name=name,
+                forward_s=forward_total * w / total_weight,
+                backward_s=forward_total * backward_per_forward * w / total_weight,
+                grad_bytes=g,
+            )
+            for name, g, w in zip(names, grads, weights)
+        ]
+        return cls(
+            layers=list(reversed(forward_layers)),
+            batch_size=batch_size,
+            optimizer_s_per_byte=optimizer_s_per_byte,
+            source=source,
+        )
+
+    # -- JSON ----------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT,
+            "source": self.source,
+            "batch_size": self.batch_size,
+            "optimizer_s_per_byte": self.optimizer_s_per_byte,
+            "input_s": self.input_s,
+            "meta": self.meta,
+            "layers": [
+                {
+                    "name": layer.name,
+                    "forward_s": layer.forward_s,
+                    "backward_s": layer.backward_s,
+                    "grad_bytes": list(layer.grad_bytes),
+                }
+                for layer in self.layers
+            ],
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> StepProfile:
+        try:
+            layers = [
+                LayerStep(
+                    name=str(x["name"]),
+                    forward_s=float(x["forward_s"]),
+                    backward_s=float(x["backward_s"]),
+                    grad_bytes=tuple(int(n) for n in x.get("grad_bytes", ())),
+                )
+                for x in data["layers"]
+            ]
+            return cls(
+                layers=layers,
+                batch_size=int(data["batch_size"]),
+                optimizer_s_per_byte=float(data.get("optimizer_s_per_byte", 0.0)),
+                input_s=float(data.get("input_s", 0.0)),
+                source=str(data.get("source", "")),
+                meta=dict(data.get("meta", {})),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            if isinstance(e, ConfigError):
+                raise
+            raise ConfigError(
+                f"step profile: missing or bad field ({type(e).__name__}: {e})"
+            ) from None
+
+    def save(self, path: Path | str) -> Path:
+        """Write as JSON atomically; returns the path."""
+        from phalanx.checkpoint import atomic_write_text
+
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, json.dumps(self.to_dict(), indent=1) + "\n")
+        return path
+
+
+def load_step_profile(path: Path | str, forward_s: float | None = None) -> StepProfile:
+    """Read a step profile JSON: a StepProfile (``save``), a MemoryProfile (``phalanx profile
+    --json``) or a BackwardProfile (``to_dict``; its forward time is ``forward_s``, default half
+    its backward time). One-line ConfigError naming the file otherwise."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{path}: cannot read a step profile ({e})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: not a step profile (expected a JSON object)")
+    try:
+        if data.get("format") == FORMAT:
+            return StepProfile.from_dict(data)
+        if "timeline" in data and "layers" in data:
+            from phalanx.memory.profile import MemoryProfile
+
+            return StepProfile.from_memory_profile(MemoryProfile.from_dict(data))
+        if "ready_s" in data:
+            from phalanx.exchange.threshold import BackwardProfile
+
+            backward = BackwardProfile.from_dict(data)
+            forward = backward.backward_s / BACKWARD_PER_FORWARD if forward_s is None else forward_s
+            return StepProfile.from_backward_profile(
+                backward, forward_s=forward, batch_size=int(data.get("batch_size", 1))
+            )
+    except (ConfigError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"{path}: {e}") from None
+    raise ConfigError(
+        f"{path}: not a step profile: expected the JSON of a StepProfile, of `phalanx profile "
+        "--json` or of a BackwardProfile"
+    )
+
+
+def measure_step_profile(config: Any, steps: int = 4, device: str = "auto") -> StepProfile:
+    """Measure a run config's step on this process with ``phalanx profile``'s per-layer timer
+    (memory/profile.py: the first step is a warm-up, times are medians)."""
+    from phalanx.memory.profile import profile_config
+
+    return StepProfile.from_memory_profile(profile_config(config, steps=steps, device=device))

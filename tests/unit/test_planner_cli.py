@@ -1,0 +1,123 @@
+"""``phalanx plan``: a tiny config with a given profile, its outputs, and one-line errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from phalanx.cli import main
+from phalanx.planner.step import StepProfile
+from phalanx.planner.trace import read_trace
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG = str(ROOT / "configs" / "digits_cnn.toml")
+CLUSTER = str(ROOT / "configs" / "clusters" / "this_machine.toml")
+
+
+def run(argv: list[str], capsys: pytest.CaptureFixture) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    out, err = capsys.readouterr()
+    return info.value.code, out, err
+
+
+@pytest.fixture
+def step_json(tmp_path) -> str:
+    step = StepProfile.synthesize(
+        samples_per_s=4000,
+        batch_size=32,
+        layer_params=[320, 18496, 131200, 1290],
+        layer_compute=[1, 4, 2, 0.1],
+    )
+    return str(step.save(tmp_path / "step.json"))
+
+
+def test_plan_with_profile_writes_json_plot_and_traces(tmp_path, capsys, step_json):
+    out_json, traces, png = tmp_path / "plan.json", tmp_path / "traces", tmp_path / "plan.png"
+    argv = ["plan", CONFIG, "--cluster", CLUSTER, "--profile", step_json, "--devices", "1,2"]
+    argv += ["--json", str(out_json), "--trace", str(traces), "--plot", str(png)]
+    code, out, err = run(argv, capsys)
+    assert code == 0, err
+    assert "best per N:" in out and "<- best" in out
+    plan = json.loads(out_json.read_text())
+    assert plan["devices"] == [1, 2]
+    strategies = {r["strategy"] for r in plan["rows"]}
+    assert {"allreduce", "tree", "partitioned", "ps"} <= strategies
+    assert {r["compress"] for r in plan["rows"]} == {"none", "fp16"}
+    assert {r["threshold"].split(" ")[0] for r in plan["rows"]} == {"25", "auto"}
+    one = [r for r in plan["rows"] if r["devices"] == 1]
+    assert all(r["speedup"] == pytest.approx(1.0) for r in one if r["strategy"] != "ps")
+    best = plan["best"]["2"]
+    assert best["samples_per_s"] == max(
+        r["samples_per_s"] for r in plan["rows"] if r["devices"] == 2
+    )
+    assert 1.0 < best["speedup"] <= 2.0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    events = read_trace(traces / "plan-n2.json")
+    assert {e["lane"] for e in events} >= {"compute", "exchange"}
+
+
+def test_bad_cluster_file_is_one_line_exit_2(tmp_path, capsys, step_json):
+    bad = tmp_path / "bad.toml"
+    bad.write_text(
+        'name = "x"\ndevices_per_node = 2\nnodes = 1\n[intra]\nalpha_s = -1.0\n'
+        "beta_bytes_per_s = 1e9\n"
+    )
+    code, _, err = run(["plan", CONFIG, "--cluster", str(bad), "--profile", step_json], capsys)
+    assert code == 2
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in err
+    assert str(bad) in lines[0] and "intra.alpha_s" in lines[0]
+
+
+@pytest.mark.parametrize(
+    "extra, fragment",
+    [
+        (["--devices", "1,4"], "--devices"),  # this machine has 2 devices
+        (["--strategies", "gossip"], "--strategies"),
+        (["--compress", "zip"], "--compress"),
+        (["--thresholds", "-3"], "--thresholds"),
+        (["--devices", "two"], "--devices"),
+    ],
+)
+def test_bad_arguments_exit_2(capsys, step_json, extra, fragment):
+    code, _, err = run(
+        ["plan", CONFIG, "--cluster", CLUSTER, "--profile", step_json, *extra], capsys
+    )
+    assert code == 2 and fragment in err and "Traceback" not in err
+
+
+def test_missing_profile_file_exit_2(tmp_path, capsys):
+    code, _, err = run(
+        ["plan", CONFIG, "--cluster", CLUSTER, "--profile", str(tmp_path / "none.json")], capsys
+    )
+    assert code == 2 and "none.json" in err
+
+
+@pytest.mark.slow
+def test_plan_measures_the_config_without_a_profile(tmp_path, capsys):
+    """No --profile: the config's model is built and a few steps are timed here."""
+    out_json = tmp_path / "plan.json"
+    code, out, err = run(
+        [
+            "plan",
+            CONFIG,
+            "--cluster",
+            CLUSTER,
+            "--strategies",
+            "allreduce",
+            "--steps",
+            "3",
+            "--device",
+            "cpu",
+            "--json",
+            str(out_json),
+        ],
+        capsys,
+    )
+    assert code == 0, err
+    plan = json.loads(out_json.read_text())
+    assert plan["devices"] == [1, 2]  # the defaults, up to the cluster's 2 devices
+    assert plan["profile"]["gradient_bytes"] > 500_000  # the digits CNN's 0.6 MB

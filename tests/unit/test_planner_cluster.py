@@ -1,0 +1,121 @@
+"""Cluster files: loading, one-line errors naming the file and key, link.json, round trips."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from phalanx.errors import ConfigError
+from phalanx.exchange.link import LinkModel
+from phalanx.planner.cluster import (
+    ClusterConfig,
+    LinkConfig,
+    cluster_to_toml,
+    from_link,
+    load_cluster,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+GOOD = """
+name = "two nodes"
+devices_per_node = 4
+nodes = 2
+[intra]
+alpha_s = 1e-5
+beta_bytes_per_s = 8e9
+[inter]
+alpha_s = 2e-5
+beta_bytes_per_s = 3e9
+"""
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "cluster.toml"
+    path.write_text(text)
+    return path
+
+
+def one_line(error: pytest.ExceptionInfo, *fragments: str) -> str:
+    message = str(error.value)
+    assert "\n" not in message
+    for fragment in fragments:
+        assert fragment in message, message
+    return message
+
+
+def test_good_file_loads(tmp_path):
+    cluster = load_cluster(write(tmp_path, GOOD))
+    assert cluster.devices_per_node == 4 and cluster.nodes == 2 and cluster.capacity == 8
+    assert cluster.inter == LinkConfig(alpha_s=2e-5, beta_bytes_per_s=3e9)
+    assert cluster.shared_nic and cluster.compute_speed == 1.0
+    assert [cluster.node_of(r) for r in (0, 3, 4, 7)] == [0, 0, 1, 1]
+    assert cluster.ring_link(4) == (1e-5, 8e9)  # one node: the intra link
+    assert cluster.ring_link(8) == (2e-5, 3e9)  # the ring waits for its slowest link
+
+
+@pytest.mark.parametrize(
+    "edit, fragments",
+    [
+        (("beta_bytes_per_s = 3e9", "beta_bytes_per_s = -1.0"), ("inter.beta_bytes_per_s",)),
+        (("alpha_s = 1e-5", 'alpha_s = "fast"'), ("intra.alpha_s", "expected float")),
+        (("devices_per_node = 4", "devices_per_node = 0"), ("devices_per_node", ">= 1")),
+        (("nodes = 2", "nodes = 2\ngpus = 3"), ("gpus", "unknown key")),
+        (("[inter]\nalpha_s = 2e-5\nbeta_bytes_per_s = 3e9", ""), ("inter", "missing")),
+        (('name = "two nodes"', ""), ("name",)),
+        (("[intra]", "[intra\n"), ("invalid TOML",)),
+    ],
+)
+def test_mistakes_are_one_line_naming_file_and_key(tmp_path, edit, fragments):
+    path = write(tmp_path, GOOD.replace(*edit))
+    with pytest.raises(ConfigError) as error:
+        load_cluster(path)
+    one_line(error, str(path), *fragments)
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(ConfigError) as error:
+        load_cluster(tmp_path / "nope.toml")
+    one_line(error, "not found", "nope.toml")
+
+
+def test_devices_must_fit(tmp_path):
+    cluster = load_cluster(write(tmp_path, GOOD))
+    cluster.check_devices(8)
+    with pytest.raises(ConfigError) as error:
+        cluster.check_devices(9)
+    one_line(error, "--devices", "9", "8")
+    single = ClusterConfig(
+        name="one", nodes=1, devices_per_node=2, intra=LinkConfig(alpha_s=0, beta_bytes_per_s=1e9)
+    )
+    with pytest.raises(ConfigError):
+        single.check_devices(3)
+
+
+def test_toml_round_trip_and_shipped_files():
+    for path in sorted((ROOT / "configs" / "clusters").glob("*.toml")):
+        cluster = load_cluster(path)
+        text = cluster_to_toml(cluster, "a comment")
+        assert text.startswith("# a comment\n")
+        again = path.with_name("_roundtrip.toml")
+        try:
+            again.write_text(text)
+            assert load_cluster(again) == cluster, path.name
+        finally:
+            again.unlink()
+
+
+def test_from_link_json(tmp_path):
+    link = LinkModel(alpha_s=1e-4, beta_bytes_per_s=1.2e9, world_size=2, backend="gloo")
+    saved = link.save(tmp_path)
+    cluster = from_link(saved)
+    assert cluster.nodes == 1 and cluster.devices_per_node == 2
+    assert cluster.intra == LinkConfig(alpha_s=1e-4, beta_bytes_per_s=1.2e9)
+    assert from_link(tmp_path).intra == cluster.intra  # a directory means its link.json
+    solo = LinkModel(alpha_s=0.0, beta_bytes_per_s=float("inf"), world_size=1)
+    with pytest.raises(ConfigError) as error:
+        from_link(solo)
+    one_line(error, "bench link")
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(ConfigError):
+        from_link(tmp_path / "bad.json")

@@ -1,0 +1,272 @@
+"""The step simulation: closed forms, overlap, owner updates, profiles and traces."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from phalanx.errors import ConfigError
+from phalanx.exchange.buckets import FIRST_BUCKET_BYTES, plan_buckets
+from phalanx.exchange.link import LinkModel
+from phalanx.exchange.threshold import BackwardProfile
+from phalanx.planner.cluster import ClusterConfig, LinkConfig
+from phalanx.planner.sim import (
+    FLAG_BYTES,
+    ExchangeSetup,
+    Simulator,
+    TooLarge,
+    plan_step_buckets,
+    predict_step,
+)
+from phalanx.planner.step import LayerStep, StepProfile, load_step_profile
+from phalanx.planner.trace import LANES, lane_totals, read_trace, write_trace
+
+ALPHA, BETA = 50e-6, 1e9
+MIB = 2**20
+
+
+def one_node(devices: int = 16, **kwargs) -> ClusterConfig:
+    intra = LinkConfig(alpha_s=ALPHA, beta_bytes_per_s=BETA)
+    return ClusterConfig(name="node", nodes=1, devices_per_node=devices, intra=intra, **kwargs)
+
+
+def two_nodes(inter_beta: float = BETA, shared_nic: bool = True) -> ClusterConfig:
+    return ClusterConfig(
+        name="two",
+        nodes=2,
+        devices_per_node=2,
+        shared_nic=shared_nic,
+        intra=LinkConfig(alpha_s=ALPHA, beta_bytes_per_s=BETA),
+        inter=LinkConfig(alpha_s=ALPHA, beta_bytes_per_s=inter_beta),
+    )
+
+
+def profile(
+    layers: list[tuple[float, float, int]], batch: int = 8, optimizer_s_per_byte: float = 0.0
+) -> StepProfile:
+    """Layers in backward order as (forward_s, backward_s, gradient bytes)."""
+    return StepProfile(
+        layers=[
+            LayerStep(name=f"l{i}", forward_s=f, backward_s=b, grad_bytes=(g,) if g else ())
+            for i, (f, b, g) in enumerate(layers)
+        ],
+        batch_size=batch,
+        optimizer_s_per_byte=optimizer_s_per_byte,
+    )
+
+
+def ring_s(p: int, n: float) -> float:
+    return 2 * (p - 1) * ALPHA + 2 * (p - 1) / p * n / BETA
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 7])
+def test_no_compute_exposes_the_whole_ring(p):
+    n = 4 * MIB
+    step = profile([(0.0, 0.0, n - FLAG_BYTES)])  # one gradient: bucket of n bytes
+    result = Simulator(step, one_node()).run(p, ExchangeSetup())
+    assert result.bucket_bytes == [n]
+    assert result.compute_s == 0.0
+    assert result.exposed_s == pytest.approx(ring_s(p, n), rel=1e-9)
+    assert result.step_s == pytest.approx(ring_s(p, n), rel=1e-9)
+
+
+@pytest.mark.parametrize("p", [2, 5, 8])
+def test_tree_with_no_compute(p):
+    n = 2 * MIB
+    step = profile([(0.0, 0.0, n - FLAG_BYTES)])
+    result = Simulator(step, one_node()).run(p, ExchangeSetup(strategy="tree"))
+    assert result.step_s == pytest.approx(2 * math.ceil(math.log2(p)) * (ALPHA + n / BETA))
+
+
+def test_long_backward_exposes_only_the_last_bucket():
+    """Ten 1 MiB layers, 50 ms of backward each: every bucket's ring is done before the next
+    is ready, so only the last bucket's exchange (after backward) is exposed."""
+    p, grad = 4, MIB - FLAG_BYTES
+    step = profile([(0.01, 0.05, grad)] * 10)
+    result = Simulator(step, one_node()).run(p, ExchangeSetup(bucket_bytes=MIB))
+    assert len(result.bucket_bytes) == 10
+    assert result.exposed_s == pytest.approx(ring_s(p, MIB), rel=1e-9)
+    assert result.exchange_wait_s == pytest.approx(result.exposed_s)
+    assert result.compute_s == pytest.approx(0.6)
+
+
+def test_exposure_grows_when_the_link_falls_behind():
+    p, grad = 8, 8 * MIB
+    fast = profile([(0.001, 0.5, grad)] * 4)
+    slow = profile([(0.001, 0.001, grad)] * 4)
+    setup = ExchangeSetup(bucket_bytes=8 * MIB)
+    exposed_fast = Simulator(fast, one_node()).run(p, setup).exposed_s
+    exposed_slow = Simulator(slow, one_node()).run(p, setup).exposed_s
+    per_bucket = ring_s(p, grad + FLAG_BYTES)
+    assert exposed_fast == pytest.approx(per_bucket, rel=1e-6)
+    # backward takes 4 ms, the link needs 4 buckets' time: 3 ms of it hidden
+    assert exposed_slow == pytest.approx(4 * per_bucket - 0.003, rel=1e-6)
+
+
+def test_nic_sharing_slows_inter_node_traffic():
+    """Workers 0 and 1 (node 0) push to servers 2 and 3 (node 1): rank 0's message to server 3
+    and rank 1's to server 2 could travel at once, but one network card takes them in turn."""
+    n = 4 * MIB
+    step = profile([(0.0, 0.0, n - FLAG_BYTES)])
+    setup = ExchangeSetup(strategy="ps", options={"servers": 2})
+    shared = Simulator(step, two_nodes(shared_nic=True)).run(4, setup)
+    own = Simulator(step, two_nodes(shared_nic=False)).run(4, setup)
+    assert shared.step_s > own.step_s
+    assert shared.bytes_inter == pytest.approx(own.bytes_inter)
+
+
+def test_slower_inter_node_links_slow_the_ring():
+    step = profile([(0.0, 0.0, 4 * MIB)])
+    fast = Simulator(step, two_nodes(BETA)).run(4, ExchangeSetup())
+    slow = Simulator(step, two_nodes(BETA / 4)).run(4, ExchangeSetup())
+    assert slow.step_s == pytest.approx(6 * (ALPHA + (4 * MIB + FLAG_BYTES) / 4 / (BETA / 4)))
+    assert fast.step_s < slow.step_s
+    assert fast.bytes_inter > 0 and fast.bytes_intra > 0
+
+
+def test_partitioned_send_back_overlaps_the_next_forward():
+    """The send-back runs after the optimizer; the next forward waits only for its bucket."""
+    p = 4
+    step = profile([(0.02, 0.04, 4 * MIB)] * 6, optimizer_s_per_byte=1e-9)
+    setup = ExchangeSetup(strategy="partitioned", bucket_bytes=4 * MIB)
+    result = Simulator(step, one_node()).run(p, setup)
+    names = [e.name for e in result.events]
+    assert any(n.endswith("send-back") for n in names)
+    # the owner updates only its shard: 1/floor(p/2) of the optimizer's work
+    assert result.optimizer_s == pytest.approx(step.optimizer_s / 2)
+    send_back = [e for e in result.events if e.name.endswith("send-back") and e.step == 0]
+    forward = [e for e in result.events if e.name == "forward"]
+    assert send_back and forward  # the first step's send-back runs into this step's forward
+    assert result.step_s >= result.compute_s
+
+
+def test_ps_pulls_gate_the_next_forward_and_servers_do_not_train():
+    step = profile([(0.01, 0.02, 2 * MIB)] * 4)
+    result = Simulator(step, one_node()).run(
+        4, ExchangeSetup(strategy="ps", options={"servers": 1})
+    )
+    assert result.trainers == 3
+    assert result.samples_per_s == pytest.approx(3 * 8 / result.step_s)
+    assert any(e.name.endswith("pull") for e in result.events)
+
+
+def test_fusion_cycles_batch_ready_gradients():
+    """Horovod's fusion: everything ready at a cycle tick goes as one message."""
+    step = profile([(0.001, 0.001, MIB)] * 20)
+    setup = ExchangeSetup(bucket_bytes=64 * MIB, fusion_cycle_s=0.005)
+    result = Simulator(step, one_node()).run(4, setup)
+    assert sum(result.bucket_bytes) == 20 * (MIB + FLAG_BYTES)
+    assert 2 <= len(result.bucket_bytes) < 20
+    with pytest.raises(ConfigError, match="fusion"):
+        Simulator(step, one_node()).run(
+            4, ExchangeSetup(strategy="partitioned", fusion_cycle_s=0.005)
+        )
+
+
+def test_budget_refuses_huge_schedules():
+    step = profile([(0.0, 0.0, MIB)])
+    simulator = Simulator(step, one_node(64), max_rounds=100)
+    with pytest.raises(TooLarge, match="rounds"):
+        simulator.run(64, ExchangeSetup(strategy="ps"))
+
+
+def test_buckets_are_the_engines():
+    step = StepProfile.synthesize(
+        samples_per_s=100, batch_size=10, layer_params=[3e5, 1e3, 2e6, 5e5, 7e6]
+    )
+    import torch
+
+    stand_ins = [torch.empty(n, dtype=torch.uint8, device="meta") for n in step.grad_sizes]
+    for bucket_bytes in (1, MIB, 8 * MIB, 25 * MIB):
+        groups = plan_buckets(stand_ins, bucket_bytes, FIRST_BUCKET_BYTES)
+        planned = plan_step_buckets(step, bucket_bytes)
+        assert [list(b.grads) for b in planned] == groups
+
+
+def test_synthesized_profile():
+    step = StepProfile.synthesize(
+        samples_per_s=128,
+        batch_size=64,
+        layer_params=[10, 30, 60],
+        layer_compute=[1, 1, 2],
+        optimizer_s_per_byte=1e-6,
+    )
+    assert step.compute_s == pytest.approx(0.5)
+    assert step.backward_s == pytest.approx(2 * step.forward_s)
+    assert step.grad_sizes == [240, 120, 40]  # backward order: the last layer first
+    assert step.layers[0].forward_s == pytest.approx(2 * step.layers[1].forward_s)
+
+
+def test_profile_json_and_backward_profile(tmp_path):
+    step = profile([(0.01, 0.02, 100), (0.0, 0.005, 0), (0.02, 0.03, 300)])
+    path = step.save(tmp_path / "step.json")
+    assert load_step_profile(path) == step
+    backward = step.to_backward_profile()
+    assert backward.ready_s == pytest.approx((0.02, 0.055))
+    assert backward.nbytes == (100, 300)
+    (tmp_path / "bp.json").write_text(json.dumps(backward.to_dict()))
+    again = load_step_profile(tmp_path / "bp.json")
+    assert again.backward_s == pytest.approx(step.backward_s)
+    (tmp_path / "junk.json").write_text('{"x": 1}')
+    with pytest.raises(ConfigError, match="not a step profile"):
+        load_step_profile(tmp_path / "junk.json")
+
+
+def test_predict_step_from_measurements(tmp_path):
+    backward = BackwardProfile(ready_s=(0.002, 0.010), nbytes=(4 * MIB, 4 * MIB), backward_s=0.012)
+    link = LinkModel(alpha_s=ALPHA, beta_bytes_per_s=BETA, world_size=2)
+    result = predict_step(
+        backward,
+        link.save(tmp_path),
+        world_size=2,
+        forward_s=0.006,
+        batch_size=32,
+        bucket_bytes=4 * MIB,
+    )
+    assert result.compute_s == pytest.approx(0.018)
+    last = ring_s(2, 4 * MIB + FLAG_BYTES)
+    # the second bucket is ready at 10 ms, its ring ends after backward (12 ms)
+    assert result.exposed_s == pytest.approx(max(0.0, 0.010 + last - 0.012), rel=1e-6)
+
+
+def test_trace_round_trip(tmp_path):
+    step = profile([(0.01, 0.02, 2 * MIB)] * 3, optimizer_s_per_byte=1e-9)
+    result = Simulator(step, one_node()).run(4, ExchangeSetup(bucket_bytes=2 * MIB))
+    path = write_trace(tmp_path / "t.json", result.events, devices=4)
+    data = json.loads(path.read_text())
+    assert data["displayTimeUnit"] == "ms"
+    slices = [e for e in data["traceEvents"] if e["ph"] == "X"]
+    assert all({"name", "ts", "dur", "pid", "tid", "args", "cat"} <= set(e) for e in slices)
+    assert any("bytes" in e["args"] for e in slices if e["cat"] == "exchange")
+    totals = lane_totals(read_trace(path), step=1)
+    assert set(totals) == set(LANES)
+    # the compute stream's lanes add up to the step
+    busy = totals["compute"] + totals["wait"] + totals["optimizer"] + totals["input"]
+    assert busy == pytest.approx(result.step_s, rel=1e-9)
+    assert totals["wait"] == pytest.approx(result.exposed_s, rel=1e-9)
+
+
+@pytest.mark.parametrize("p", [2, 4, 8])
+def test_tree_ps_fetch_before_the_next_step(p):
+    """The parallel-CNN paper's scheme: the tree up during backward, then every replica
+    fetches the whole bucket from the server before its next step."""
+    n = 2 * MIB
+    step = profile([(0.0, 0.0, n - FLAG_BYTES)])
+    result = Simulator(step, one_node()).run(p, ExchangeSetup(strategy="tree_ps"))
+    up = math.ceil(math.log2(p)) * (ALPHA + n / BETA)
+    fetch = (p - 1) * (ALPHA + n / BETA)
+    assert result.step_s == pytest.approx(up + fetch, rel=1e-9)
+    assert result.parameter_wait_s == pytest.approx(fetch, rel=1e-9)
+
+
+@pytest.mark.parametrize("p", [4, 8, 16])
+def test_ps_star_with_every_rank_serving_serialises(p):
+    """docs/planner.md: owners receive in rank order, so the pushes take 3p^2/4 - 1 slots."""
+    n = 2 * MIB
+    step = profile([(0.0, 0.0, n - FLAG_BYTES)])
+    result = Simulator(step, one_node()).run(p, ExchangeSetup(strategy="ps"))
+    push = result.events[[e.name for e in result.events].index("b0 exchange")]
+    slot = ALPHA + n / p / BETA
+    assert push.args["phases"]["push"] == pytest.approx((3 * p * p / 4 - 1) * slot, rel=1e-9)
