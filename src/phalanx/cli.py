@@ -282,6 +282,11 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
     optimizer.add_arguments(
         targets.add_parser("optimizer", help="optimizer state in memory vs in the spill file")
     )
+    from phalanx.bench import planner
+
+    planner.add_arguments(
+        targets.add_parser("planner", help="the planner's predicted step time vs measured here")
+    )
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -348,7 +353,10 @@ def _train_here(config: object, run_dir: Path, resume: bool, quiet: bool) -> int
     if restarts and trainer.ctx.is_main:
         where = f"resuming from step {trainer.step}" if resume else "no checkpoint yet: from step 0"
         print(f"{PROG}: restart {restarts} after a worker failed: {where}", file=sys.stderr)
-    summary = trainer.run()
+    try:
+        summary = trainer.run()
+    finally:
+        trainer.engine.close()  # its threads, hooks and memory tiers go now, not at exit
     if summary.get("preempted"):
         if trainer.ctx.is_main and not quiet:
             print(_preempted_line(summary), file=sys.stderr)

@@ -121,7 +121,7 @@ def test_unknown_section_lists_sections():
     assert message.startswith("foo: unknown key")
     sections = (
         "checkpoint, data, exchange, log, memory, model, optimizer, parallel, runtime, "
-        "scheduler, train"
+        "scheduler, trace, train"
     )
     assert f"allowed: {sections}" in message
 

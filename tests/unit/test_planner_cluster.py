@@ -110,8 +110,12 @@ def test_from_link_json(tmp_path):
     saved = link.save(tmp_path)
     cluster = from_link(saved)
     assert cluster.nodes == 1 and cluster.devices_per_node == 2
-    assert cluster.intra == LinkConfig(alpha_s=1e-4, beta_bytes_per_s=1.2e9)
+    # Gloo: the ring's 2 concurrent messages per step share one medium of 2 x beta
+    assert cluster.shared_intra
+    assert cluster.intra == LinkConfig(alpha_s=0.5e-4, beta_bytes_per_s=2.4e9)
     assert from_link(tmp_path).intra == cluster.intra  # a directory means its link.json
+    nccl = from_link(LinkModel(alpha_s=1e-5, beta_bytes_per_s=1e11, world_size=8, backend="nccl"))
+    assert not nccl.shared_intra and nccl.intra == LinkConfig(alpha_s=1e-5, beta_bytes_per_s=1e11)
     solo = LinkModel(alpha_s=0.0, beta_bytes_per_s=float("inf"), world_size=1)
     with pytest.raises(ConfigError) as error:
         from_link(solo)

@@ -122,3 +122,23 @@ def test_interpolation_matches_simulation():
     curve = net.interpolated(ring_rounds(8), 8, 64e6)
     for n in (5e4, 3.3e6, 40e6):
         assert curve(n) == pytest.approx(seconds(ring_rounds(8), 8, n, net), rel=1e-6)
+
+
+def test_a_shared_medium_serialises_a_nodes_messages() -> None:
+    """shared_intra: a ring allreduce's p concurrent messages per step take turns, so with the
+    from_link conversion (p beta, alpha / p) it costs what the calibration fitted, while a
+    tree's one-way messages cost half of their full-duplex time at p = 2."""
+    from phalanx.exchange.link import LinkModel
+    from phalanx.planner.cluster import from_link
+    from phalanx.planner.network import Network
+    from phalanx.planner.schedules import make_codec, ring_rounds, tree_rounds
+
+    alpha, beta, n = 1e-4, 1e9, 8e6
+    cluster = from_link(
+        LinkModel(alpha_s=alpha, beta_bytes_per_s=beta, world_size=2, backend="gloo")
+    )
+    network = Network(cluster, make_codec("none"))
+    ring = network.seconds(ring_rounds(2), 2, [n])[0]
+    assert ring == pytest.approx(2 * alpha + n / beta, rel=1e-9)  # the fitted line
+    tree = network.seconds(tree_rounds(2), 2, [n])[0]
+    assert tree == pytest.approx(2 * (alpha / 2 + n / (2 * beta)), rel=1e-9)

@@ -137,15 +137,19 @@ class MemoryManager:
             probe = max(MIN_BANDWIDTH_PROBE, max((c.saved_bytes for c in costs), default=0))
             write, read = measure_bandwidth(tier, probe)
         # Phase 3: the plan.
-        plan = make_plan(
-            costs,
-            fixed,
-            int(config.budget_mb * 2**20) or None,
-            write_bytes_per_s=write,
-            read_bytes_per_s=read,
-            offload=config.offload,
-            recompute=config.recompute,
-        )
+        try:
+            plan = make_plan(
+                costs,
+                fixed,
+                int(config.budget_mb * 2**20) or None,
+                write_bytes_per_s=write,
+                read_bytes_per_s=read,
+                offload=config.offload,
+                recompute=config.recompute,
+            )
+        except BaseException:
+            tier.close()  # no plan, nothing uses it: its thread and file go now
+            raise
         plan.notes.append(
             f"tier {type(tier).__name__}: write {write / 1e9:.2f} GB/s, read {read / 1e9:.2f} GB/s"
         )

@@ -19,6 +19,7 @@ and keeps only what this rank runs:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import logging
 import time
@@ -292,7 +293,7 @@ class PipelineParallel:
 
     def _build_schedule(self) -> Any:
         stages = [
-            _NotifyingStage(
+            _notifying_stage_class()(
                 self.stages[s],
                 s,
                 self.num_stages,
@@ -375,58 +376,59 @@ def _mesh_groups(world: Context, num_replicas: int, num_ranks: int) -> tuple[Any
     return mesh.get_group("data"), mesh.get_group("pipeline")
 
 
-def _stage_class() -> type:
+@functools.cache
+def _notifying_stage_class() -> type:
+    """``_NotifyingStage``, defined on first use: torch.distributed.pipelining takes ~1.7 s to
+    import (it loads torch._dynamo), which every process importing phalanx would pay."""
     from torch.distributed.pipelining import PipelineStage
 
-    return PipelineStage
+    # Releases before last_backward existed never say which backward is the last: the
+    # buckets then launch after the schedule (correct, without overlap).
+    takes_last_backward = (
+        "last_backward" in inspect.signature(PipelineStage.backward_maybe_with_nosync).parameters
+    )
 
+    class _NotifyingStage(PipelineStage):  # type: ignore[misc]
+        """A PipelineStage that tells its PipelineParallel before each backward whether it is
+        this stage's last micro-batch (where torch itself prepares DDP's reduction)."""
 
-# Releases before last_backward existed never say which backward is the last: the buckets
-# then launch after the schedule (correct, without overlap).
-_TAKES_LAST_BACKWARD = (
-    "last_backward" in inspect.signature(_stage_class().backward_maybe_with_nosync).parameters
-)
+        def __init__(
+            self,
+            module: nn.Module,
+            index: int,
+            num_stages: int,
+            device: torch.device,
+            group: Any,
+            owner: PipelineParallel,
+            input_args: torch.Tensor,
+            output_args: torch.Tensor | None,
+        ) -> None:
+            super().__init__(
+                module,
+                index,
+                num_stages,
+                device,
+                input_args=input_args,
+                output_args=output_args,
+                group=group,
+            )
+            self._owner = owner
 
+        def backward_maybe_with_nosync(
+            self, backward_type: Any, bwd_kwargs: dict, last_backward: bool = False
+        ) -> Any:
+            self._owner.before_backward(last_backward)
+            self._owner._start_busy()
+            try:
+                if takes_last_backward:
+                    return super().backward_maybe_with_nosync(
+                        backward_type, bwd_kwargs, last_backward=last_backward
+                    )
+                return super().backward_maybe_with_nosync(backward_type, bwd_kwargs)
+            finally:
+                self._owner._stop_busy()
 
-class _NotifyingStage(_stage_class()):  # type: ignore[misc]
-    """A PipelineStage that tells its PipelineParallel before each backward whether it is this
-    stage's last micro-batch (where torch itself prepares DDP's reduction)."""
-
-    def __init__(
-        self,
-        module: nn.Module,
-        index: int,
-        num_stages: int,
-        device: torch.device,
-        group: Any,
-        owner: PipelineParallel,
-        input_args: torch.Tensor,
-        output_args: torch.Tensor | None,
-    ) -> None:
-        super().__init__(
-            module,
-            index,
-            num_stages,
-            device,
-            input_args=input_args,
-            output_args=output_args,
-            group=group,
-        )
-        self._owner = owner
-
-    def backward_maybe_with_nosync(
-        self, backward_type: Any, bwd_kwargs: dict, last_backward: bool = False
-    ) -> Any:
-        self._owner.before_backward(last_backward)
-        self._owner._start_busy()
-        try:
-            if _TAKES_LAST_BACKWARD:
-                return super().backward_maybe_with_nosync(
-                    backward_type, bwd_kwargs, last_backward=last_backward
-                )
-            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs)
-        finally:
-            self._owner._stop_busy()
+    return _NotifyingStage
 
 
 def build_pipeline(

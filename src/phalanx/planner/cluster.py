@@ -69,6 +69,12 @@ class ClusterConfig:
     shared_nic: bool = option(
         True, "the devices of a node share one network card for inter-node messages"
     )
+    shared_intra: bool = option(
+        False,
+        "messages within a node share one medium and take turns at the intra link's bandwidth "
+        "(processes on one machine's CPUs over loopback: every byte is copied by the same "
+        "cores and memory); False: each device has its own full-duplex ports (NVLink, PCIe)",
+    )
     compute_speed: float = option(
         1.0, "how many times faster a device computes than the one the step profile came from"
     )
@@ -213,11 +219,21 @@ def from_link(
             "link model: calibrated on one process, it measured no link; run "
             "`phalanx bench link --nproc 2 --json link.json` (or more processes)"
         )
+    # Gloo moves every byte with the CPUs' copies, which the processes share: a ring step's p
+    # concurrent messages of n/p take as long as one message of n. Its fitted (alpha, beta) per
+    # message then mean a shared medium of p x beta, with alpha / p per message.
+    shared = link.backend == "gloo"
+    p = link.world_size
+    intra = LinkConfig(
+        alpha_s=link.alpha_s / p if shared else link.alpha_s,
+        beta_bytes_per_s=link.beta_bytes_per_s * p if shared else link.beta_bytes_per_s,
+    )
     return ClusterConfig(
         name=name,
         nodes=1,
         devices_per_node=devices_per_node or link.world_size,
-        intra=LinkConfig(alpha_s=link.alpha_s, beta_bytes_per_s=link.beta_bytes_per_s),
+        intra=intra,
+        shared_intra=shared,
         codec_s_per_byte=codec_s_per_byte,
         description=f"calibrated by phalanx bench link ({link.backend or 'unknown'} backend, "
         f"{link.world_size} ranks)",
@@ -268,7 +284,7 @@ def cluster_to_toml(cluster: ClusterConfig, comment: str = "") -> str:
         return repr(v)
 
     lines = [f"# {line}".rstrip() for line in comment.splitlines()]
-    for key in ("name", "description", "nodes", "devices_per_node", "shared_nic",
+    for key in ("name", "description", "nodes", "devices_per_node", "shared_nic", "shared_intra",
                 "compute_speed", "codec_s_per_byte"):  # fmt: skip
         lines.append(f"{key} = {value(getattr(cluster, key))}")
     for level in LEVELS:

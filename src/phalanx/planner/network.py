@@ -42,6 +42,7 @@ class Placement:
     world: int
     devices_per_node: int
     shared_nic: bool
+    shared_intra: bool = False
 
 
 @dataclass
@@ -66,13 +67,17 @@ def compile_table(table: RoundTable, placement: Placement) -> CompiledTable:
     src, dst = table.src, table.dst
     assert src.size == 0 or max(int(src.max()), int(dst.max())) < p, "rank beyond the world"
     # Phase 1: levels and ports. Ports: [0, p) intra out, [p, 2p) intra in, [2p, 3p) inter
-    # out, [3p, 4p) inter in, indexed by node where the NIC is shared.
+    # out, [3p, 4p) inter in, indexed by node where the NIC is shared; [4p, 5p) a node's
+    # shared intra-node medium.
     src_node, dst_node = src // dpn, dst // dpn
     inter = src_node != dst_node
     nic_src = src_node if placement.shared_nic else src
     nic_dst = dst_node if placement.shared_nic else dst
     out_port = np.where(inter, 2 * p + nic_src, src)
     in_port = np.where(inter, 3 * p + nic_dst, p + dst)
+    if placement.shared_intra:  # one medium per node: both ends use the node's port
+        out_port = np.where(inter, out_port, 4 * p + src_node)
+        in_port = np.where(inter, in_port, 4 * p + src_node)
     # Phase 2: levels of rounds, then waves without port conflicts.
     level_of_round = _levels(table, p)
     counts = np.diff(table.starts)
@@ -171,7 +176,8 @@ class Network:
     _seconds: dict[tuple, float] = field(default_factory=dict)
 
     def placement(self, world: int) -> Placement:
-        return Placement(world, self.cluster.devices_per_node, self.cluster.shared_nic)
+        cluster = self.cluster
+        return Placement(world, cluster.devices_per_node, cluster.shared_nic, cluster.shared_intra)
 
     def compiled(self, table: RoundTable, world: int) -> CompiledTable:
         key = (table.key, world)
@@ -223,7 +229,7 @@ class Network:
         per_byte = table.fraction * (ratio * inv_beta + coding)  # seconds per bucket byte
         done = np.zeros((p, sizes.size))  # when each rank finished its previous rounds
         level_done = np.zeros_like(done)  # rows of the current level's ranks: their latest end
-        ports = np.zeros((4 * p, sizes.size))
+        ports = np.zeros((5 * p, sizes.size))
         current = -1
         for wave, level, simple in zip(
             compiled.waves, compiled.level_of_wave, compiled.simple_waves
