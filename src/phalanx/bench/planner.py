@@ -2,8 +2,9 @@
 
 For each model (the digits CNN, the 8.4 M-parameter MLP, the char-LSTM), strategy, compression
 and threshold (25 MiB, ``auto``), two processes train with the Engine; after a warm-up (and
-after ``auto`` settled) ``steps`` consecutive steps are timed (each step's time is the slowest
-rank's) and traced (``phalanx.tracing``). The planner then predicts the same step:
+after ``auto`` settled) ``steps`` consecutive steps are timed and traced
+(``phalanx.tracing``): the measured step is the slower rank's mean over them. The planner
+then predicts the same step:
 
   Phase 1 (calibrate, once per model): the link's alpha and beta (``exchange.link.calibrate``,
     the fit ``phalanx bench link`` makes) and the fp16 codec's seconds per byte.
@@ -157,7 +158,9 @@ def _cell(
     dist.all_gather_object(per_rank, list(times), group=ctx.group)
     slowest = torch.tensor(times, dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=ctx.group)
-    measured = statistics.median(slowest.tolist())
+    # The block's mean step (what throughput is), the slower rank's: a per-step maximum over
+    # ranks would add the two ranks' independent jitter to every step.
+    measured = max(sum(t) / len(t) for t in per_rank)
     row: dict[str, Any] = {
         "strategy": strategy,
         "compress": compress,
@@ -166,6 +169,7 @@ def _cell(
         "first_bucket_bytes": engine.buckets.first_bucket_bytes,
         "num_buckets": len(engine.buckets.buckets),
         "measured_s": measured,
+        "measured_median_max_s": statistics.median(slowest.tolist()),
         "measured_samples": slowest.tolist(),
     }
     if ctx.rank == 0:
@@ -235,7 +239,7 @@ def _predict(
     ]
     grad_bytes = sum(sum(layer.grad_bytes) for layer in layers)
     own = step_times[slow]
-    overhead_s = max(0.0, statistics.median(t - b for t, b in zip(own, busy_of(slow))))
+    overhead_s = max(0.0, (sum(own) - sum(busy_of(slow))) / len(own))
     share = engine.optimizer_bytes() / max(1, 2 * grad_bytes)  # Adam: 2 states per element
     profile = StepProfile(
         layers=layers,

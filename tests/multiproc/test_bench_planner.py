@@ -1,0 +1,32 @@
+"""``phalanx bench planner`` end to end on one small cell (the numbers: docs/benchmarks.md),
+and its flag errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from phalanx.bench.planner import PlannerBenchConfig, format_report, run_benchmark
+from phalanx.errors import ConfigError
+
+
+def test_one_cell_is_measured_traced_and_predicted() -> None:
+    cfg = PlannerBenchConfig(
+        models=("digits_cnn",), strategies=("tree",), compress=("fp16",), thresholds=("25",),
+        warmup=2, steps=3,
+    )  # fmt: skip
+    result = run_benchmark(cfg)
+    (row,) = result["rows"]
+    assert row["measured_s"] > 0 and row["predicted_s"] > 0
+    assert row["forward_s"] > 0 and row["backward_s"] > 0 and row["optimizer_s"] > 0
+    assert row["simulated_buckets"] == row["num_buckets"]  # the simulator re-formed the buckets
+    assert row["cluster"]["shared_intra"] and row["setup"]["compress"] == "fp16"
+    assert "within 10%:" in format_report(result)
+
+
+def test_bad_flags_are_config_errors() -> None:
+    with pytest.raises(ConfigError, match="--models: unknown model 'gpt'"):
+        PlannerBenchConfig(models=("gpt",)).validate()
+    with pytest.raises(ConfigError, match="--thresholds: 'big'"):
+        PlannerBenchConfig(thresholds=("big",)).validate()
+    with pytest.raises(ConfigError, match="--steps: at least 3"):
+        PlannerBenchConfig(steps=1).validate()

@@ -1,0 +1,39 @@
+"""The planner against this machine (issue 13 (4)), from a recorded ``phalanx bench planner``
+run (tests/unit/data/bench_planner.json, also in docs/benchmarks.md): every cell's recorded
+profile, cluster and setup simulate again to its recorded prediction, and the predictions keep
+the error bounds that run measured. Timing is not re-measured here (tests must not depend on
+this machine's speed); a change to the simulator that moves predictions away from what was
+measured fails this test."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+import pytest
+
+from phalanx.bench.planner import format_report
+from phalanx.planner.cluster import cluster_from_dict
+from phalanx.planner.sim import ExchangeSetup, Simulator
+from phalanx.planner.step import StepProfile
+
+RECORDED = Path(__file__).parent / "data" / "bench_planner.json"
+MEDIAN_BOUND, WORST_BOUND = 0.10, 0.30  # recorded: median 8.2 %, worst 28.9 %
+
+
+def test_recorded_cells_predict_within_the_bounds() -> None:
+    result = json.loads(RECORDED.read_text())
+    rows = result["rows"]
+    assert len(rows) == 48  # 3 models x 4 strategies x 2 compressions x 2 thresholds
+    errors = []
+    for row in rows:
+        profile = StepProfile.from_dict(row["profile"])
+        cluster = cluster_from_dict(row["cluster"])
+        setup = ExchangeSetup(**row["setup"])
+        predicted = Simulator(profile, cluster).run(2, setup).step_s
+        assert predicted == pytest.approx(row["predicted_s"], rel=1e-6), row["strategy"]
+        errors.append(abs(predicted / row["measured_s"] - 1))
+    assert statistics.median(errors) <= MEDIAN_BOUND
+    assert max(errors) <= WORST_BOUND
+    assert "within 10%: 29 of 48 cells" in format_report(result)
