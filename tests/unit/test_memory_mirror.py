@@ -27,11 +27,13 @@ def model() -> nn.Module:
 
 
 def train(
-    net: nn.Module, opt: torch.optim.Optimizer, steps: int, unused: bool = False
+    net: nn.Module, opt: torch.optim.Optimizer, steps: int, unused: bool = False, cuda: bool = False
 ) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(1)
     for step in range(steps):
         x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+        if cuda:
+            x, y = x.cuda(), y.cuda()
         opt.zero_grad()
         nn.functional.mse_loss(net(x), y).backward()
         if unused and step % 2:  # a parameter without gradient this step keeps its state
@@ -99,3 +101,26 @@ def test_mirror_refuses_a_closure(tmp_path) -> None:
         OptimizerMirror(opt, tier, chunk_bytes=1 << 20)
         with pytest.raises(ValueError, match="closure"):
             opt.step(lambda: torch.zeros(()))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (pinned host tier)")
+def test_mirror_on_cuda_keeps_state_in_pinned_host_memory() -> None:
+    """On a GPU the state lives in pinned host memory between steps (the pinned_host tier,
+    side stream); parameters equal the optimizer alone and device memory holds no state."""
+    from phalanx.memory.tiers import PinnedHostTier
+
+    device = torch.device("cuda")
+    expected = train(
+        net := model().to(device), OPTIMIZERS["adamw"](list(net.parameters())), 4, cuda=True
+    )
+    net = model().to(device)
+    opt = OPTIMIZERS["adamw"](list(net.parameters()))
+    with PinnedHostTier(device) as tier:
+        mirror = OptimizerMirror(opt, tier, chunk_bytes=2000)
+        got = train(net, opt, 4, cuda=True)
+        assert mirror.stored_bytes() > 0
+        resident = [v for s in opt.state.values() for v in s.values() if v.numel() > 1]
+        assert resident == []
+        mirror.close()
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
