@@ -256,6 +256,8 @@ class Engine:
         self.num_steps += 1
         if tracing:
             assert self.tracer is not None
+            for b, start, end in self.strategy.param_waits:  # inside forward's span
+                self.tracer.span("wait", f"parameters b{b}", start, end, bucket=b)
             self.tracer.finish_step(self.world.group, self._trace_meta())
         return total_loss
 

@@ -10,7 +10,9 @@ step and a predicted one open side by side. Lanes:
     previous bucket's last gradient (or backward's start) to bucket 3's last gradient;
   - ``exchange``: each bucket from its launch to its completion (the backend's or the
     communication thread's completion callback: the profiler cannot see that thread);
-  - ``wait``: the step waiting for the exchange after backward;
+  - ``wait``: the step waiting for the exchange after backward ("exchange"), and forward
+    waiting for parameters still arriving ("parameters b3", owner-update strategies; these
+    slices lie inside forward's);
   - ``optimizer``: the update;
   - ``input``: the wait for the input pipeline's next batch (the Trainer reports it).
 

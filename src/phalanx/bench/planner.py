@@ -207,7 +207,7 @@ def _predict(
             sum(
                 e["dur"]
                 for e in every
-                if e["pid"] == rank and e["args"]["step"] == s and e["lane"] != "exchange"
+                if e["pid"] == rank and e["args"]["step"] == s and _on_compute_stream(e)
             )
             / 1e6
             for s in steps
@@ -223,7 +223,11 @@ def _predict(
             for s in steps
         )
 
-    forward_s = median_of(lambda e: e["name"] == "forward")
+    # Forward's own compute: its slices less the waits for parameters inside them (the
+    # simulator adds the waits its model predicts).
+    forward_s = median_of(lambda e: e["name"] == "forward") - median_of(
+        lambda e: e["name"].startswith("parameters")
+    )
     optimizer_s = median_of(lambda e: e["lane"] == "optimizer")
     buckets = engine.buckets.buckets
     backward = [median_of(lambda e, b=b.index: e["name"] == f"backward b{b}") for b in buckets]
@@ -273,6 +277,12 @@ def _predict(
         "profiled_rank": slow,
         "simulated_buckets": len(result.bucket_bytes),
     }
+
+
+def _on_compute_stream(event: dict[str, Any]) -> bool:
+    """Slices that add up to the compute stream's busy time: not the exchange, and not the
+    waits for parameters (they lie inside forward's slices)."""
+    return event["lane"] != "exchange" and not event["name"].startswith("parameters")
 
 
 # -- in the caller ----------------------------------------------------------------------------

@@ -127,6 +127,9 @@ class Strategy(ABC):
         self.codec: Codec = Codec()  # gradient message compression, set by the Engine
         self.bytes_sent = 0  # this step, counted by the strategy
         self.bytes_received = 0
+        # This step's forward waits for parameters still arriving: (bucket, start, end) in
+        # perf_counter seconds (owner-update strategies; the Engine's traces show them).
+        self.param_waits: list[tuple[int, float, float]] = []
         self._count_lock = threading.Lock()  # a communication thread may count too
 
     # -- layout -------------------------------------------------------------------------------
@@ -211,6 +214,7 @@ class Strategy(ABC):
         """Reset per-step counters before the first launch of a step."""
         self.bytes_sent = 0
         self.bytes_received = 0
+        self.param_waits.clear()
         self.codec.num_nonfinite = 0
 
     @abstractmethod

@@ -8,6 +8,7 @@ overlaps the send-back. Optimizer state is checkpointed in the canonical per-par
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -63,7 +64,9 @@ class OwnerUpdateStrategy(Strategy):
     def _wait_params(self, b: int) -> None:
         pending = self._pending_params.pop(b, None)
         if pending is not None:
+            start = time.perf_counter()
             wait(pending)
+            self.param_waits.append((b, start, time.perf_counter()))
 
     def sync(self) -> None:
         for b in list(self._pending_params):
