@@ -19,6 +19,7 @@ from plain_model import STEPS, build_model, global_batch  # noqa: E402
 
 STRATEGIES = ["allreduce", "tree", "partitioned", "ps"]
 EXACT = [f"{s}:none:25" for s in STRATEGIES] + ["ddp:none:25"]  # DDP alongside, as users do
+EXACT += ["allreduce:none:25:host", "ps:none:25:host"]  # optimizer state in the spill file
 VARIANTS = [f"{s}:fp16:auto" for s in STRATEGIES] + ["partitioned:none:0.001"]
 
 
@@ -46,6 +47,7 @@ def test_plain_script_exits_cleanly_with_current_weights(tmp_path: Path, world_s
     for rank, (code, err) in enumerate(results):
         assert code == 0, f"rank {rank} exited {code}:\n{err[-3000:]}"
         assert "terminate called" not in err
+        assert "teardown at shutdown failed" not in err, err[-3000:]
         left = json.loads((tmp_path / f"exit-rank{rank}.json").read_text())
         assert left == {"process_group": False, "threads": []}, left
     assert wait_gone(str(tmp_path)) == []

@@ -205,8 +205,14 @@ class OptimizerMirror:
 
     def close(self) -> None:
         """Bring the state back into the optimizer and give it its own ``step`` again (the
-        optimizer then works without the mirror; before the tier closes)."""
-        self.materialize()
+        optimizer then works without the mirror; before the tier closes). At interpreter
+        exit, when Python has already stopped the tier's I/O thread, the state is left where
+        it is: the process is ending."""
+        try:
+            self.materialize()
+        except RuntimeError as e:
+            if "after shutdown" not in str(e):  # concurrent.futures at interpreter exit
+                raise
         if self.optimizer.__dict__.get("step") is not None:
             del self.optimizer.step  # an LR scheduler's wrapper, if any, goes with it
         del self.optimizer._phalanx_mirror  # type: ignore[attr-defined]

@@ -439,8 +439,11 @@ class SpillFileTier(Tier):
 
     def _release_buffers(self) -> None:
         del self._staging_tensor  # the exported pointers must go before the mmap can close
-        self._staging_view.release()
-        self._staging.close()
+        try:
+            self._staging_view.release()
+            self._staging.close()
+        except BufferError:  # a view still exported (interpreter exit mid-write): the mapping
+            pass  # goes with its last reference
 
 
 # -- CUDA: pinned host memory ------------------------------------------------------------------

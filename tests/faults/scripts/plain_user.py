@@ -1,11 +1,12 @@
 """The shortest script a user writes: no sync(), no close(), no shutdown(); it just ends.
 
 Usage: python plain_user.py OUT_DIR SPEC [SPEC ...], each SPEC "strategy:compress:bucket_mb"
-(e.g. "ps:none:auto"). Run one copy per rank with RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
-MASTER_PORT set (as torchrun does). Each rank trains one model per SPEC on its share of the same
-global batches, with Adam and a StepLR scheduler, then saves ``model.state_dict()`` and the
-optimizer's learning rate straight after the last step. An atexit hook registered before
-phalanx is imported runs last and records whether anything was left behind.
+(e.g. "ps:none:auto"), with ":host" appended for ``[memory] optimizer = "host"``. Run one copy
+per rank with RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT set (as torchrun does).
+Each rank trains one model per SPEC on its share of the same global batches, with Adam and a
+StepLR scheduler, then saves ``model.state_dict()`` and the optimizer's learning rate straight
+after the last step. An atexit hook registered before phalanx is imported runs last and
+records whether anything was left behind.
 """
 
 import atexit
@@ -35,6 +36,7 @@ import functools  # noqa: E402
 import torch  # noqa: E402
 
 import phalanx as px  # noqa: E402
+from phalanx.memory.manager import MemoryConfig, MemoryManager  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 from plain_model import STEPS, batches, build_model  # noqa: E402
@@ -56,7 +58,7 @@ class DDPStep:
 ctx = px.init()
 engines, schedulers = [], []
 for spec in sys.argv[2:]:
-    strategy, compress, bucket = spec.split(":")
+    strategy, compress, bucket, *host = spec.split(":")
     torch.manual_seed(0)
     model = build_model()
     if strategy == "ddp":  # torch's DDP in the same process (it once made ps abort at exit)
@@ -64,6 +66,10 @@ for spec in sys.argv[2:]:
         engines.append((spec, model, engine))
         schedulers.append(torch.optim.lr_scheduler.StepLR(engine.optimizer, 2, gamma=0.5))
         continue
+    memory = None
+    if host:  # "...:host": [memory] optimizer = "host", state in a spill file between steps
+        config = MemoryConfig(optimizer="host", optimizer_chunk_mb=0.01)
+        memory = MemoryManager.build([], config, ctx.device)
     engine = px.Engine(
         model,
         torch.nn.functional.cross_entropy,
@@ -71,6 +77,7 @@ for spec in sys.argv[2:]:
         exchange=strategy,
         compress=None if compress == "none" else compress,
         bucket_mb=bucket if bucket == "auto" else float(bucket),
+        memory=memory,
     )
     engines.append((spec, model, engine))
     schedulers.append(torch.optim.lr_scheduler.StepLR(engine.optimizer, step_size=2, gamma=0.5))
