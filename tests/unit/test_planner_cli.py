@@ -121,3 +121,34 @@ def test_plan_measures_the_config_without_a_profile(tmp_path, capsys):
     plan = json.loads(out_json.read_text())
     assert plan["devices"] == [1, 2]  # the defaults, up to the cluster's 2 devices
     assert plan["profile"]["gradient_bytes"] > 500_000  # the digits CNN's 0.6 MB
+
+
+def test_compare_puts_a_measured_trace_beside_the_simulated_step(tmp_path, capsys, step_json):
+    """--compare: a measured trace's lanes (here written by hand for 2 ranks) next to the
+    config's own setup simulated at the trace's number of ranks; a plan without that N is a
+    one-line error."""
+    from phalanx.planner.trace import TraceEvent, write_trace
+
+    events = [
+        TraceEvent(lane=lane, name=name, start_s=start, duration_s=dur, rank=rank, step=step)
+        for rank in (0, 1)
+        for step in (2, 3, 4)
+        for lane, name, start, dur in (
+            ("compute", "forward", 0.0, 0.002),
+            ("compute", "backward b0", 0.002, 0.004),
+            ("wait", "exchange", 0.006, 0.001),
+            ("optimizer", "update", 0.007, 0.0005),
+        )
+    ]
+    measured = write_trace(tmp_path / "trace.json", events)
+    argv = ["plan", CONFIG, "--cluster", CLUSTER, "--profile", step_json, "--devices", "1,2"]
+    code, out, err = run([*argv, "--compare", str(measured)], capsys)
+    assert code == 0, err
+    assert "vs simulated (allreduce / 25 MiB / none, 2 devices)" in out
+    compute = next(line for line in out.splitlines() if line.strip().startswith("compute"))
+    assert compute.split()[1] == "6.00"  # forward + backward, ms
+    argv[-1] = "1"
+    code, _, err = run([*argv, "--compare", str(measured)], capsys)
+    assert (
+        code == 2 and "--compare: the plan has no allreduce" in err and len(err.splitlines()) == 1
+    )

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -432,6 +433,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", metavar="FILE", help="write every number here")
     p.add_argument("--plot", metavar="PNG", help="speed-up against N (viz extra)")
     p.add_argument("--trace", metavar="DIR", help="a Chrome trace per N of the best setup")
+    p.add_argument(
+        "--compare",
+        metavar="TRACE",
+        help="a measured trace (phalanx train --trace DIR: DIR/trace.json): its step per lane "
+        "next to the config's setup simulated at the trace's number of ranks",
+    )
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="tracebacks")
     p.set_defaults(handler=cmd_plan)
@@ -481,7 +488,54 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.trace:
         paths = write_traces(plan, Path(args.trace))
         print(f"wrote {len(paths)} trace(s) to {args.trace}")
+    if args.compare:
+        print(compare_with_trace(plan, Path(args.compare), config.exchange))
     return 0
+
+
+def compare_with_trace(plan: Plan, path: Path, exchange: Any) -> str:
+    """Seconds per lane of a measured step (rank 0, median over the traced steps) next to
+    the simulated step of the config's own setup (strategy, threshold, compression) at the
+    trace's number of ranks, which the plan must include."""
+    from phalanx.planner.trace import chrome_trace, lane_totals, read_trace
+
+    measured = read_trace(path)
+    world = len({e["pid"] for e in measured})
+    label = "auto" if exchange.bucket_mb == AUTO else f"{float(exchange.bucket_mb):g} MiB"
+    rows = [
+        r
+        for r in plan.rows
+        if r.devices == world
+        and r.result is not None
+        and r.setup.strategy == exchange.strategy
+        and r.setup.compress == exchange.compress
+        and r.setup.threshold_label.startswith(label.split(" ")[0])
+    ]
+    if not rows:
+        raise ConfigError(
+            f"--compare: the plan has no {exchange.strategy} / {label} / {exchange.compress} "
+            f"row at {world} devices (the trace's ranks); add {world} to --devices"
+        )
+    row = min(rows, key=lambda r: r.result.step_s if r.result else float("inf"))
+    assert row.result is not None
+    simulated = [
+        {**e, "lane": e["cat"]}
+        for e in chrome_trace(row.result.events)["traceEvents"]
+        if e.get("ph") == "X"
+    ]
+    last = max(e["args"]["step"] for e in simulated)
+    steps = sorted({e["args"]["step"] for e in measured if e["pid"] == 0})
+    per_step = [lane_totals(measured, rank=0, step=s) for s in steps]
+    predicted = lane_totals(simulated, rank=0, step=last)
+    lines = [
+        f"measured ({path}, rank 0, median of {len(steps)} steps) vs simulated "
+        f"({row.setup.label()}, {world} devices), ms per step:",
+        f"  {'lane':<10} {'measured':>9} {'simulated':>10}",
+    ]
+    for lane in predicted:
+        value = statistics.median(t[lane] for t in per_step) if per_step else 0.0
+        lines.append(f"  {lane:<10} {1e3 * value:>9.2f} {1e3 * predicted[lane]:>10.2f}")
+    return "\n".join(lines)
 
 
 def read_cluster(path: str) -> ClusterConfig:
