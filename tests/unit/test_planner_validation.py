@@ -19,7 +19,7 @@ from phalanx.planner.sim import ExchangeSetup, Simulator
 from phalanx.planner.step import StepProfile
 
 RECORDED = Path(__file__).parent / "data" / "bench_planner.json"
-MEDIAN_BOUND, WORST_BOUND = 0.10, 0.40  # recorded: median 8.6 %, worst 36.9 %
+MEDIAN_BOUND, WORST_BOUND = 0.10, 0.40  # recorded: median 8.7 %, worst 38.1 %
 
 
 def test_recorded_cells_predict_within_the_bounds() -> None:
@@ -36,4 +36,4 @@ def test_recorded_cells_predict_within_the_bounds() -> None:
         errors.append(abs(predicted / row["measured_s"] - 1))
     assert statistics.median(errors) <= MEDIAN_BOUND
     assert max(errors) <= WORST_BOUND
-    assert "within 10%: 25 of 48 cells" in format_report(result)
+    assert "within 10%: 28 of 48 cells" in format_report(result)

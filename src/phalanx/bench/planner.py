@@ -7,11 +7,12 @@ after ``auto`` settled) ``steps`` consecutive steps are timed and traced
 then predicts the same step:
 
   Phase 1 (calibrate, once per model): the link's alpha and beta (``exchange.link.calibrate``,
-    the fit ``phalanx bench link`` makes) and the fp16 codec's seconds per byte.
+    the fit ``phalanx bench link`` makes), the fp16 codec's seconds per byte and Adam's
+    seconds per gradient byte on the model's parameters.
   Phase 2 (measure): the timed steps' median, and from the trace of them (the rank that
     computes slowest) the compute the simulator needs: forward, backward per bucket (each
-    bucket's gradients, in ready order), the optimizer (per byte it updates) and the step's
-    time outside those phases (the Engine's own work).
+    bucket's gradients, in ready order) and the step's time outside its traced phases (the
+    Engine's own work).
   Phase 3 (predict): ``planner.sim.Simulator`` on a one-node cluster built from the link, with
     the run's bucket threshold and first bucket: the strategy's message schedule, overlap with
     backward, the optimizer. Its step time against the measured median: the error.
@@ -108,13 +109,33 @@ def _worker(ctx: Any, cfg: PlannerBenchConfig, model_name: str) -> list[dict[str
     cluster = from_link(link, devices_per_node=ctx.world_size, codec_s_per_byte=codec_s)
     batch = 32
     model, x, y = _model_and_batch(model_name, batch)
+    optimizer_s_per_byte = _optimizer_cost(model)
     rows = []
     for strategy in cfg.strategies:
         for compress in cfg.compress:
             for threshold in cfg.thresholds:
-                row = _cell(ctx, cfg, model, x, y, strategy, compress, threshold, cluster)
+                setup = (strategy, compress, threshold)
+                row = _cell(ctx, cfg, model, x, y, setup, cluster, optimizer_s_per_byte)
                 rows.append({"model": model_name, **row})
     return rows if ctx.rank == 0 else None
+
+
+def _optimizer_cost(model: nn.Module, repeats: int = 5) -> float:
+    """Seconds per gradient byte of the runs' optimizer (Adam) stepping this model's
+    parameters: the median of ``repeats`` steps after one that creates the state; for
+    strategies whose servers update inside the exchange, where the trace's optimizer slice
+    does not see the update."""
+    params = [p.detach().clone().requires_grad_(True) for p in model.parameters()]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    optimizer = torch.optim.Adam(params, lr=1e-4)
+    optimizer.step()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        optimizer.step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) / sum(p.numel() * p.element_size() for p in params)
 
 
 def _cell(
@@ -123,11 +144,11 @@ def _cell(
     model: nn.Module,
     x: torch.Tensor,
     y: torch.Tensor,
-    strategy: str,
-    compress: str,
-    threshold: str,
+    setup: tuple[str, str, str],
     cluster: Any,
+    optimizer_s_per_byte: float,
 ) -> dict[str, Any]:
+    strategy, compress, threshold = setup
     import phalanx as px
     from phalanx.tracing import StepTracer, TraceConfig
 
@@ -173,7 +194,8 @@ def _cell(
         "measured_samples": slowest.tolist(),
     }
     if ctx.rank == 0:
-        row.update(_predict(engine, trace, cluster, strategy, compress, x.shape[0], per_rank))
+        costs = (per_rank, optimizer_s_per_byte)
+        row.update(_predict(engine, trace, cluster, strategy, compress, x.shape[0], costs))
     engine.close()
     return row
 
@@ -185,13 +207,15 @@ def _predict(
     strategy: str,
     compress: str,
     batch: int,
-    step_times: list[list[float]],
+    costs: tuple[list[list[float]], float],
 ) -> dict[str, Any]:
     """Phase 3: the step profile from the trace of the rank that computes slowest (a
     synchronous step waits for it; the simulator assumes every rank computes alike), then the
     simulated step. The step's time outside its traced phases (the Engine's bookkeeping around
     them: zeroing and arming buckets, the guard's checks, launching) is a fixed cost of the
-    compute stream. ``step_times``: each rank's own time of every timed step."""
+    compute stream. ``costs``: each rank's own time of every timed step, and the optimizer's
+    seconds per gradient byte (``_optimizer_cost``)."""
+    step_times, optimizer_s_per_byte = costs
     from pathlib import Path
 
     from phalanx.planner.sim import ExchangeSetup, Simulator
@@ -241,14 +265,20 @@ def _predict(
         )
         for b, seconds in zip(buckets, backward)
     ]
+    # The optimizer: from the trace where the step's optimizer slice holds the update (its
+    # share of the state: 1, or 1/owners when sharded); measured apart where servers update
+    # while gradients arrive, inside the exchange, which the optimizer slice does not see.
     grad_bytes = sum(sum(layer.grad_bytes) for layer in layers)
+    share = min(1.0, engine.optimizer_bytes() / max(1, 2 * grad_bytes))  # Adam: 2 states
+    per_byte = optimizer_s / max(1.0, grad_bytes * share)
+    if engine.strategy.updates_during_exchange:
+        per_byte = optimizer_s_per_byte
     own = step_times[slow]
     overhead_s = max(0.0, (sum(own) - sum(busy_of(slow))) / len(own))
-    share = engine.optimizer_bytes() / max(1, 2 * grad_bytes)  # Adam: 2 states per element
     profile = StepProfile(
         layers=layers,
         batch_size=batch,
-        optimizer_s_per_byte=optimizer_s / max(1.0, grad_bytes * min(1.0, share)),
+        optimizer_s_per_byte=per_byte,
         input_s=overhead_s,
         source="phalanx bench planner: rank 0's trace",
     )
