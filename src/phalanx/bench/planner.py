@@ -279,7 +279,7 @@ def _predict(
         layers=layers,
         batch_size=batch,
         optimizer_s_per_byte=per_byte,
-        input_s=overhead_s,
+        engine_s=overhead_s,
         source="phalanx bench planner: rank 0's trace",
     )
     setup = ExchangeSetup(

@@ -460,7 +460,7 @@ class _Timeline:
         optimizer_s = profile.optimizer_s * optimizer_fraction
         self._event(LANE_OPTIMIZER, "optimizer", self.now, self.now + optimizer_s, step)
         self.now += optimizer_s
-        compute = profile.input_s + profile.forward_s + profile.backward_s + optimizer_s
+        compute = profile.compute_s - profile.optimizer_s + optimizer_s
         self.stats.append(
             {
                 "step_s": self.now - start,
@@ -479,6 +479,9 @@ class _Timeline:
         if profile.input_s > 0:
             self._event(LANE_INPUT, "input", self.now, self.now + profile.input_s, step)
             self.now += profile.input_s
+        if profile.engine_s > 0:
+            self._event(LANE_COMPUTE, "engine", self.now, self.now + profile.engine_s, step)
+            self.now += profile.engine_s
         if self.all_params_ready > self.now:
             self._event(LANE_WAIT, "parameters", self.now, self.all_params_ready, step)
             parameter_wait += self.all_params_ready - self.now

@@ -53,6 +53,7 @@ class StepProfile:
     batch_size: int
     optimizer_s_per_byte: float = 0.0  # optimizer seconds per gradient byte it updates
     input_s: float = 0.0  # per-step input wait that the input pipeline does not hide
+    engine_s: float = 0.0  # per-step work of the training loop itself (bucket bookkeeping, checks)
     source: str = ""  # where the numbers come from
     meta: dict[str, Any] = field(default_factory=dict)
 
@@ -61,8 +62,10 @@ class StepProfile:
             raise ConfigError("step profile: needs at least one layer")
         if self.batch_size < 1:
             raise ConfigError(f"step profile: batch_size must be >= 1, got {self.batch_size}")
-        if self.optimizer_s_per_byte < 0 or self.input_s < 0:
-            raise ConfigError("step profile: optimizer_s_per_byte and input_s must be >= 0")
+        if min(self.optimizer_s_per_byte, self.input_s, self.engine_s) < 0:
+            raise ConfigError(
+                "step profile: optimizer_s_per_byte, input_s and engine_s must be >= 0"
+            )
 
     # -- totals --------------------------------------------------------------------------------
     @property
@@ -89,8 +92,9 @@ class StepProfile:
 
     @property
     def compute_s(self) -> float:
-        """The step on one device: input wait, forward, backward and optimizer, no exchange."""
-        return self.input_s + self.forward_s + self.backward_s + self.optimizer_s
+        """The step on one device: input wait, the loop's own work, forward, backward and
+        optimizer, no exchange."""
+        return self.input_s + self.engine_s + self.forward_s + self.backward_s + self.optimizer_s
 
     def scaled(self, speed: float) -> StepProfile:
         """The same step on a device ``speed`` times faster (compute and optimizer only)."""
@@ -255,6 +259,7 @@ class StepProfile:
             "batch_size": self.batch_size,
             "optimizer_s_per_byte": self.optimizer_s_per_byte,
             "input_s": self.input_s,
+            "engine_s": self.engine_s,
             "meta": self.meta,
             "layers": [
                 {
@@ -284,6 +289,7 @@ class StepProfile:
                 batch_size=int(data["batch_size"]),
                 optimizer_s_per_byte=float(data.get("optimizer_s_per_byte", 0.0)),
                 input_s=float(data.get("input_s", 0.0)),
+                engine_s=float(data.get("engine_s", 0.0)),
                 source=str(data.get("source", "")),
                 meta=dict(data.get("meta", {})),
             )
