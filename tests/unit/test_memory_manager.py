@@ -71,3 +71,7 @@ def test_bad_memory_options_are_one_line(tmp_path: Path, capsys: pytest.CaptureF
     assert_one_line_error(capsys.readouterr().err, "memory.budget_mb: must be >= 0")
     assert run_main(["train", str(config), "--set", 'memory.optimizer="cpu"']) == 2
     assert_one_line_error(capsys.readouterr().err, "memory.optimizer: got 'cpu'; allowed: device")
+    assert run_main(["train", str(config), "--set", "memory.optimizer_chunk_mb=0"]) == 2
+    assert_one_line_error(capsys.readouterr().err, "memory.optimizer_chunk_mb: must be > 0")
+    assert run_main(["train", str(config), "--set", "trace.num_steps=0"]) == 2
+    assert_one_line_error(capsys.readouterr().err, "trace.num_steps: must be >= 1")
