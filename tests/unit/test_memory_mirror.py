@@ -124,3 +124,44 @@ def test_mirror_on_cuda_keeps_state_in_pinned_host_memory() -> None:
         mirror.close()
     for a, b in zip(got, expected):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_engine_with_host_optimizer_on_a_tied_batchnorm_model_with_an_unused_layer() -> None:
+    """As a user writes it (no close(), defaults otherwise): tied embedding/head weights,
+    BatchNorm, a layer forward never uses; parameters equal plain torch's AdamW."""
+    import phalanx as px
+    from phalanx.memory.manager import MemoryConfig, MemoryManager
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(50, 32)
+            self.bn = nn.BatchNorm1d(32)
+            self.unused = nn.Linear(32, 32)
+            self.head = nn.Linear(32, 50, bias=False)
+            self.head.weight = self.emb.weight  # tied
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.bn(self.emb(x).mean(1)))
+
+    torch.manual_seed(0)
+    reference, net = Net(), Net()
+    net.load_state_dict(reference.state_dict())
+    plain = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    config = MemoryConfig(optimizer="host", optimizer_chunk_mb=0.001)
+    engine = px.Engine(
+        net,
+        nn.functional.cross_entropy,
+        lambda ps: torch.optim.AdamW(ps, lr=1e-2),
+        memory=MemoryManager.build([], config, torch.device("cpu")),
+    )
+    g = torch.Generator().manual_seed(1)
+    for _ in range(4):
+        x, y = torch.randint(0, 50, (16, 5), generator=g), torch.randint(0, 50, (16,), generator=g)
+        engine.step(x, y)
+        plain.zero_grad()
+        nn.functional.cross_entropy(reference(x), y).backward()
+        plain.step()
+    assert engine.memory.mirror.stored_bytes() > 0
+    for (name, a), b in zip(engine.module.state_dict().items(), reference.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
