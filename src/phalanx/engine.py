@@ -165,8 +165,11 @@ class Engine:
             )
         self._optimizer_factory = optimizer
         self.optimizer = self.strategy.build_optimizer(self.trainable, optimizer)
-        # [memory] optimizer = "host": the state lives in the memory tier between steps.
-        self._mirror = None if memory is None else memory.attach_optimizer(self.optimizer)
+        # [memory] optimizer: the state in the memory tier between steps (stream), or the
+        # masters, state and arithmetic on the host (mirror; layers wait in forward pre-hooks).
+        self._mirror = (
+            None if memory is None else memory.attach_optimizer(self.optimizer, self._module)
+        )
         self.strategy.register_module(self._module)
         self._unregister_teardown = on_shutdown(_close_if_alive(weakref.ref(self)))
         # bucket_mb = "auto" (F12): measure the link now, profile backward in the first steps,
@@ -690,6 +693,11 @@ class Engine:
     def sync(self) -> None:
         """Wait until every parameter holds its updated value. Forward waits by itself (layer
         by layer); call this before reading parameters directly after a step."""
+        self._sync_parameters()
+
+    def _sync_parameters(self) -> None:
+        if self._mirror is not None:
+            self._mirror.sync()
         self.strategy.sync()
 
     def optimizer_bytes(self) -> int:
@@ -701,7 +709,7 @@ class Engine:
     def module(self) -> torch.nn.Module:
         """The wrapped model, holding the updated parameters (waits for any still arriving)."""
         if not self._closed:
-            self.strategy.sync()
+            self._sync_parameters()
         return self._module
 
     def close(self) -> None:

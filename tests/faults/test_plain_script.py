@@ -20,6 +20,7 @@ from plain_model import STEPS, build_model, global_batch  # noqa: E402
 STRATEGIES = ["allreduce", "tree", "partitioned", "ps"]
 EXACT = [f"{s}:none:25" for s in STRATEGIES] + ["ddp:none:25"]  # DDP alongside, as users do
 EXACT += ["allreduce:none:25:host", "ps:none:25:host"]  # optimizer state in the spill file
+EXACT += ["allreduce:none:25:mirror", "partitioned:none:25:mirror"]  # the host mirror (F19)
 VARIANTS = [f"{s}:fp16:auto" for s in STRATEGIES] + ["partitioned:none:0.001"]
 
 

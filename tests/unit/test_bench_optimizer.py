@@ -20,19 +20,23 @@ def test_variants_train_alike_and_the_host_one_holds_state_in_the_tier(tmp_path)
         width=64, layers=3, batch_size=4, chunk_mb=0.02, steps=2, peak_steps=1, threads=0,
         spill_dir=str(tmp_path),
     )  # fmt: skip
-    device, host = measure_variant(cfg, "device"), measure_variant(cfg, "host")
-    assert host["losses"] == device["losses"] and len(host["losses"]) == 5
+    variants = {v: measure_variant(cfg, v) for v in ("device", "host", "mirror")}
+    device, host, mirror = variants["device"], variants["host"], variants["mirror"]
+    assert host["losses"] == device["losses"] == mirror["losses"] and len(host["losses"]) == 5
     params = 3 * (64 * 64 + 64) * 4
     assert device["tier_bytes"] == 0 and host["tier_bytes"] == 2 * params  # Adam: two moments
-    assert host["chunks_per_step"] > 1
-    rounds = [{"order": ["device", "host"], "variants": {"device": device, "host": host}}]
+    # masters, gradient buffers, two moments (and six 4-byte step counters)
+    assert 4 * params <= mirror["tier_bytes"] <= 4 * params + 64
+    assert host["chunks_per_step"] > 1 and mirror["chunks_per_step"] > 1
+    rounds = [{"order": list(variants), "variants": variants}]
     result = {"meta": {"model": "MLP"}, "rounds": rounds, "summary": summarize(rounds)}
     _check(result)
     report = format_report(result)
-    assert "losses identical" in report and "host vs device: peak" in report
-    host["losses"][0] += 1.0
+    assert "host vs device: peak" in report and "mirror vs device: peak" in report
+    assert report.count("losses identical") == 2
+    mirror["losses"][0] += 1.0
     result["summary"] = summarize(rounds)
-    with pytest.raises(ConfigError, match="losses differ"):
+    with pytest.raises(ConfigError, match="the mirror optimizer's losses differ"):
         _check(result)
 
 

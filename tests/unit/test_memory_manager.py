@@ -53,9 +53,11 @@ def test_managed_runs_equal_the_unmanaged_run(
         "memory.optimizer_chunk_mb=0.05",
         "train.progress=true",
     )
+    mirror = train(tmp_path, "mirror", 'memory.optimizer="mirror"', "train.progress=true")
     assert offloaded == unmanaged and recomputed == unmanaged and budgeted == unmanaged
-    assert host == unmanaged
+    assert host == unmanaged and mirror == unmanaged
     printed = "".join(capsys.readouterr())
+    assert "optimizer: fp32 master parameters, state and arithmetic on the host" in printed
     assert "memory plan: predicted peak" in printed and "budget 12.0 MiB" in printed
     assert "optimizer state: in the tier between steps, streamed in chunks of 0.05 MiB" in printed
 

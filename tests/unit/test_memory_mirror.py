@@ -126,9 +126,13 @@ def test_mirror_on_cuda_keeps_state_in_pinned_host_memory() -> None:
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
-def test_engine_with_host_optimizer_on_a_tied_batchnorm_model_with_an_unused_layer() -> None:
+@pytest.mark.parametrize("place", ["host", "mirror"])
+def test_engine_with_host_optimizer_on_a_tied_batchnorm_model_with_an_unused_layer(
+    place: str,
+) -> None:
     """As a user writes it (no close(), defaults otherwise): tied embedding/head weights,
-    BatchNorm, a layer forward never uses; parameters equal plain torch's AdamW."""
+    BatchNorm, a layer forward never uses; parameters equal plain torch's AdamW, with the
+    state in the spill file (host on a CPU) or stepped on the host mirror (masters, F19)."""
     import phalanx as px
     from phalanx.memory.manager import MemoryConfig, MemoryManager
 
@@ -148,7 +152,7 @@ def test_engine_with_host_optimizer_on_a_tied_batchnorm_model_with_an_unused_lay
     reference, net = Net(), Net()
     net.load_state_dict(reference.state_dict())
     plain = torch.optim.AdamW(reference.parameters(), lr=1e-2)
-    config = MemoryConfig(optimizer="host", optimizer_chunk_mb=0.001)
+    config = MemoryConfig(optimizer=place, optimizer_chunk_mb=0.001)
     engine = px.Engine(
         net,
         nn.functional.cross_entropy,
@@ -163,5 +167,7 @@ def test_engine_with_host_optimizer_on_a_tied_batchnorm_model_with_an_unused_lay
         nn.functional.cross_entropy(reference(x), y).backward()
         plain.step()
     assert engine.memory.mirror.stored_bytes() > 0
+    kind = {"host": "OptimizerMirror", "mirror": "HostMirror"}[place]
+    assert type(engine.memory.mirror).__name__ == kind
     for (name, a), b in zip(engine.module.state_dict().items(), reference.state_dict().values()):
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)

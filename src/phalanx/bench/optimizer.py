@@ -5,7 +5,11 @@ parameters) trains in two ways, each in a fresh process per round, the order alt
 
 - ``device``: the optimizer as torch runs it, state in memory;
 - ``host``: ``[memory] optimizer = "host"``: the state in the spill file between steps,
-  streamed through memory chunk by chunk (phalanx.memory.mirror), on the same data.
+  streamed through memory chunk by chunk (phalanx.memory.mirror), on the same data;
+- ``mirror``: ``[memory] optimizer = "mirror"``: fp32 masters, state and arithmetic on the
+  host (phalanx.memory.host_mirror); on this CPU-only machine the host is the device, so it
+  holds a second copy of the parameters and saves no memory: what it shows here is the cost of
+  its copies and the overlap of the optimizer (a worker thread) with the next forward.
 
 Measured per process: the peak RSS of a step above the RSS before the model existed (the
 process's interpreter and torch), over steps after the first (which creates the state), with
@@ -29,7 +33,7 @@ from torch import nn
 
 from phalanx.errors import ConfigError
 
-VARIANTS = ("device", "host")
+VARIANTS = ("device", "host", "mirror")
 
 
 @dataclass(frozen=True)
@@ -86,16 +90,16 @@ def measure_variant(cfg: OptimizerBenchConfig, variant: str) -> dict[str, Any]:
     model = _model(cfg)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
     manager = None
-    if variant == "host":
+    if variant not in VARIANTS:
+        raise ConfigError(f"bench optimizer: unknown variant {variant!r}")
+    if variant != "device":
         config = MemoryConfig(
-            optimizer="host",
+            optimizer=variant,
             optimizer_chunk_mb=cfg.chunk_mb,
             tier=TierConfig(directory=cfg.spill_dir),
         )
         manager = MemoryManager.build([], config, torch.device("cpu"))
-        manager.attach_optimizer(optimizer)
-    elif variant != "device":
-        raise ConfigError(f"bench optimizer: unknown variant {variant!r}")
+        manager.attach_optimizer(optimizer, model)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(cfg.batch_size, cfg.width, generator=g)
     y = torch.randn(cfg.batch_size, cfg.width, generator=g)
@@ -179,53 +183,64 @@ def run_benchmark(cfg: OptimizerBenchConfig) -> dict[str, Any]:
 
 
 def summarize(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    variants = [v for v in VARIANTS if v in rounds[0]["variants"]]
+    others = [v for v in variants if v != "device"]
+
     def median(variant: str, key: str) -> float:
         return statistics.median(r["variants"][variant][key] for r in rounds)
 
-    ratios = [
-        r["variants"]["host"]["median_step_s"] / r["variants"]["device"]["median_step_s"]
-        for r in rounds
-    ]
-    peak_ratios = [
-        r["variants"]["host"]["peak_bytes"] / r["variants"]["device"]["peak_bytes"] for r in rounds
-    ]
+    def ratio(variant: str, key: str) -> float:
+        """Median over rounds of ``variant``'s ``key`` over the device variant's."""
+        return statistics.median(
+            r["variants"][variant][key] / r["variants"]["device"][key] for r in rounds
+        )
+
     return {
-        "peak_bytes": {v: median(v, "peak_bytes") for v in VARIANTS},
-        "between_steps_bytes": {v: median(v, "rss_between_steps_bytes") for v in VARIANTS},
-        "median_step_s": {v: median(v, "median_step_s") for v in VARIANTS},
-        "step_time_ratio": statistics.median(ratios),
-        "peak_ratio": statistics.median(peak_ratios),
-        "tier_bytes": median("host", "tier_bytes"),
+        "variants": variants,
+        "peak_bytes": {v: median(v, "peak_bytes") for v in variants},
+        "between_steps_bytes": {v: median(v, "rss_between_steps_bytes") for v in variants},
+        "median_step_s": {v: median(v, "median_step_s") for v in variants},
+        "step_time_ratio": {v: ratio(v, "median_step_s") for v in others},
+        "peak_ratio": {v: ratio(v, "peak_bytes") for v in others},
+        "tier_bytes": {v: median(v, "tier_bytes") for v in others},
         "params_bytes": median("device", "params_bytes"),
-        "losses_equal": all(
-            r["variants"]["host"]["losses"] == r["variants"]["device"]["losses"] for r in rounds
-        ),
+        "losses_equal": {
+            v: all(r["variants"][v]["losses"] == r["variants"]["device"]["losses"] for r in rounds)
+            for v in others
+        },
     }
 
 
 def format_report(result: dict[str, Any]) -> str:
     s, mib = result["summary"], 2**20
     lines = [
-        f"{result['meta']['model']}: parameters {s['params_bytes'] / mib:.0f} MiB, "
-        f"Adam state {s['tier_bytes'] / mib:.0f} MiB",
-        f"{'optimizer state':<16} {'peak MiB':>9} {'between MiB':>12} {'step ms':>8}",
+        f"{result['meta']['model']}: parameters {s['params_bytes'] / mib:.0f} MiB",
+        f"{'optimizer':<10} {'peak MiB':>9} {'between MiB':>12} {'held MiB':>9} {'step ms':>8}",
     ]
-    for v in VARIANTS:
+    for v in s["variants"]:
         lines.append(
-            f"{v:<16} {s['peak_bytes'][v] / mib:>9.0f} {s['between_steps_bytes'][v] / mib:>12.0f} "
-            f"{1e3 * s['median_step_s'][v]:>8.0f}"
+            f"{v:<10} {s['peak_bytes'][v] / mib:>9.0f} {s['between_steps_bytes'][v] / mib:>12.0f} "
+            f"{s['tier_bytes'].get(v, 0) / mib:>9.0f} {1e3 * s['median_step_s'][v]:>8.0f}"
+        )
+    for v in s["variants"][1:]:
+        lines.append(
+            f"{v} vs device: peak {100 * (s['peak_ratio'][v] - 1):+.1f}%, step time "
+            f"{100 * (s['step_time_ratio'][v] - 1):+.1f}% (medians of per-round ratios); "
+            f"losses {'identical' if s['losses_equal'][v] else 'DIFFER'}"
         )
     lines.append(
-        f"host vs device: peak {100 * (s['peak_ratio'] - 1):+.1f}%, step time "
-        f"{100 * (s['step_time_ratio'] - 1):+.1f}% (medians of per-round ratios); "
-        f"losses {'identical' if s['losses_equal'] else 'DIFFER'}"
+        "held: what the variant keeps outside the device optimizer (host: the state in the "
+        "spill file; mirror: fp32 masters, gradient buffers and state in host memory)"
     )
     return "\n".join(lines)
 
 
 def _check(result: dict[str, Any]) -> None:
-    if not result["summary"]["losses_equal"]:
-        raise ConfigError("bench optimizer: the host optimizer's losses differ from torch's")
+    for variant, equal in result["summary"]["losses_equal"].items():
+        if not equal:
+            raise ConfigError(
+                f"bench optimizer: the {variant} optimizer's losses differ from torch's"
+            )
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -17,9 +17,11 @@ Phases of ``build``:
   Phase 4 (apply): recomputed layers run under torch.utils.checkpoint (their module and
     parameter names do not change); offloaded layers get an ActivationOffloader, whose
     ``step()`` the Engine enters around forward and backward.
-  Phase 5 (optimizer, with ``optimizer = "host"``): the Engine hands over the optimizer its
-    strategy built (``attach_optimizer``); an OptimizerMirror keeps its state in the tier
-    between steps (phalanx.memory.mirror).
+  Phase 5 (optimizer, unless ``optimizer = "device"``): the Engine hands over the optimizer its
+    strategy built (``attach_optimizer``): a HostMirror steps fp32 masters on the host
+    (``mirror``, phalanx.memory.host_mirror), an OptimizerMirror keeps its state in the tier
+    between steps (``stream``, phalanx.memory.mirror); ``host`` is the first on CUDA, the
+    second on a CPU-only machine.
 """
 
 from __future__ import annotations
@@ -35,14 +37,20 @@ import torch
 from torch import nn
 
 from phalanx.fields import ConfigValueError, option, require
+from phalanx.memory.host_mirror import HostMirror
 from phalanx.memory.mirror import OptimizerMirror
 from phalanx.memory.plan import OFFLOAD, RECOMPUTE, LayerCost, Plan, make_plan
 from phalanx.memory.tiers import Tier, TierConfig, make_tier, measure_bandwidth
 
 logger = logging.getLogger("phalanx")
-OPTIMIZER_PLACES = ("device", "host")
+OPTIMIZER_PLACES = ("device", "host", "mirror", "stream")
 PROFILE_STEPS = 2  # one warm-up and one timed step on a copy of the model
 MIN_BANDWIDTH_PROBE = 1 << 20
+OPTIMIZER_NOTES = {
+    "stream": "optimizer state: in the tier between steps, streamed in chunks of {:g} MiB",
+    "mirror": "optimizer: fp32 master parameters, state and arithmetic on the host, streamed "
+    "in chunks of {:g} MiB",
+}
 
 
 @dataclass(kw_only=True)
@@ -55,10 +63,12 @@ class MemoryConfig:
     tier: TierConfig = option(factory=TierConfig, doc="where offloaded activations go")
     optimizer: str = option(
         "device",
-        "where optimizer state lives between steps: device, or host (the tier, streamed "
-        "through memory chunk by chunk at each step; F19)",
+        "where the optimizer lives (F19): device; mirror (fp32 master parameters, state and "
+        "arithmetic on the host, gradients and parameters streamed chunk by chunk); stream "
+        "(state in the tier between steps, streamed through the device at each step); host "
+        "(mirror on CUDA; stream on a CPU-only machine, whose host is the device)",
     )
-    optimizer_chunk_mb: float = option(16.0, "optimizer = host: state per streamed chunk, MiB")
+    optimizer_chunk_mb: float = option(16.0, "optimizer not on the device: MiB per chunk")
 
     def __post_init__(self) -> None:
         require(self.budget_mb >= 0, "budget_mb", f"must be >= 0 MiB, got {self.budget_mb}")
@@ -84,7 +94,14 @@ class MemoryConfig:
 
     @property
     def enabled(self) -> bool:
-        return self.plans_layers or self.optimizer == "host"
+        return self.plans_layers or self.optimizer != "device"
+
+    def optimizer_place(self, device: torch.device) -> str:
+        """``optimizer`` with ``host`` resolved for ``device``: ``mirror`` on CUDA, ``stream``
+        where the host is the device (a second copy in the same memory would save nothing)."""
+        if self.optimizer != "host":
+            return self.optimizer
+        return "mirror" if device.type == "cuda" else "stream"
 
 
 class MemoryManager:
@@ -96,14 +113,18 @@ class MemoryManager:
         offloader: Any,
         layers: list[nn.Module],
         tier: Tier | None = None,
+        optimizer_place: str = "device",
         optimizer_chunk_bytes: int = 0,
+        device: torch.device | None = None,
     ) -> None:
         self.plan = plan
         self.offloader = offloader
         self.layers = layers
-        self.tier = tier  # open while the offloader or the optimizer mirror uses it
-        self.optimizer_chunk_bytes = optimizer_chunk_bytes  # > 0: optimizer state in the tier
-        self.mirror: OptimizerMirror | None = None
+        self.tier = tier  # open while the offloader or the optimizer stream uses it
+        self.optimizer_place = optimizer_place  # device, mirror or stream (host resolved)
+        self.optimizer_chunk_bytes = optimizer_chunk_bytes
+        self.device = device
+        self.mirror: OptimizerMirror | HostMirror | None = None
         for name in plan.layers(RECOMPUTE):
             _recompute(layers[int(name)])
 
@@ -164,24 +185,29 @@ class MemoryManager:
             largest = max(costs[i].saved_bytes for i in offloaded)
             window = {"max_inflight_bytes": largest} if largest > 0 else {}
             offloader = ActivationOffloader(layers, offloaded, tier, **window)
-        chunk_bytes = int(config.optimizer_chunk_mb * 2**20) if config.optimizer == "host" else 0
-        if chunk_bytes:
-            plan.notes.append(
-                f"optimizer state: in the tier between steps, streamed in chunks of "
-                f"{config.optimizer_chunk_mb:g} MiB"
-            )
-        if not offloaded and not chunk_bytes:
+        place = config.optimizer_place(device)
+        chunk_bytes = int(config.optimizer_chunk_mb * 2**20)
+        if place != "device":
+            plan.notes.append(OPTIMIZER_NOTES[place].format(config.optimizer_chunk_mb))
+        optimizer = {"optimizer_place": place, "optimizer_chunk_bytes": chunk_bytes}
+        if not offloaded and place != "stream":  # nothing uses the tier
             tier.close()
-            return cls(plan, None, layers)
-        return cls(plan, offloader, layers, tier, chunk_bytes)
+            return cls(plan, offloader, layers, None, **optimizer, device=device)
+        return cls(plan, offloader, layers, tier, **optimizer, device=device)
 
-    def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> OptimizerMirror | None:
-        """With ``optimizer = "host"``: keep ``optimizer``'s state in the tier (the Engine calls
-        this with the optimizer its strategy built)."""
-        if not self.optimizer_chunk_bytes:
-            return None
-        assert self.tier is not None and self.mirror is None
-        self.mirror = OptimizerMirror(optimizer, self.tier, self.optimizer_chunk_bytes)
+    def attach_optimizer(
+        self, optimizer: torch.optim.Optimizer, module: nn.Module | None = None
+    ) -> OptimizerMirror | HostMirror | None:
+        """Take over the optimizer the Engine's strategy built, as ``[memory] optimizer`` says:
+        ``stream`` keeps its state in the tier, ``mirror`` steps it on the host (``module``:
+        the model, whose forward pre-hooks then wait for each layer's updated parameters)."""
+        assert self.mirror is None
+        if self.optimizer_place == "stream":
+            assert self.tier is not None
+            self.mirror = OptimizerMirror(optimizer, self.tier, self.optimizer_chunk_bytes)
+        elif self.optimizer_place == "mirror":
+            assert self.device is not None
+            self.mirror = HostMirror(optimizer, self.device, module, self.optimizer_chunk_bytes)
         return self.mirror
 
     @contextmanager

@@ -194,6 +194,9 @@ class OptimizerMirror:
         finally:
             self.evict()
 
+    def sync(self) -> None:
+        """Nothing to wait for: ``step`` returns with the parameters updated."""
+
     def stored_bytes(self) -> int:
         """Bytes of optimizer state held in the tier now."""
         return sum(e.nbytes for s in self._stored.values() for e in s.entries)

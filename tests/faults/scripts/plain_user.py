@@ -1,7 +1,7 @@
 """The shortest script a user writes: no sync(), no close(), no shutdown(); it just ends.
 
 Usage: python plain_user.py OUT_DIR SPEC [SPEC ...], each SPEC "strategy:compress:bucket_mb"
-(e.g. "ps:none:auto"), with ":host" appended for ``[memory] optimizer = "host"``. Run one copy
+(e.g. "ps:none:auto"), with ":host" or ":mirror" appended for ``[memory] optimizer``. Run one copy
 per rank with RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT set (as torchrun does).
 Each rank trains one model per SPEC on its share of the same global batches, with Adam and a
 StepLR scheduler, then saves ``model.state_dict()`` and the optimizer's learning rate straight
@@ -67,8 +67,8 @@ for spec in sys.argv[2:]:
         schedulers.append(torch.optim.lr_scheduler.StepLR(engine.optimizer, 2, gamma=0.5))
         continue
     memory = None
-    if host:  # "...:host": [memory] optimizer = "host", state in a spill file between steps
-        config = MemoryConfig(optimizer="host", optimizer_chunk_mb=0.01)
+    if host:  # "...:host": state in a spill file between steps; "...:mirror": on the host
+        config = MemoryConfig(optimizer=host[0], optimizer_chunk_mb=0.01)
         memory = MemoryManager.build([], config, ctx.device)
     engine = px.Engine(
         model,

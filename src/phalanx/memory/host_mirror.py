@@ -1,0 +1,361 @@
+"""F19 as the document builds it: fp32 master parameters, the optimizer's state and its
+arithmetic on the host; gradients stream to the host chunk by chunk, updated parameters stream
+back, and each layer waits for its own parameters in a forward pre-hook.
+
+``HostMirror(optimizer, device, module, chunk_bytes)`` takes over ``optimizer`` (the one the
+exchange strategy built over the device parameters, or over its shard): a second optimizer of
+the same class steps fp32 master copies of those parameters in host memory (pinned on CUDA, so
+the copies are asynchronous DMA on a side stream), and the device optimizer keeps no state. The
+optimizer must be elementwise per parameter (SGD, Adam, AdamW, AdaGrad, RMSprop...), as
+ZeRO-Offload's CPU optimizers are: it steps one chunk at a time with only that chunk's
+gradients visible.
+
+Phases of ``step`` (chunks follow the optimizer's parameter order, which is forward's order for
+``model.parameters()``):
+  Phase 1 (gradients to the host): the device optimizer's hyperparameters (an LR schedule's
+    changes) are copied to the host optimizer; every chunk's gradients are queued for copying
+    into their fp32 host buffers on the copy stream, an event after each chunk. The compute
+    stream then waits for the copies before anything can rewrite the gradients.
+  Phase 2 (the host steps, per chunk): wait for the chunk's gradients; step the host optimizer
+    with only them visible.
+  Phase 3 (parameters back, per chunk): the chunk's updated masters are queued for copying into
+    the device parameters (cast to their dtype) on the copy stream; an event marks them ready.
+  Phase 4 (the next forward): when the optimizer steps the module's own parameters (``allreduce``,
+    ``tree``), Phases 2-3 run on a worker thread and ``step`` returns at once: each submodule's
+    forward pre-hook waits only for the chunks holding its own parameters, so the next forward's
+    first layers run while the host still steps the last chunks. Strategies whose optimizer
+    steps shard tensors (``partitioned`` owners, ``ps`` servers) send them right after ``step``,
+    so there Phases 2-3 run inside ``step`` and it returns when every copy is queued (the compute
+    stream waits for them).
+
+On a CPU-only machine the same code runs with synchronous copies (the host is the device): the
+master copy then only matters for parameters in bf16/fp16. ``resident()`` gives the device
+optimizer the state for checkpoints and bucket rebuilds and takes it (and the parameters, as
+masters) back after; ``sync()`` waits for every chunk (``Engine.sync`` / ``Engine.module``).
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+import types
+from collections.abc import Iterator
+from concurrent.futures import Future
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from phalanx.errors import ConfigError
+
+
+class HostMirror:
+    """The optimizer's master parameters, state and arithmetic on the host (module docstring)."""
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        device: torch.device,
+        module: torch.nn.Module | None,
+        chunk_bytes: int,
+    ) -> None:
+        if chunk_bytes < 1:
+            raise ValueError(f"chunk_bytes: must be >= 1, got {chunk_bytes}")
+        self.optimizer = optimizer
+        self.device = device
+        self.chunk_bytes = chunk_bytes
+        self.pin = device.type == "cuda"
+        self.copy_stream = torch.cuda.Stream(device) if self.pin else None
+        self.num_chunks_stepped = 0
+        self._module = module
+        self._hooks: list[Any] = []
+        self._ready: list[Future] = []  # per chunk, this step: Phase 3 queued (or its error)
+        self._ready_events: list[Any] = []  # per chunk: CUDA event after its parameters' copy
+        self._waited: set[int] = set()  # chunks the compute stream already waits for
+        self._worker: threading.Thread | None = None
+        self._adopt()
+        self._original_step = optimizer.step
+        optimizer.step = types.MethodType(_host_step, optimizer)  # type: ignore[method-assign]
+        optimizer._phalanx_mirror = self  # type: ignore[attr-defined]
+
+    # -- taking the optimizer over --------------------------------------------------------------
+    def _adopt(self) -> None:
+        """Masters from the device parameters, the host optimizer over them with the device
+        optimizer's state moved in (fp32 where it has the parameter's shape); the device
+        optimizer keeps none. Called at construction and after ``resident()``."""
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        kept = dict(zip(map(id, getattr(self, "params", [])), getattr(self, "masters", [])))
+        self.params = params
+        self.masters = [self._master(p, kept.get(id(p))) for p in params]
+        self.grads = [self._host_like(p, copy=False) for p in params]
+        groups = [
+            {**{k: v for k, v in g.items() if k != "params"}, "params": self.masters[i : i + n]}
+            for g, i, n in _group_slices(self.optimizer.param_groups)
+        ]
+        self.host = _same_optimizer(self.optimizer, groups)
+        for p, m in zip(params, self.masters):
+            state = self.optimizer.state.pop(p, None)
+            if state:
+                self.host.state[m] = {k: _to_host(v, p) for k, v in state.items()}
+        self.optimizer.state.clear()
+        self.chunks = _chunks(params, self.chunk_bytes)
+        self._chunk_of = {id(params[i]): c for c, idx in enumerate(self.chunks) for i in idx}
+        self._ready, self._ready_events, self._waited = [], [], set()
+        if self._module is not None:
+            self._register_hooks(self._module)
+
+    def _master(self, p: torch.Tensor, kept: torch.Tensor | None) -> torch.Tensor:
+        """The fp32 master of ``p``: the one kept from before ``resident()`` while ``p`` still
+        holds its value rounded to ``p``'s dtype (bf16/fp16 parameters keep their fp32
+        precision across checkpoints and rebuilds), else a copy of ``p``."""
+        if kept is not None and kept.shape == p.shape:
+            if torch.equal(kept.to(p.dtype), p.detach().cpu()):
+                return kept
+        return self._host_like(p, copy=True)
+
+    def _host_like(self, p: torch.Tensor, copy: bool) -> torch.Tensor:
+        out = torch.empty(p.shape, dtype=torch.float32, device="cpu", pin_memory=self.pin)
+        if copy:
+            out.copy_(p.detach())
+        return out
+
+    @property
+    def defers(self) -> bool:
+        """Whether forward pre-hooks wait for the parameters (the optimizer steps the module's
+        own parameters), so Phases 2-3 overlap the next forward."""
+        return bool(self._hooks)
+
+    def _register_hooks(self, module: torch.nn.Module) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+        own = {id(p) for p in module.parameters()}
+        if not all(id(p) in own for p in self.params):
+            return  # shard tensors: step() finishes the update itself
+        for sub in module.modules():
+            chunks = sorted({self._chunk_of[id(p)] for p in sub.parameters(recurse=False)})
+            if chunks:
+                waiter = self._waiter(chunks)
+                self._hooks.append(sub.register_forward_pre_hook(waiter))
+                self._hooks.append(sub.register_state_dict_pre_hook(waiter))
+
+    def _waiter(self, chunks: list[int]) -> Any:
+        def hook(module: torch.nn.Module, *args: Any) -> None:
+            for c in chunks:
+                self._wait_chunk(c)
+
+        return hook
+
+    # -- the step -----------------------------------------------------------------------------
+    def step(self) -> None:
+        self.sync()  # the previous step's chunks (normally long done by now)
+        # Phase 1: hyperparameters, then every chunk's gradients on their way to the host.
+        for host_group, group in zip(self.host.param_groups, self.optimizer.param_groups):
+            host_group.update({k: v for k, v in group.items() if k != "params"})
+        has_grad = [p.grad is not None for p in self.params]
+        grad_events = [self._queue_gradients(idx, has_grad) for idx in self.chunks]
+        if self.copy_stream is not None:  # nothing rewrites a gradient before it is copied
+            torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
+        self._ready = [Future() for _ in self.chunks]
+        self._ready_events = [None] * len(self.chunks)
+        self._waited = set()
+        if self.defers:
+            self._worker = threading.Thread(
+                target=self._step_chunks, args=(grad_events, has_grad), daemon=True
+            )
+            self._worker.start()
+            return
+        self._step_chunks(grad_events, has_grad)
+        self.sync()
+
+    def _queue_gradients(self, idx: list[int], has_grad: list[bool]) -> Any:
+        if self.copy_stream is None:
+            for i in idx:
+                if has_grad[i]:
+                    self.grads[i].copy_(self.params[i].grad)
+            return None
+        self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.copy_stream):
+            for i in idx:
+                if has_grad[i]:
+                    self.grads[i].copy_(self.params[i].grad, non_blocking=True)
+            return _record(self.copy_stream)
+
+    def _step_chunks(self, grad_events: list[Any], has_grad: list[bool]) -> None:
+        """Phases 2-3 for every chunk in order (on the worker thread when deferring)."""
+        for c, idx in enumerate(self.chunks):
+            try:
+                # Phase 2: this chunk's gradients are on the host; step it alone.
+                stepping = [i for i in idx if has_grad[i]]
+                if grad_events[c] is not None:
+                    grad_events[c].synchronize()
+                if stepping:
+                    for i in stepping:
+                        self.masters[i].grad = self.grads[i]
+                    try:
+                        self._original_host_step()
+                    finally:
+                        for i in stepping:
+                            self.masters[i].grad = None
+                    self.num_chunks_stepped += 1
+                    # Phase 3: the updated masters back into the device parameters.
+                    self._ready_events[c] = self._queue_parameters(stepping)
+            except BaseException as e:  # every waiter of this and later chunks sees it
+                for future in self._ready[c:]:
+                    future.set_exception(e)
+                return
+            self._ready[c].set_result(None)
+
+    def _original_host_step(self) -> None:
+        with torch.no_grad():
+            self.host.step()
+
+    def _queue_parameters(self, idx: list[int]) -> Any:
+        if self.copy_stream is None:
+            with torch.no_grad():
+                for i in idx:
+                    self.params[i].copy_(self.masters[i])
+            return None
+        with torch.cuda.device(self.device), torch.cuda.stream(self.copy_stream):
+            with torch.no_grad():
+                for i in idx:
+                    self.params[i].copy_(self.masters[i], non_blocking=True)
+            return _record(self.copy_stream)
+
+    # -- waiting --------------------------------------------------------------------------------
+    def _wait_chunk(self, c: int) -> None:
+        if c in self._waited or c >= len(self._ready):
+            return
+        self._ready[c].result()  # re-raises the worker's error
+        event = self._ready_events[c]
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
+        self._waited.add(c)
+
+    def sync(self) -> None:
+        """Wait until every parameter holds its updated value (the compute stream orders after
+        every copy)."""
+        for c in range(len(self._ready)):
+            self._wait_chunk(c)
+        if self._worker is not None:
+            self._worker.join()
+            self._worker = None
+
+    # -- outside the step -----------------------------------------------------------------------
+    @contextmanager
+    def resident(self) -> Iterator[None]:
+        """The whole state in the device optimizer inside the block (checkpoints, rebuilds);
+        after it the mirror takes the optimizer (and its possibly new parameters) back."""
+        self._hand_back()
+        try:
+            yield
+        finally:
+            self._adopt()
+
+    def _hand_back(self) -> None:
+        """The host state into the device optimizer, on the parameters' device (fp32 kept)."""
+        self.sync()
+        for p, m in zip(self.params, self.masters):
+            state = self.host.state.get(m)
+            if state:
+                self.optimizer.state[p] = {
+                    k: v.to(p.device) if torch.is_tensor(v) and v.dim() > 0 else v
+                    for k, v in state.items()
+                }
+        self.host.state.clear()
+
+    def stored_bytes(self) -> int:
+        """Bytes the mirror holds on the host: masters, gradient buffers and optimizer state."""
+        state = sum(
+            v.numel() * v.element_size()
+            for s in self.host.state.values()
+            for v in s.values()
+            if torch.is_tensor(v)
+        )
+        return state + sum(4 * m.numel() for m in self.masters) * 2
+
+    def close(self) -> None:
+        """Wait for the last step, give the device optimizer its state and its own ``step``
+        back, remove the hooks (the optimizer then works without the mirror). At interpreter
+        exit the state is left on the host: the process is ending."""
+        try:
+            self._hand_back()
+        except RuntimeError as e:
+            if "shutdown" not in str(e) and "interpreter" not in str(e):
+                raise
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+        if self.optimizer.__dict__.get("step") is not None:
+            del self.optimizer.step
+        del self.optimizer._phalanx_mirror  # type: ignore[attr-defined]
+
+
+def _host_step(optimizer: torch.optim.Optimizer, closure: Any = None) -> None:
+    if closure is not None:
+        raise ValueError("the host optimizer mirror steps without a closure")
+    optimizer._phalanx_mirror.step()  # type: ignore[attr-defined]
+
+
+def _record(stream: Any) -> Any:
+    event = torch.cuda.Event()
+    event.record(stream)
+    return event
+
+
+def _to_host(value: Any, param: torch.Tensor) -> Any:
+    """A state value on the host: tensors shaped like the parameter in fp32 (the master's
+    dtype), scalars (Adam's step) as they are."""
+    if not torch.is_tensor(value):
+        return value
+    if value.shape == param.shape and value.is_floating_point():
+        return value.detach().to("cpu", torch.float32, copy=True)
+    return value.detach().to("cpu", copy=True)
+
+
+def _group_slices(groups: list[dict[str, Any]]) -> Iterator[tuple[dict[str, Any], int, int]]:
+    start = 0
+    for g in groups:
+        yield g, start, len(g["params"])
+        start += len(g["params"])
+
+
+def _chunks(params: list[torch.Tensor], chunk_bytes: int) -> list[list[int]]:
+    """Consecutive parameter indices, about ``chunk_bytes`` of fp32 masters per chunk."""
+    chunks: list[list[int]] = []
+    size = chunk_bytes
+    for i, p in enumerate(params):
+        if size >= chunk_bytes:
+            chunks.append([])
+            size = 0
+        chunks[-1].append(i)
+        size += 4 * p.numel()
+    return chunks
+
+
+def _same_optimizer(
+    optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]]
+) -> torch.optim.Optimizer:
+    """An optimizer of ``optimizer``'s class and hyperparameters over ``groups`` (host)."""
+    defaults = dict(optimizer.defaults)
+    if defaults.get("capturable"):  # graph capture is a device feature; the host steps eagerly
+        defaults["capturable"] = False
+        for g in groups:
+            g["capturable"] = False
+    if defaults.get("fused"):  # the host steps the masters with the CPU kernels
+        defaults["fused"] = None
+        for g in groups:
+            g["fused"] = None
+    # Groups carry every hyperparameter; the constructor gets the defaults it accepts (AdamW
+    # fixes some of Adam's itself).
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    if not any(a.kind is inspect.Parameter.VAR_KEYWORD for a in accepted.values()):
+        defaults = {k: v for k, v in defaults.items() if k in accepted}
+    try:
+        return type(optimizer)(groups, **defaults)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise ConfigError(
+            f"memory.optimizer: the host mirror builds a {type(optimizer).__name__} over host "
+            f"copies of the parameters as {type(optimizer).__name__}(param_groups, "
+            f"**defaults), which failed: {e}"
+        ) from e
