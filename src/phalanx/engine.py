@@ -261,6 +261,8 @@ class Engine:
             assert self.tracer is not None
             for b, start, end in self.strategy.param_waits:  # inside forward's span
                 self.tracer.span("wait", f"parameters b{b}", start, end, bucket=b)
+            for b, start, end in self.strategy.update_spans:  # ps servers, inside the exchange
+                self.tracer.span("optimizer", f"update b{b}", start, end, bucket=b)
             self.tracer.finish_step(self.world.group, self._trace_meta())
         return total_loss
 

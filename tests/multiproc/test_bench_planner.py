@@ -3,6 +3,9 @@ and its flag errors."""
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
+
 import pytest
 
 from phalanx.bench.planner import PlannerBenchConfig, format_report, run_benchmark
@@ -14,8 +17,12 @@ def test_one_cell_is_measured_traced_and_predicted() -> None:
         models=("digits_cnn",), strategies=("tree",), compress=("fp16",), thresholds=("25",),
         warmup=2, steps=3,
     )  # fmt: skip
+    traces = sorted(Path(tempfile.gettempdir()).glob("phalanx-plan-bench-*"))
     result = run_benchmark(cfg)
+    assert sorted(Path(tempfile.gettempdir()).glob("phalanx-plan-bench-*")) == traces  # removed
     (row,) = result["rows"]
+    # one simulated step per timed step, each from that step's straggler
+    assert len(row["profiles"]) == 3 and set(row["stragglers"]) <= {0, 1}
     assert row["measured_s"] > 0 and row["predicted_s"] > 0
     assert row["forward_s"] > 0 and row["backward_s"] > 0 and row["optimizer_s"] > 0
     assert row["simulated_buckets"] == row["num_buckets"]  # the simulator re-formed the buckets

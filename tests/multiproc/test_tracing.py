@@ -73,8 +73,16 @@ def test_every_strategy_writes_a_trace_of_both_ranks(tmp_path: Path) -> None:
                     for x in mine
                     if x["lane"] in ("compute", "wait", "optimizer")
                     and not x["name"].startswith("parameters")  # nested in forward
+                    and not x["name"].startswith("update b")  # the comm thread's (ps)
                 ]
                 assert sum(x["dur"] for x in busy) <= step_us * 1.001, name  # one stream
+                inside = [x for x in mine if x["name"].startswith("update b")]
+                assert bool(inside) == (name.startswith("ps")), name  # servers update
+                for x in inside:  # after their bucket's push began, within the step
+                    (span,) = [e for e in mine if e["name"] == x["name"][7:] + " exchange"]
+                    assert span["ts"] - 1 <= x["ts"] and x["dur"] > 0, name
+                    # update() returns once every server stepped: before the step's last slice
+                    assert x["ts"] + x["dur"] <= max(e["ts"] + e["dur"] for e in busy) + 1
 
 
 def test_cli_trace_has_the_input_lane(tmp_path: Path) -> None:

@@ -7,15 +7,15 @@ after ``auto`` settled) ``steps`` consecutive steps are timed and traced
 then predicts the same step:
 
   Phase 1 (calibrate, once per model): the link's alpha and beta (``exchange.link.calibrate``,
-    the fit ``phalanx bench link`` makes), the fp16 codec's seconds per byte and Adam's
-    seconds per gradient byte on the model's parameters.
-  Phase 2 (measure): the timed steps' median, and from the trace of them (the rank that
-    computes slowest) the compute the simulator needs: forward, backward per bucket (each
-    bucket's gradients, in ready order) and the step's time outside its traced phases (the
-    Engine's own work).
+    the fit ``phalanx bench link`` makes) and the fp16 codec's seconds per byte.
+  Phase 2 (measure): the timed steps' mean (the slower rank's), and from the trace of each
+    step, of the rank that computed longest in it (the step's straggler), the compute the
+    simulator needs: forward, backward per bucket (each bucket's gradients, in ready order),
+    the optimizer and the step's time outside its traced phases (the Engine's own work).
   Phase 3 (predict): ``planner.sim.Simulator`` on a one-node cluster built from the link, with
-    the run's bucket threshold and first bucket: the strategy's message schedule, overlap with
-    backward, the optimizer. Its step time against the measured median: the error.
+    the run's bucket threshold and first bucket, once per timed step: the strategy's message
+    schedule, overlap with backward, the optimizer. The mean simulated step against the
+    measured mean: the error.
 
 The compute inputs come from the run itself, so the error measures the planner's model of the
 exchange and its overlap, not a prediction of compute speed (docs/planner.md).
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import shutil
 import statistics
 import tempfile
 import time
@@ -109,33 +110,14 @@ def _worker(ctx: Any, cfg: PlannerBenchConfig, model_name: str) -> list[dict[str
     cluster = from_link(link, devices_per_node=ctx.world_size, codec_s_per_byte=codec_s)
     batch = 32
     model, x, y = _model_and_batch(model_name, batch)
-    optimizer_s_per_byte = _optimizer_cost(model)
     rows = []
     for strategy in cfg.strategies:
         for compress in cfg.compress:
             for threshold in cfg.thresholds:
                 setup = (strategy, compress, threshold)
-                row = _cell(ctx, cfg, model, x, y, setup, cluster, optimizer_s_per_byte)
+                row = _cell(ctx, cfg, model, x, y, setup, cluster)
                 rows.append({"model": model_name, **row})
     return rows if ctx.rank == 0 else None
-
-
-def _optimizer_cost(model: nn.Module, repeats: int = 5) -> float:
-    """Seconds per gradient byte of the runs' optimizer (Adam) stepping this model's
-    parameters: the median of ``repeats`` steps after one that creates the state; for
-    strategies whose servers update inside the exchange, where the trace's optimizer slice
-    does not see the update."""
-    params = [p.detach().clone().requires_grad_(True) for p in model.parameters()]
-    for p in params:
-        p.grad = torch.randn_like(p)
-    optimizer = torch.optim.Adam(params, lr=1e-4)
-    optimizer.step()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        optimizer.step()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) / sum(p.numel() * p.element_size() for p in params)
 
 
 def _cell(
@@ -146,7 +128,6 @@ def _cell(
     y: torch.Tensor,
     setup: tuple[str, str, str],
     cluster: Any,
-    optimizer_s_per_byte: float,
 ) -> dict[str, Any]:
     strategy, compress, threshold = setup
     import phalanx as px
@@ -177,6 +158,8 @@ def _cell(
         times.append(time.perf_counter() - start)
     per_rank: list[Any] = [None] * ctx.world_size
     dist.all_gather_object(per_rank, list(times), group=ctx.group)
+    state_bytes: list[Any] = [None] * ctx.world_size  # whose optimizer updates how much
+    dist.all_gather_object(state_bytes, engine.optimizer_bytes(), group=ctx.group)
     slowest = torch.tensor(times, dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=ctx.group)
     # The block's mean step (what throughput is), the slower rank's: a per-step maximum over
@@ -194,9 +177,10 @@ def _cell(
         "measured_samples": slowest.tolist(),
     }
     if ctx.rank == 0:
-        costs = (per_rank, optimizer_s_per_byte)
+        costs = (per_rank, state_bytes)
         row.update(_predict(engine, trace, cluster, strategy, compress, x.shape[0], costs))
     engine.close()
+    shutil.rmtree(directory, ignore_errors=True)
     return row
 
 
@@ -207,54 +191,103 @@ def _predict(
     strategy: str,
     compress: str,
     batch: int,
-    costs: tuple[list[list[float]], float],
+    costs: tuple[list[list[float]], list[int]],
 ) -> dict[str, Any]:
-    """Phase 3: the step profile from the trace of the rank that computes slowest (a
-    synchronous step waits for it; the simulator assumes every rank computes alike), then the
-    simulated step. The step's time outside its traced phases (the Engine's bookkeeping around
-    them: zeroing and arming buckets, the guard's checks, launching) is a fixed cost of the
-    compute stream. ``costs``: each rank's own time of every timed step, and the optimizer's
-    seconds per gradient byte (``_optimizer_cost``)."""
-    step_times, optimizer_s_per_byte = costs
+    """Phase 3: one simulated step per timed step, their mean against the measured mean.
+
+    A synchronous step waits for the rank that computes slowest *in that step* (this VM's
+    jitter moves between the ranks), so each step's profile comes from that step's straggler:
+    the rank with the most forward and backward (forward less its waits for parameters; not
+    the exchange wait, which the simulator predicts). The optimizer's cost per byte is the
+    slowest updater's in that step, per byte of what it updates (with ``partitioned`` at two
+    ranks one owner updates everything and the other nothing: the simulator's rank is the
+    owner; ``ps`` servers' updates inside the exchange are traced on the communication
+    thread). The step's time outside its traced phases (the Engine's bookkeeping around them:
+    zeroing and arming buckets, the guard's checks, launching) is a fixed cost of the compute
+    stream. ``costs``: each rank's own time of every timed step and its optimizer state bytes."""
+    step_times, state_bytes = costs
     from pathlib import Path
 
     from phalanx.planner.sim import ExchangeSetup, Simulator
-    from phalanx.planner.step import LayerStep, StepProfile
     from phalanx.planner.trace import read_trace
     from phalanx.tracing import TRACE_FILE
 
     every = read_trace(Path(trace.directory) / TRACE_FILE)
     steps = sorted({e["args"]["step"] for e in every})
-
-    def busy_of(rank: int) -> list[float]:
-        return [
-            sum(
-                e["dur"]
-                for e in every
-                if e["pid"] == rank and e["args"]["step"] == s and _on_compute_stream(e)
-            )
-            / 1e6
-            for s in steps
-        ]
-
     ranks = sorted({e["pid"] for e in every})
-    slow = max(ranks, key=lambda r: statistics.median(busy_of(r)))
-    events = [e for e in every if e["pid"] == slow]
-
-    def median_of(select: Any) -> float:
-        return statistics.median(
-            sum(e["dur"] for e in events if e["args"]["step"] == s and select(e)) / 1e6
-            for s in steps
+    by = {(r, s): [] for r in ranks for s in steps}
+    for e in every:
+        by[(e["pid"], e["args"]["step"])].append(e)
+    setup = ExchangeSetup(
+        strategy=strategy,
+        bucket_bytes=engine.buckets.bucket_bytes,
+        first_bucket_bytes=engine.buckets.first_bucket_bytes,
+        compress=compress,
+    )
+    grad_bytes = sum(p.numel() * p.element_size() for b in engine.buckets.buckets for p in b.params)
+    profiles, stragglers = [], []
+    for k, s in enumerate(steps):
+        slow = max(ranks, key=lambda r, s=s: _compute_s(by[(r, s)]))
+        stragglers.append(slow)
+        per_byte = max(  # Adam: two state bytes per gradient byte it updates
+            _optimizer_s(by[(r, s)]) / min(grad_bytes, state_bytes[r] / 2)
+            for r in ranks
+            if state_bytes[r] > 0
         )
+        profile = _step_profile(by[(slow, s)], step_times[slow][k], engine, batch, per_byte)
+        profiles.append(profile)
+    predictions = [Simulator(p, cluster).run(engine.ctx.world_size, setup) for p in profiles]
+    return {
+        "profiles": [p.to_dict() for p in profiles],  # with "cluster" and "setup": enough to
+        "cluster": cluster.to_dict(),  # simulate again
+        "setup": {
+            "strategy": strategy,
+            "bucket_bytes": setup.bucket_bytes,
+            "first_bucket_bytes": setup.first_bucket_bytes,
+            "compress": compress,
+        },
+        "predicted_s": statistics.fmean(r.step_s for r in predictions),
+        "predicted_exposed_s": statistics.fmean(r.exposed_s for r in predictions),
+        "forward_s": statistics.fmean(p.forward_s for p in profiles),
+        "backward_s": statistics.fmean(p.backward_s for p in profiles),
+        "optimizer_s": statistics.fmean(p.optimizer_s for p in profiles),
+        "overhead_s": statistics.fmean(p.engine_s for p in profiles),
+        "stragglers": stragglers,
+        "simulated_buckets": len(predictions[0].bucket_bytes),
+    }
+
+
+def _compute_s(events: list[dict[str, Any]]) -> float:
+    """One rank's forward and backward in one step (seconds): the compute before the
+    exchange that a synchronous step waits for (forward less its waits for parameters)."""
+    busy = sum(e["dur"] for e in events if e["lane"] == "compute")
+    return (busy - sum(e["dur"] for e in events if e["name"].startswith("parameters"))) / 1e6
+
+
+def _optimizer_s(events: list[dict[str, Any]]) -> float:
+    """One rank's optimizer in one step (seconds): its servers' updates inside the exchange
+    ("update b3", ``ps``), else the step's update slice."""
+    updates = [e for e in events if e["lane"] == "optimizer"]
+    inside = [e for e in updates if e["name"].startswith("update b")]
+    return sum(e["dur"] for e in inside or updates) / 1e6
+
+
+def _step_profile(
+    events: list[dict[str, Any]], step_s: float, engine: Any, batch: int, per_byte: float
+) -> Any:
+    """The profile of one rank's step from its trace slices (``step_s``: its measured time)."""
+    from phalanx.planner.step import LayerStep, StepProfile
+
+    def total(select: Any) -> float:
+        return sum(e["dur"] for e in events if select(e)) / 1e6
 
     # Forward's own compute: its slices less the waits for parameters inside them (the
     # simulator adds the waits its model predicts).
-    forward_s = median_of(lambda e: e["name"] == "forward") - median_of(
+    forward_s = total(lambda e: e["name"] == "forward") - total(
         lambda e: e["name"].startswith("parameters")
     )
-    optimizer_s = median_of(lambda e: e["lane"] == "optimizer")
     buckets = engine.buckets.buckets
-    backward = [median_of(lambda e, b=b.index: e["name"] == f"backward b{b}") for b in buckets]
+    backward = [total(lambda e, b=b.index: e["name"] == f"backward b{b}") for b in buckets]
     total_backward = sum(backward) or 1.0
     layers = [
         LayerStep(
@@ -265,54 +298,15 @@ def _predict(
         )
         for b, seconds in zip(buckets, backward)
     ]
-    # The optimizer: from the trace where the step's optimizer slice holds the update (its
-    # share of the state: 1, or 1/owners when sharded); measured apart where servers update
-    # while gradients arrive, inside the exchange, which the optimizer slice does not see.
-    grad_bytes = sum(sum(layer.grad_bytes) for layer in layers)
-    share = min(1.0, engine.optimizer_bytes() / max(1, 2 * grad_bytes))  # Adam: 2 states
-    per_byte = optimizer_s / max(1.0, grad_bytes * share)
-    if engine.strategy.updates_during_exchange:
-        per_byte = optimizer_s_per_byte
-    own = step_times[slow]
-    overhead_s = max(0.0, (sum(own) - sum(busy_of(slow))) / len(own))
-    profile = StepProfile(
+    traced = total(lambda e: e["lane"] != "exchange" and not e["name"].startswith("parameters"))
+    return StepProfile(
         layers=layers,
         batch_size=batch,
         optimizer_s_per_byte=per_byte,
-        engine_s=overhead_s,
-        source="phalanx bench planner: rank 0's trace",
+        input_s=total(lambda e: e["lane"] == "input"),
+        engine_s=max(0.0, step_s - traced),
+        source="phalanx bench planner: one step of its straggler's trace",
     )
-    setup = ExchangeSetup(
-        strategy=strategy,
-        bucket_bytes=engine.buckets.bucket_bytes,
-        first_bucket_bytes=engine.buckets.first_bucket_bytes,
-        compress=compress,
-    )
-    result = Simulator(profile, cluster).run(engine.ctx.world_size, setup)
-    return {
-        "profile": profile.to_dict(),  # with "cluster" and "setup": enough to simulate again
-        "cluster": cluster.to_dict(),
-        "setup": {
-            "strategy": strategy,
-            "bucket_bytes": setup.bucket_bytes,
-            "first_bucket_bytes": setup.first_bucket_bytes,
-            "compress": compress,
-        },
-        "predicted_s": result.step_s,
-        "predicted_exposed_s": result.exposed_s,
-        "forward_s": forward_s,
-        "backward_s": sum(backward),
-        "optimizer_s": optimizer_s,
-        "overhead_s": overhead_s,
-        "profiled_rank": slow,
-        "simulated_buckets": len(result.bucket_bytes),
-    }
-
-
-def _on_compute_stream(event: dict[str, Any]) -> bool:
-    """Slices that add up to the compute stream's busy time: not the exchange, and not the
-    waits for parameters (they lie inside forward's slices)."""
-    return event["lane"] != "exchange" and not event["name"].startswith("parameters")
 
 
 # -- in the caller ----------------------------------------------------------------------------

@@ -130,6 +130,8 @@ class Strategy(ABC):
         # This step's forward waits for parameters still arriving: (bucket, start, end) in
         # perf_counter seconds (owner-update strategies; the Engine's traces show them).
         self.param_waits: list[tuple[int, float, float]] = []
+        # (bucket, start, end) of updates run on the communication thread (ps servers)
+        self.update_spans: list[tuple[int, float, float]] = []
         self._count_lock = threading.Lock()  # a communication thread may count too
 
     # -- layout -------------------------------------------------------------------------------
@@ -215,6 +217,7 @@ class Strategy(ABC):
         self.bytes_sent = 0
         self.bytes_received = 0
         self.param_waits.clear()
+        self.update_spans.clear()
         self.codec.num_nonfinite = 0
 
     @abstractmethod

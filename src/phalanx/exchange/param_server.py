@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -205,6 +206,7 @@ class ParameterServer(OwnerUpdateStrategy):
             )  # fmt: skip
             self.num_nonfinite_partitions += 1
             return
+        started = time.perf_counter()
         mine = [s for s in self.sharded.shards if s.bucket == bucket.index and s.start == lo]
         for shard in self.sharded.shards:
             shard.param.grad = None
@@ -213,6 +215,7 @@ class ParameterServer(OwnerUpdateStrategy):
         self.optimizer.step()
         for shard in mine:  # a host master (CUDA runs): the replica gets the new values too
             self.sharded.write_back(shard)
+        self.update_spans.append((bucket.index, started, time.perf_counter()))  # for traces
 
     def _pull(self, flat: torch.Tensor, lo: int, hi: int, owner: int) -> None:
         """The updated partition [lo, hi) travels from ``owner`` to every worker."""

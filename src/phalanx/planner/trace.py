@@ -17,7 +17,8 @@ traces), so the two can be opened side by side and summed the same way:
     and phases that finish later (a ``ps`` pull, a ``partitioned`` send-back);
   - ``wait``: the compute stream idle, waiting for the exchange after backward ("exchange") or
     for parameters in forward ("parameters");
-  - ``optimizer``: the update;
+  - ``optimizer``: the update (with ``ps`` also each server's update of a bucket on the
+    communication thread, inside the exchange: "update b3");
   - ``input``: waiting for the input pipeline.
 Slices on one Chrome track must nest, and exchanges of consecutive buckets overlap without
 nesting, so each lane has one track per bucket where needed: ``tid`` is an integer and a
