@@ -218,3 +218,42 @@ def test_the_example_in_docs_memory_md_runs(capsys) -> None:
     code = text.split("```python\n", 1)[1].split("```", 1)[0]
     exec(compile(code, "docs/memory.md", "exec"), {"__name__": "__main__"})
     assert "\npeak " in capsys.readouterr().out
+
+
+class _Scratch(nn.Module):
+    """A layer whose forward allocates an 8 MiB temporary it frees before returning (as a
+    kernel's workspace is): nothing autograd saves, so the accounting cannot see it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scratch = torch.ones(2 * 2**20)  # 8 MiB of fp32
+        return x + scratch.sum() * 0
+
+
+def test_the_cpu_allocator_peak_sees_a_workspace_the_accounting_does_not() -> None:
+    torch.manual_seed(0)
+    plain = profile_model([nn.Linear(6, 5), nn.ReLU()], loss_fn, ADAM, batches((4, 6), 5), "cpu")
+    layers = [nn.Linear(6, 5), _Scratch(), nn.ReLU()]
+    profile = profile_model(layers, loss_fn, ADAM, batches((4, 6), 5), "cpu")
+    assert plain.measured_peak_bytes is not None and profile.measured_peak_bytes is not None
+    assert plain.measured_peak_bytes - plain.peak.total < 2**20  # a small MLP: little unseen
+    unseen = profile.measured_peak_bytes - profile.peak.total
+    assert abs(unseen - 8 * 2**20) < 2**16, unseen
+    # a plan holds the unseen bytes in every peak
+    from phalanx.memory.manager import MemoryConfig, MemoryManager
+
+    sample = batches((4, 6), 5, steps=1)[0]
+    manager = MemoryManager.build(
+        layers, MemoryConfig(budget_mb=64), torch.device("cpu"), sample, loss_fn, ADAM
+    )
+    assert manager.plan.unmanaged_peak >= profile.measured_peak_bytes - 2**16
+    assert (
+        "kernels' workspaces and temporaries beyond the saved tensors: 8.0 MiB"
+        in manager.describe()
+    )
+    manager.close()
+
+
+def test_under_a_running_profiler_the_allocator_peak_is_not_measured() -> None:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        _, profile = mlp_profile()
+    assert profile.measured_peak_bytes is None

@@ -39,7 +39,7 @@ from torch import nn
 from phalanx.fields import ConfigValueError, option, require
 from phalanx.memory.host_mirror import HostMirror
 from phalanx.memory.mirror import OptimizerMirror
-from phalanx.memory.plan import OFFLOAD, RECOMPUTE, LayerCost, Plan, make_plan
+from phalanx.memory.plan import OFFLOAD, RECOMPUTE, LayerCost, Plan, make_plan, predict_peak
 from phalanx.memory.tiers import Tier, TierConfig, make_tier, measure_bandwidth
 
 logger = logging.getLogger("phalanx")
@@ -152,7 +152,9 @@ class MemoryManager:
                 )
         devices = [device] if device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):  # the run's random streams stay untouched
-            costs, fixed = _costs(layers, config, device, sample, loss_fn, optimizer_factory)
+            costs, fixed, transient = _costs(
+                layers, config, device, sample, loss_fn, optimizer_factory
+            )
             # Phase 2: the tier and its measured bandwidth.
             tier = make_tier(config.tier, device)
             probe = max(MIN_BANDWIDTH_PROBE, max((c.saved_bytes for c in costs), default=0))
@@ -174,6 +176,11 @@ class MemoryManager:
         plan.notes.append(
             f"tier {type(tier).__name__}: write {write / 1e9:.2f} GB/s, read {read / 1e9:.2f} GB/s"
         )
+        if transient:
+            plan.notes.append(
+                f"kernels' workspaces and temporaries beyond the saved tensors: "
+                f"{transient / 2**20:.1f} MiB (the profiled step's allocator peak), in every peak"
+            )
         # Phase 4: apply.
         offloaded = [int(name) for name in plan.layers(OFFLOAD)]
         offloader = None
@@ -240,11 +247,13 @@ def _costs(
     sample: Any,
     loss_fn: Any,
     optimizer_factory: Any,
-) -> tuple[list[LayerCost], int]:
+) -> tuple[list[LayerCost], int, int]:
     """Phase 1: per-layer costs from a profile of a copy of the layers (with a budget), or
-    zero costs when only named layers are managed (nothing to choose)."""
+    zero costs when only named layers are managed (nothing to choose); the fixed bytes every
+    plan holds; and of those, the transient bytes the profiled step's allocator peak showed
+    beyond the accounted tensors (kernels' workspaces, autograd's temporaries)."""
     if not config.budget_mb:
-        return [LayerCost(str(i), 0, 0, 0.0, 0.0) for i in range(len(layers))], 0
+        return [LayerCost(str(i), 0, 0, 0.0, 0.0) for i in range(len(layers))], 0, 0
     from phalanx.memory.profile import profile_model
 
     copies = copy.deepcopy(layers)
@@ -263,8 +272,13 @@ def _costs(
     )
     # In backward the gradient arriving at a layer and the one it produces live together.
     fixed += max(inputs[i] + layer.output_bytes for i, layer in enumerate(profile.layers))
+    # What the accounting cannot see, measured: the unmanaged step's true peak above its
+    # prediction, held as a margin by every plan (the workspace recurs whatever is offloaded).
+    transient = 0
+    if profile.measured_peak_bytes is not None:
+        transient = max(0, profile.measured_peak_bytes - predict_peak(costs, {}, fixed))
     del copies
-    return costs, fixed
+    return costs, fixed + transient, transient
 
 
 def _recompute(layer: nn.Module) -> None:

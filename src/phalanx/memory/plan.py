@@ -152,8 +152,9 @@ def make_plan(
         floor = min(peak_of(plan) for plan in _floor_plans(layers, {}))
         raise ConfigError(
             f"memory.budget_mb: {budget_bytes / 2**20:.1f} MiB cannot be met: the smallest "
-            f"predicted peak is {floor / 2**20:.1f} MiB (parameters, gradients, optimizer state "
-            f"and backward's transient gradients alone take {fixed_bytes / 2**20:.1f} MiB)"
+            f"predicted peak is {floor / 2**20:.1f} MiB (parameters, gradients, optimizer state, "
+            f"backward's transient gradients and kernels' workspaces alone take "
+            f"{fixed_bytes / 2**20:.1f} MiB)"
         )
     overhead = sum(costs[(name, c)] for name, c in choices.items() if c != KEEP)
     return Plan(choices, peak, overhead, unmanaged, budget_bytes)

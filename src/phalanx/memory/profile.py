@@ -18,16 +18,21 @@ buffers that autograd saves (a Linear's weight) are model state, not activations
 on each layer's output marks where that layer's backward begins (its gradient is ready), which
 is where the next layer's backward ended. Byte counts are of what autograd holds at layer
 boundaries; workspace inside one layer's kernels and gradients of activations in flight are
-not in them (on CUDA the allocator's own figures are recorded beside, ``allocated_bytes``).
+not in them. The allocator's own peak over the last step is recorded beside
+(``measured_peak_bytes``: CUDA's ``max_memory_allocated``; on the CPU, torch.profiler's
+allocation events, which see every tensor and oneDNN's workspaces), and on CUDA every event's
+``allocated_bytes``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
 import statistics
+import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -125,7 +130,9 @@ class MemoryProfile:
     loss_saved_bytes: int  # what the loss function saves (log-probabilities, targets)
     saved: list[SavedTensor]  # the traced (last) step's saved storages, in creation order
     timeline: list[MemoryEvent]  # the traced step, event by event
-    measured_peak_bytes: int | None = None  # CUDA allocator's peak over the traced step
+    # allocator's peak over the last step: CUDA's max_memory_allocated, or on the CPU the live
+    # bytes at the step's start plus the growth torch.profiler's allocation events show
+    measured_peak_bytes: int | None = None
     torch_version: str = field(default_factory=lambda: torch.__version__)
 
     @property
@@ -418,15 +425,23 @@ def profile_model(
     traces: list[_StepTrace] = []
     measured_peak: int | None = None
     batch_size = 0
-    for x, y in batches:
+    batches = list(batches)
+    for k, (x, y) in enumerate(batches):
         # Own storages, as a training batch has: a slice of a data set saved by the first
         # layer would otherwise count as the whole data set's storage.
         x, y = x.to(device, copy=True), y.to(device, copy=True)
         batch_size = int(x.shape[0]) if x.dim() else 1
+        optimizer.zero_grad(set_to_none=True)  # before the peak's baseline (_run_step's too)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         trace = _StepTrace(len(layers), model_storages, snapshot, device)
-        _run_step(layers, names, loss_fn, optimizer, x, y, trace, autocast)
+        if device.type == "cpu" and k == len(batches) - 1 and not _profiler_running():
+            with _AllocatorPeak() as allocated:
+                _run_step(layers, names, loss_fn, optimizer, x, y, trace, autocast)
+            # the batch was allocated before the block and lives through the step
+            measured_peak = trace.events[0].total + allocated.peak_bytes + _nbytes(x)
+        else:
+            _run_step(layers, names, loss_fn, optimizer, x, y, trace, autocast)
         traces.append(trace)
         if device.type == "cuda":
             measured_peak = int(torch.cuda.max_memory_allocated(device))
@@ -464,6 +479,57 @@ def profile_model(
         timeline=last.events,
         measured_peak_bytes=measured_peak,
     )
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+@contextlib.contextmanager
+def _quiet_stderr() -> Iterator[None]:
+    """File descriptor 2 to /dev/null inside the block (C++ logging bypasses sys.stderr)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "wb") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def _profiler_running() -> bool:
+    """Whether a torch profiler is on already (a user profiling the profile): it does not nest,
+    so the allocator's peak is then not measured."""
+    return bool(torch.autograd._profiler_enabled())
+
+
+class _AllocatorPeak:
+    """The CPU allocator's peak growth over a block (bytes above the live bytes at its
+    start), from torch.profiler's allocation events: every tensor, autograd's temporaries
+    and kernels' workspaces (oneDNN allocates through the same allocator), which the profile's
+    accounting of saved tensors does not see."""
+
+    def __enter__(self) -> _AllocatorPeak:
+        from torch.profiler import ProfilerActivity, profile
+
+        self.peak_bytes = 0
+        self._profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        with _quiet_stderr():  # kineto prints a line at start and stop (torch >= 2.12)
+            self._profiler.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with _quiet_stderr():
+            self._profiler.__exit__(*exc)
+        events = [
+            e for e in self._profiler.profiler.kineto_results.events() if e.name() == "[memory]"
+        ]
+        live = 0
+        for event in sorted(events, key=lambda e: e.start_ns()):
+            live += event.nbytes()
+            self.peak_bytes = max(self.peak_bytes, live)
 
 
 def _owned_parameters(layers: list[nn.Module]) -> list[list[nn.Parameter]]:
@@ -653,7 +719,10 @@ def format_profile(profile: MemoryProfile) -> str:
         + " MiB"
     )
     if profile.measured_peak_bytes is not None:
-        text += f" (CUDA allocator peak {profile.measured_peak_bytes / MIB:.3f} MiB)"
+        text += (
+            f" (allocator peak {profile.measured_peak_bytes / MIB:.3f} MiB: every tensor, "
+            "kernels' workspaces included)"
+        )
     lines.append(text)
     lines.append(
         "saved: what autograd keeps for the layer's backward; a storage two layers save (a ReLU\n"
