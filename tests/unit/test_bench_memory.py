@@ -32,8 +32,10 @@ def _positive(x: Any) -> bool:
 def test_tiny_run_measures_every_variant() -> None:
     result = bench.run_benchmark(TINY)
     (only,) = result["rounds"]
-    assert only["order"] == ["none", "checkpoint", "save_on_cpu", "phalanx@0.5", "phalanx@0.05"]
-    for name in ("none", "checkpoint", "save_on_cpu", "phalanx@0.5"):
+    assert only["order"] == [
+        "none", "checkpoint", "save_on_cpu", "phalanx@0.5", "phalanx@0.05", "phalanx@min"
+    ]  # fmt: skip
+    for name in ("none", "checkpoint", "save_on_cpu", "phalanx@0.5", "phalanx@min"):
         run = only["variants"][name]
         assert _positive(run["peak_bytes"]), (name, run)
         assert _positive(run["median_step_s"]) and len(run["step_s"]) == 1
@@ -47,6 +49,8 @@ def test_tiny_run_measures_every_variant() -> None:
     assert half["predicted_peak_bytes"] <= half["budget_bytes"]
     assert half["spill_bytes_written"] == half["spill_bytes_read"]
     assert "cannot be met" in result["summary"]["phalanx@0.05"]["error"]
+    smallest = result["summary"]["phalanx@min"]  # the plan a too-small budget cannot get
+    assert smallest["predicted_peak_bytes"] <= smallest["budget_bytes"] < half["budget_bytes"]
     report = bench.format_report(result)
     assert any(
         line.startswith("phalanx@0.05") and "not run: memory.budget_mb:" in line
@@ -55,6 +59,7 @@ def test_tiny_run_measures_every_variant() -> None:
     lines = [t["line"] for t in result["targets"]]
     assert lines[0].startswith(("PASS  step time at the 50% budget", "MISS  step time"))
     assert lines[-1].startswith("MISS  budget 5%: not run")
+    assert "phalanx's smallest plan:" in lines[-1]
 
 
 def _run(name: str, step_s: float, peak: int, **extra: Any) -> dict[str, Any]:
@@ -79,6 +84,7 @@ def test_targets_pass_and_miss_lines() -> None:
         "save_on_cpu": _run("save_on_cpu", 1.0, 300 * mib),
         "phalanx@0.75": _phalanx(1.4, 200 * mib, 225 * mib),  # slower than recomputation
         "phalanx@0.5": _phalanx(1.2, 100 * mib, 150 * mib),
+        "phalanx@min": _phalanx(1.5, 60 * mib, 60 * mib),
     }
     meta = {
         "model": "m", "params": 1, "config": {**bench.asdict(cfg)},

@@ -51,6 +51,7 @@ class Plan:
     unmanaged_peak: int
     budget: int | None = None
     notes: list[str] = field(default_factory=list)
+    smallest_peak: int = 0  # the least predicted peak any plan of these layers reaches
 
     def layers(self, choice: str) -> list[str]:
         return [name for name, c in self.choices.items() if c == choice]
@@ -148,8 +149,8 @@ def make_plan(
     if budget_bytes is not None:
         choices = _cheapest_fit(layers, choices, costs, peak_of, budget_bytes)
     peak = peak_of(choices)
+    floor = min(peak_of(plan) for plan in _floor_plans(layers, {}))
     if budget_bytes is not None and peak > budget_bytes:
-        floor = min(peak_of(plan) for plan in _floor_plans(layers, {}))
         raise ConfigError(
             f"memory.budget_mb: {budget_bytes / 2**20:.1f} MiB cannot be met: the smallest "
             f"predicted peak is {floor / 2**20:.1f} MiB (parameters, gradients, optimizer state, "
@@ -157,7 +158,7 @@ def make_plan(
             f"{fixed_bytes / 2**20:.1f} MiB)"
         )
     overhead = sum(costs[(name, c)] for name, c in choices.items() if c != KEEP)
-    return Plan(choices, peak, overhead, unmanaged, budget_bytes)
+    return Plan(choices, peak, overhead, unmanaged, budget_bytes, smallest_peak=floor)
 
 
 def _cheapest_fit(
