@@ -170,6 +170,8 @@ class Engine:
         self._mirror = (
             None if memory is None else memory.attach_optimizer(self.optimizer, self._module)
         )
+        if self._mirror is not None:  # gradients to the host as each bucket's exchange ends
+            self._mirror.listen(self.strategy)
         self.strategy.register_module(self._module)
         self._unregister_teardown = on_shutdown(_close_if_alive(weakref.ref(self)))
         # bucket_mb = "auto" (F12): measure the link now, profile backward in the first steps,
@@ -206,6 +208,8 @@ class Engine:
         # Phase 1: zero buckets; split into micro-batches.
         self.buckets.zero()
         self.strategy.begin_step()
+        if self._mirror is not None:
+            self._mirror.begin_step()
         micro = []
         if self.strategy.is_trainer:  # a dedicated server has no batch, only its exchange part
             micro = self._split(self._to_device(inputs), self._to_device(targets))
@@ -428,6 +432,8 @@ class Engine:
             factor *= min(1.0, self.max_grad_norm / (self.grad_norm + 1e-6))
         if not bad and factor != 1.0:
             self.strategy.scale_gradients(factor)
+            if self._mirror is not None:  # gradients it copied already get the same factor
+                self._mirror.scale_gradients(factor)
         self.precision.update(overflow=bad)
         return bad and (self.nonfinite is not None or scaled)
 

@@ -12,17 +12,23 @@ import torch
 from torch import nn
 
 import phalanx as px
+from phalanx.memory.manager import MemoryConfig, MemoryManager
 from tests.helpers.spawn import run_ranks
 
 STEPS, LOCAL_BATCH, MAX_NORM = 4, 4, 0.05
 SGD = functools.partial(torch.optim.SGD, lr=0.5, momentum=0.9)
 CASES = [
-    ("allreduce", {}, None),
-    ("tree", {}, None),
-    ("partitioned", {}, None),
-    ("partitioned", {"schedule": "native"}, None),
-    ("allreduce", {}, "fp16"),
-    ("partitioned", {}, "fp16"),
+    ("allreduce", {}, None, ""),
+    ("tree", {}, None, ""),
+    ("partitioned", {}, None, ""),
+    ("partitioned", {"schedule": "native"}, None, ""),
+    ("allreduce", {}, "fp16", ""),
+    ("partitioned", {}, "fp16", ""),
+    # the host mirror (F19): gradients copied as each bucket's exchange ends, then clipped
+    ("allreduce", {}, None, "mirror"),
+    ("tree", {}, None, "mirror"),
+    ("allreduce", {}, "fp16", "mirror"),
+    ("partitioned", {}, None, "mirror"),
 ]
 
 
@@ -54,19 +60,25 @@ def _reference(batches: list) -> tuple[dict[str, torch.Tensor], list[float]]:
 def _clipped(ctx: px.Context) -> dict:
     out = {}
     batches = _batches(ctx.world_size)
-    for strategy, options, compress in CASES:
+    for strategy, options, compress, place in CASES:
+        memory = None
+        if place:
+            config = MemoryConfig(optimizer=place, optimizer_chunk_mb=0.001)
+            memory = MemoryManager.build([], config, ctx.device)
         engine = px.Engine(
             copy.deepcopy(_model()), nn.functional.cross_entropy, SGD, context=ctx,
             exchange=px.STRATEGIES.get(strategy)(**options), compress=compress,
-            max_grad_norm=MAX_NORM, bucket_mb=0.001, first_bucket_mb=0.0005,
+            max_grad_norm=MAX_NORM, bucket_mb=0.001, first_bucket_mb=0.0005, memory=memory,
         )  # fmt: skip
         norms = []
         for x, y in batches:
             lo = ctx.rank * LOCAL_BATCH
             engine.step(x[lo : lo + LOCAL_BATCH], y[lo : lo + LOCAL_BATCH])
             norms.append(engine.stats.grad_norm)
-        key = f"{strategy}-{options.get('schedule', '')}-{compress}"
+        key = f"{strategy}-{options.get('schedule', '')}-{compress}-{place}"
         out[key] = {"state": engine.module.state_dict(), "norms": norms}
+        if place:  # the replicated strategies' gradients went to the host as buckets ended
+            out[key]["early"] = engine.memory.mirror.num_early_copies
         engine.close()
     try:
         px.Engine(_model(), nn.functional.cross_entropy, SGD, exchange="ps", max_grad_norm=1.0,
@@ -84,7 +96,10 @@ def test_clipping_equals_one_process(world_size: int) -> None:
     assert min(norms) > MAX_NORM  # clipping acts on every step
     for rank, result in enumerate(results):
         for key in [k for k in result if k != "ps"]:
-            tolerance = 2e-3 if key.endswith("fp16") else 1e-5
+            tolerance = 2e-3 if "fp16" in key else 1e-5
+            if key.endswith("mirror"):
+                early = result[key]["early"]
+                assert early > 0 if not key.startswith("partitioned") else early == 0, key
             assert result[key]["norms"] == pytest.approx(norms, rel=10 * tolerance), (key, rank)
             for name, value in expected.items():
                 torch.testing.assert_close(

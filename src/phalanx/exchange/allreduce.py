@@ -52,16 +52,12 @@ class AllReduce(Strategy):
                     ).start()
                 return
             rank, p, group, codec = self.ctx.rank, self.ctx.world_size, self.comm.group, self.codec
-            self._works.append(
-                stamp_done(
-                    bucket,
-                    self.comm.submit(lambda: p2p_allreduce(bucket.flat, rank, p, group, codec)),
-                )
-            )  # noqa: E501
+            job = self.comm.submit(lambda: p2p_allreduce(bucket.flat, rank, p, group, codec))
+            self._works.append((bucket, stamp_done(bucket, job)))
             return
         # Gradients arrive pre-divided by p (the Engine scales the loss), so the sum is the mean.
         work = dist.all_reduce(bucket.flat, group=self.ctx.group, async_op=True)
-        self._works.append(stamp_done(bucket, work))
+        self._works.append((bucket, stamp_done(bucket, work)))
         world = self.ctx.world_size
         volume = 2 * (world - 1) * bucket.nbytes // world
         self.count_bytes(volume, volume)
@@ -76,11 +72,13 @@ class AllReduce(Strategy):
                 self.count_bytes(
                     *p2p_allreduce(flat, ctx.rank, ctx.world_size, ctx.group, self.codec)
                 )
+            self.bucket_exchanged(self._last)
             self._last = self._gather = None
-        for work in self._works:
+        for bucket, work in self._works:
             wait(work)
             if self.comm is not None:
                 self.count_bytes(*work.result())
+            self.bucket_exchanged(bucket)
         self._works = []
 
     def close(self) -> None:

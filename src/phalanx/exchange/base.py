@@ -132,6 +132,8 @@ class Strategy(ABC):
         self.param_waits: list[tuple[int, float, float]] = []
         # (bucket, start, end) of updates run on the communication thread (ps servers)
         self.update_spans: list[tuple[int, float, float]] = []
+        # called in finish() with each bucket whose mean gradient is complete (allreduce, tree)
+        self.bucket_listeners: list[Callable[[Bucket], None]] = []
         self._count_lock = threading.Lock()  # a communication thread may count too
 
     # -- layout -------------------------------------------------------------------------------
@@ -205,6 +207,12 @@ class Strategy(ABC):
     def gradient_scale(self) -> float:
         """Factor the Engine folds into the loss so the exchanged sums are means (1/p)."""
         return 1.0 / self.data_parallel()[1]
+
+    def bucket_exchanged(self, bucket: Bucket) -> None:
+        """``finish()`` calls this as each bucket's exchange completes (its parameters' ``.grad``
+        hold the mean): the host optimizer mirror starts copying them (F19)."""
+        for listener in self.bucket_listeners:
+            listener(bucket)
 
     def count_bytes(self, sent: int, received: int) -> None:
         """Add one exchange's bytes to this step's counters (thread-safe)."""

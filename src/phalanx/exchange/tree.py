@@ -81,12 +81,13 @@ class Tree(Strategy):
         rank, world, group, codec = self.ctx.rank, self.ctx.world_size, self.comm.group, self.codec
         job = self.comm.submit(lambda: tree_allreduce(bucket.flat, rank, world, group, codec))
         stamp_done(bucket, job)
-        self._jobs.append(job)
+        self._jobs.append((bucket, job))
 
     def finish(self) -> None:
-        for job in self._jobs:
+        for bucket, job in self._jobs:
             wait(job)
             self.count_bytes(*job.result())
+            self.bucket_exchanged(bucket)
         self._jobs = []
 
     def close(self) -> None:

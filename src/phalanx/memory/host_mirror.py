@@ -12,10 +12,14 @@ gradients visible.
 
 Phases of ``step`` (chunks follow the optimizer's parameter order, which is forward's order for
 ``model.parameters()``):
-  Phase 1 (gradients to the host): the device optimizer's hyperparameters (an LR schedule's
-    changes) are copied to the host optimizer; every chunk's gradients are queued for copying
-    into their fp32 host buffers on the copy stream, an event after each chunk. The compute
-    stream then waits for the copies before anything can rewrite the gradients.
+  Phase 1 (gradients to the host): with ``allreduce`` and ``tree`` each bucket's gradients are
+    queued for copying into their fp32 host buffers on the copy stream as soon as the
+    strategy's ``finish()`` has that bucket's mean (``listen``: while later buckets are still
+    on the wire); a factor the Engine scales them by afterwards (clipping, fp16 unscaling) is
+    applied to the host copies in Phase 2. At ``step`` the device optimizer's hyperparameters
+    (an LR schedule's changes) are copied to the host optimizer and the remaining gradients
+    queued, an event after each chunk. The compute stream then waits for the copies before
+    anything can rewrite the gradients.
   Phase 2 (the host steps, per chunk): wait for the chunk's gradients; step the host optimizer
     with only them visible.
   Phase 3 (parameters back, per chunk): the chunk's updated masters are queued for copying into
@@ -73,6 +77,9 @@ class HostMirror:
         self._ready_events: list[Any] = []  # per chunk: CUDA event after its parameters' copy
         self._waited: set[int] = set()  # chunks the compute stream already waits for
         self._worker: threading.Thread | None = None
+        self._early: set[int] = set()  # parameters whose gradient is on its way already
+        self._early_factor = 1.0  # scaling applied on the device after those copies started
+        self.num_early_copies = 0
         self._adopt()
         self._original_step = optimizer.step
         optimizer.step = types.MethodType(_host_step, optimizer)  # type: ignore[method-assign]
@@ -98,6 +105,7 @@ class HostMirror:
             if state:
                 self.host.state[m] = {k: _to_host(v, p) for k, v in state.items()}
         self.optimizer.state.clear()
+        self._index = {id(p): i for i, p in enumerate(params)}
         self.chunks = _chunks(params, self.chunk_bytes)
         self._chunk_of = {id(params[i]): c for c, idx in enumerate(self.chunks) for i in idx}
         self._ready, self._ready_events, self._waited = [], [], set()
@@ -146,6 +154,35 @@ class HostMirror:
 
         return hook
 
+    # -- gradients as the exchange finishes them ----------------------------------------------
+    def listen(self, strategy: Any) -> None:
+        """Copy each bucket's gradients to the host as soon as ``strategy`` has exchanged it
+        (``Strategy.bucket_listeners``; allreduce and tree call them), while later buckets are
+        still on the wire: Phase 1 then has only the rest left."""
+        if self.defers:
+            strategy.bucket_listeners.append(lambda bucket: self.gradients_ready(bucket.params))
+
+    def begin_step(self) -> None:
+        """A new step: copies from a step that did not update (a skipped one) are void."""
+        self._early.clear()
+        self._early_factor = 1.0
+
+    def gradients_ready(self, params: list[torch.Tensor]) -> None:
+        """Phase 1 ahead of ``step``: queue these parameters' gradients for the host now."""
+        self.sync()  # the previous step's host work reads the same buffers
+        indices = [self._index[id(p)] for p in params if id(p) in self._index]
+        indices = [i for i in indices if self.params[i].grad is not None]
+        if not indices:
+            return
+        self._copy_gradients(indices)
+        self._early.update(indices)
+        self.num_early_copies += len(indices)
+
+    def scale_gradients(self, factor: float) -> None:
+        """The Engine scaled the exchanged gradients on the device (clipping, fp16 unscaling)
+        after some were copied: the host scales those copies the same way before stepping."""
+        self._early_factor *= factor
+
     # -- the step -----------------------------------------------------------------------------
     def step(self) -> None:
         self.sync()  # the previous step's chunks (normally long done by now)
@@ -153,7 +190,12 @@ class HostMirror:
         for host_group, group in zip(self.host.param_groups, self.optimizer.param_groups):
             host_group.update({k: v for k, v in group.items() if k != "params"})
         has_grad = [p.grad is not None for p in self.params]
-        grad_events = [self._queue_gradients(idx, has_grad) for idx in self.chunks]
+        early = {i: self._early_factor for i in self._early}  # scaled on the host in Phase 2
+        self.begin_step()
+        grad_events = [
+            self._copy_gradients([i for i in idx if has_grad[i] and i not in early])
+            for idx in self.chunks
+        ]
         if self.copy_stream is not None:  # nothing rewrites a gradient before it is copied
             torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
         self._ready = [Future() for _ in self.chunks]
@@ -161,34 +203,41 @@ class HostMirror:
         self._waited = set()
         if self.defers:
             self._worker = threading.Thread(
-                target=self._step_chunks, args=(grad_events, has_grad), daemon=True
+                target=self._step_chunks, args=(grad_events, has_grad, early), daemon=True
             )
             self._worker.start()
             return
-        self._step_chunks(grad_events, has_grad)
+        self._step_chunks(grad_events, has_grad, early)
         self.sync()
 
-    def _queue_gradients(self, idx: list[int], has_grad: list[bool]) -> Any:
+    def _copy_gradients(self, indices: list[int]) -> Any:
+        """Queue the gradients of ``indices`` into their fp32 host buffers; returns the copy
+        stream's event after them (None on the CPU, where the copies are done)."""
         if self.copy_stream is None:
-            for i in idx:
-                if has_grad[i]:
-                    self.grads[i].copy_(self.params[i].grad)
+            for i in indices:
+                self.grads[i].copy_(self.params[i].grad)
             return None
         self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.copy_stream):
-            for i in idx:
-                if has_grad[i]:
-                    self.grads[i].copy_(self.params[i].grad, non_blocking=True)
+            for i in indices:
+                self.grads[i].copy_(self.params[i].grad, non_blocking=True)
             return _record(self.copy_stream)
 
-    def _step_chunks(self, grad_events: list[Any], has_grad: list[bool]) -> None:
-        """Phases 2-3 for every chunk in order (on the worker thread when deferring)."""
+    def _step_chunks(
+        self, grad_events: list[Any], has_grad: list[bool], early: dict[int, float]
+    ) -> None:
+        """Phases 2-3 for every chunk in order (on the worker thread when deferring).
+        ``early``: gradients copied as their bucket finished, with the factor the device
+        scaled them by afterwards."""
         for c, idx in enumerate(self.chunks):
             try:
                 # Phase 2: this chunk's gradients are on the host; step it alone.
                 stepping = [i for i in idx if has_grad[i]]
                 if grad_events[c] is not None:
                     grad_events[c].synchronize()
+                for i in stepping:
+                    if early.get(i, 1.0) != 1.0:
+                        self.grads[i].mul_(early[i])
                 if stepping:
                     for i in stepping:
                         self.masters[i].grad = self.grads[i]

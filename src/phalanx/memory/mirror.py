@@ -197,6 +197,17 @@ class OptimizerMirror:
     def sync(self) -> None:
         """Nothing to wait for: ``step`` returns with the parameters updated."""
 
+    # The Engine's hooks of the host mirror (memory.host_mirror): nothing to do here, the state
+    # streams at the step and the gradients stay where they are.
+    def listen(self, strategy: Any) -> None:
+        del strategy
+
+    def begin_step(self) -> None:
+        return None
+
+    def scale_gradients(self, factor: float) -> None:
+        del factor
+
     def stored_bytes(self) -> int:
         """Bytes of optimizer state held in the tier now."""
         return sum(e.nbytes for s in self._stored.values() for e in s.entries)
