@@ -263,6 +263,29 @@ def test_prefetch_is_ahead_of_backward(tmp_path):
         assert offloader.stats.prefetched == offloader.stats.tensors - 2  # all but the last layer's
 
 
+def test_a_capped_prefetch_reads_only_part_of_a_layer_ahead(tmp_path):
+    """``prefetch_bytes``: at most that much of the next layer is read ahead (the last saved
+    first, as backward needs it); the rest when its backward starts. Gradients unchanged."""
+    torch.manual_seed(0)
+    blocks = [nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh())] * 3
+    model = Net([copy.deepcopy(b) for b in blocks] + [nn.Linear(64, 3)])
+    x, y = torch.randn(256, 64), torch.randint(0, 3, (256,))
+    expected = run(model, x, y)
+    one = 256 * 64 * 4  # every saved activation here: a batch x width of fp32
+    ahead = {}
+    for cap in (None, 2 * one, 0):
+        with offloader_for(model, tmp_path, prefetch_bytes=cap) as offloader:
+            got = run(model, x, y, offloader)
+            ahead[cap] = offloader.stats.prefetched
+            assert offloader.stats.bytes_read == offloader.stats.bytes_written
+        for a, b in zip(got, expected):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    # each block saves three tensors: its input, its first Tanh's output and its last Tanh's,
+    # which the next layer saved too (in flight already when the next layer's backward
+    # starts): two tensors ahead let one more in per block, whole blocks two
+    assert (ahead[0], ahead[2 * one], ahead[None]) == (0, 3, 6), ahead
+
+
 def test_space_and_buffers_reused_across_steps(tmp_path):
     model = mlp(0.2, depth=4)
     x, y = torch.randn(256, 64), torch.randint(0, 3, (256,))

@@ -55,6 +55,18 @@ def test_cheapest_choice_first_and_the_floor_plan_when_tight() -> None:
     assert tight.predicted_peak == (2 + 1 + 8 + 4) * MIB
     slow = plan(15, bandwidth=1e7)  # the same choices cost more over a slower link
     assert slow.predicted_overhead_s > tight.predicted_overhead_s
+    assert tight.prefetch_bytes is None  # whole layers read ahead while that fits
+
+
+def test_below_the_whole_layer_window_the_prefetch_is_cut() -> None:
+    """12 MiB: the computing layer (8) and the whole prefetched one (4) do not fit beside the
+    rest; reading only part of the next layer ahead does, and its exposed read is paid."""
+    p = plan(12)
+    assert p.prefetch_bytes is not None and p.prefetch_bytes < 4 * MIB
+    assert p.predicted_peak <= 12 * MIB
+    assert p.predicted_peak == predict_peak(layers(), p.choices, 2 * MIB, 0, p.prefetch_bytes)
+    assert p.predicted_overhead_s > plan(15).predicted_overhead_s
+    assert "prefetch:" in p.describe()
 
 
 def test_layers_named_by_hand_and_errors() -> None:
@@ -64,6 +76,6 @@ def test_layers_named_by_hand_and_errors() -> None:
         plan(None, offload=["conv9"])
     with pytest.raises(
         ConfigError,
-        match=r"memory.budget_mb: 12.0 MiB cannot be met: the smallest predicted peak is 15.0",
+        match=r"memory.budget_mb: 9.0 MiB cannot be met: the smallest predicted peak is 10.0",
     ):
-        plan(12)
+        plan(9)

@@ -191,7 +191,9 @@ class MemoryManager:
             # the plan's window (the two largest offloaded layers) then covers forward too.
             largest = max(costs[i].saved_bytes for i in offloaded)
             window = {"max_inflight_bytes": largest} if largest > 0 else {}
-            offloader = ActivationOffloader(layers, offloaded, tier, **window)
+            offloader = ActivationOffloader(
+                layers, offloaded, tier, prefetch_bytes=plan.prefetch_bytes, **window
+            )
         place = config.optimizer_place(device)
         chunk_bytes = int(config.optimizer_chunk_mb * 2**20)
         if place != "device":

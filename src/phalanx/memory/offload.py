@@ -113,10 +113,11 @@ class ActivationOffloader:
     ``max_inflight_bytes`` are queued: beyond that forward waits for the oldest write, which
     bounds the memory the offload itself holds.
     Phase 2 (backward): when layer i's backward starts (a pre-hook on the node that produced its
-    output), the reads of layers i-1 .. i-lookahead are queued, and layer i's own if they were
-    not yet (the first layer backward reaches). The unpack hook waits for its read (counted in
-    ``stats.backward_wait_s``) and rebuilds the view; the record lets go of the bytes after its
-    last unpack, so they live only as long as the backward node that uses them.
+    output), the reads of layers i-1 .. i-lookahead are queued (the last saved first; with
+    ``prefetch_bytes`` only that many bytes of each), and the rest of layer i's own. The unpack
+    hook waits for its read (counted in ``stats.backward_wait_s``) and rebuilds the view; the
+    record lets go of the bytes after its last unpack, so they live only as long as the
+    backward node that uses them.
     Phase 3 (after backward): autograd frees the graph, the handles die and their slots go back
     to the tier, which hands the same space (and buffers) to the next step.
 
@@ -133,6 +134,7 @@ class ActivationOffloader:
         *,
         max_inflight_bytes: int = MAX_INFLIGHT_BYTES,
         lookahead: int = 1,
+        prefetch_bytes: int | None = None,
     ) -> None:
         self.layers = list(layers)
         self.offload = set(offload)
@@ -141,10 +143,15 @@ class ActivationOffloader:
             raise ConfigError(f"offload: layer {bad[0]} out of range (model has {len(layers)})")
         if min_bytes < 0 or max_inflight_bytes <= 0 or lookahead < 1:
             raise ConfigError("offload: min_bytes >= 0, max_inflight_bytes > 0, lookahead >= 1")
+        if prefetch_bytes is not None and prefetch_bytes < 0:
+            raise ConfigError(f"offload: prefetch_bytes must be >= 0, got {prefetch_bytes}")
         self.tier = tier
         self.min_bytes = min_bytes
         self.max_inflight_bytes = max_inflight_bytes
         self.lookahead = lookahead
+        # bytes of a layer read ahead of its backward (None: all of them); the rest is read
+        # when its backward starts, so a tighter budget fits at the cost of exposed reads
+        self.prefetch_bytes = prefetch_bytes
         self.stats = OffloadStats()
         self._hooks: list[Any] = []
         self._stack: list[int] = []  # layers whose forward is running (innermost last)
@@ -308,19 +315,24 @@ class ActivationOffloader:
             self._prefetch(previous, ahead=True)
 
     def _prefetch(self, layer: int, ahead: bool) -> None:
+        """Queue the reads of ``layer``'s records, the last saved first (backward needs them
+        first); ahead of its backward at most ``prefetch_bytes`` of them."""
         if layer not in self.offload:
             return
-        live = []
-        for ref in self._by_layer[layer]:
-            record = ref()
-            if record is None:
-                continue
-            live.append(ref)
-            if record.read is None and record.unpacks_left > 0:
-                self._request(record)
-                if ahead:
-                    self.stats.prefetched += 1
+        live = [ref for ref in self._by_layer[layer] if ref() is not None]
         self._by_layer[layer] = live
+        records = [r for ref in reversed(live) if (r := ref()) is not None]
+        cap = self.prefetch_bytes if ahead else None
+        inflight = sum(r.nbytes for r in records if r.read is not None)
+        for record in records:
+            if record.read is not None or record.unpacks_left <= 0:
+                continue
+            if cap is not None and inflight + record.nbytes > cap:
+                break
+            self._request(record)
+            inflight += record.nbytes
+            if ahead:
+                self.stats.prefetched += 1
 
     def _request(self, record: _Record) -> None:
         record.read = self.tier.get(record.slot, record.layer)

@@ -52,6 +52,7 @@ class Plan:
     budget: int | None = None
     notes: list[str] = field(default_factory=list)
     smallest_peak: int = 0  # the least predicted peak any plan of these layers reaches
+    prefetch_bytes: int | None = None  # read ahead per offloaded layer (None: all of it)
 
     def layers(self, choice: str) -> list[str]:
         return [name for name, c in self.choices.items() if c == choice]
@@ -65,20 +66,32 @@ class Plan:
             + f"), predicted overhead {1e3 * self.predicted_overhead_s:.1f} ms per step"
         )
         rows = [f"  {name}: {choice}" for name, choice in self.choices.items() if choice != KEEP]
+        if self.prefetch_bytes is not None:
+            rows.append(
+                f"  prefetch: {self.prefetch_bytes / mib:.1f} MiB of a layer ahead of its "
+                "backward (the rest is read when it starts)"
+            )
         return "\n".join([head, *(rows or ["  every layer keeps its activations"])])
 
 
 def offload_cost(
-    layers: list[LayerCost], i: int, write_bytes_per_s: float, read_bytes_per_s: float
+    layers: list[LayerCost],
+    i: int,
+    write_bytes_per_s: float,
+    read_bytes_per_s: float,
+    prefetch_bytes: int | None = None,
 ) -> float:
     """Seconds offloading layer i adds: its write overlaps the next layer's forward, its read
-    the following layer's backward (prefetch); only what sticks out is paid."""
+    the following layer's backward (prefetch); only what sticks out is paid. Beyond
+    ``prefetch_bytes`` the read waits in full (it starts when the layer's backward does)."""
     layer = layers[i]
+    ahead = layer.saved_bytes if prefetch_bytes is None else min(layer.saved_bytes, prefetch_bytes)
     write = layer.saved_bytes / write_bytes_per_s
-    read = layer.saved_bytes / read_bytes_per_s
+    read = ahead / read_bytes_per_s
     hide_write = layers[i + 1].forward_s if i + 1 < len(layers) else 0.0
     hide_read = layers[i + 1].backward_s if i + 1 < len(layers) else 0.0
-    return max(0.0, write - hide_write) + max(0.0, read - hide_read)
+    exposed = (layer.saved_bytes - ahead) / read_bytes_per_s
+    return max(0.0, write - hide_write) + max(0.0, read - hide_read) + exposed
 
 
 def predict_peak(
@@ -86,17 +99,22 @@ def predict_peak(
     choices: dict[str, str],
     fixed_bytes: int,
     offload_overhead_bytes: int = 0,
+    prefetch_bytes: int | None = None,
 ) -> int:
     """Fixed bytes (parameters, gradients, optimizer state and backward's transient gradients)
     + activations on the device at the end of forward + the transfer window: in backward two
     offloaded layers are back at once (the one computing and the one prefetched for the
-    next), so the two largest count; + the tier's own buffers when anything is offloaded."""
+    next, at most ``prefetch_bytes`` of it), so the two largest count; + the tier's own
+    buffers when anything is offloaded."""
     offloaded = sorted(
         (layer.saved_bytes for layer in layers if choices.get(layer.name) == OFFLOAD),
         reverse=True,
     )
     overhead = offload_overhead_bytes if offloaded else 0
-    return fixed_bytes + _resident(layers, choices) + sum(offloaded[:2]) + overhead
+    window = offloaded[:1] + [
+        b if prefetch_bytes is None else min(b, prefetch_bytes) for b in offloaded[1:2]
+    ]
+    return fixed_bytes + _resident(layers, choices) + sum(window) + overhead
 
 
 def _resident(layers: list[LayerCost], choices: dict[str, str]) -> int:
@@ -137,28 +155,62 @@ def make_plan(
     for name in recompute or []:
         choices[name] = RECOMPUTE
 
-    def peak_of(plan: dict[str, str]) -> int:
-        return predict_peak(layers, plan, fixed_bytes, offload_overhead_bytes)
+    def peaks(prefetch: int | None) -> Callable[[dict[str, str]], int]:
+        return lambda plan: predict_peak(
+            layers, plan, fixed_bytes, offload_overhead_bytes, prefetch
+        )
 
-    unmanaged = peak_of({})
-    costs = {
-        (layer.name, OFFLOAD): offload_cost(layers, i, write_bytes_per_s, read_bytes_per_s)
-        for i, layer in enumerate(layers)
-    }
-    costs.update({(layer.name, RECOMPUTE): layer.forward_s for layer in layers})
-    if budget_bytes is not None:
-        choices = _cheapest_fit(layers, choices, costs, peak_of, budget_bytes)
-    peak = peak_of(choices)
-    floor = min(peak_of(plan) for plan in _floor_plans(layers, {}))
-    if budget_bytes is not None and peak > budget_bytes:
+    def costs_of(prefetch: int | None) -> dict[tuple[str, str], float]:
+        costs = {
+            (layer.name, OFFLOAD): offload_cost(
+                layers, i, write_bytes_per_s, read_bytes_per_s, prefetch
+            )
+            for i, layer in enumerate(layers)
+        }
+        costs.update({(layer.name, RECOMPUTE): layer.forward_s for layer in layers})
+        return costs
+
+    def total(costs: dict[tuple[str, str], float], plan: dict[str, str]) -> float:
+        return sum(costs[(name, c)] for name, c in plan.items() if c != KEEP)
+
+    unmanaged = peaks(None)({})
+    floor = min(peaks(0)(plan) for plan in _floor_plans(layers, {}))
+    # Whole-layer prefetch first; only when no plan fits, a layer read ahead in part.
+    best: tuple[float, dict[str, str], int | None] | None = None
+    for prefetch in _prefetch_caps(layers, budget_bytes):
+        peak_of, costs = peaks(prefetch), costs_of(prefetch)
+        plan = choices
+        if budget_bytes is not None:
+            plan = _cheapest_fit(layers, choices, costs, peak_of, budget_bytes)
+        if budget_bytes is None or peak_of(plan) <= budget_bytes:
+            if best is None or total(costs, plan) < best[0]:
+                best = (total(costs, plan), plan, prefetch)
+            if prefetch is None:
+                break
+    if best is None:
         raise ConfigError(
             f"memory.budget_mb: {budget_bytes / 2**20:.1f} MiB cannot be met: the smallest "
             f"predicted peak is {floor / 2**20:.1f} MiB (parameters, gradients, optimizer state, "
             f"backward's transient gradients and kernels' workspaces alone take "
             f"{fixed_bytes / 2**20:.1f} MiB)"
         )
-    overhead = sum(costs[(name, c)] for name, c in choices.items() if c != KEEP)
-    return Plan(choices, peak, overhead, unmanaged, budget_bytes, smallest_peak=floor)
+    overhead, choices, prefetch = best
+    if not any(c == OFFLOAD for c in choices.values()):
+        prefetch = None
+    peak = peaks(prefetch)(choices)
+    return Plan(
+        choices, peak, overhead, unmanaged, budget_bytes, smallest_peak=floor,
+        prefetch_bytes=prefetch,
+    )  # fmt: skip
+
+
+def _prefetch_caps(layers: list[LayerCost], budget_bytes: int | None) -> list[int | None]:
+    """Read-ahead sizes to try: the whole layer, then 3/4, 1/2, 1/4 and none of the largest
+    layer's saved bytes (only with a budget)."""
+    largest = max((layer.saved_bytes for layer in layers), default=0)
+    if budget_bytes is None or largest == 0:
+        return [None]
+    return [None, *(largest * k // 4 for k in (3, 2, 1, 0))]
 
 
 def _cheapest_fit(
