@@ -257,3 +257,16 @@ def test_engine_checkpoint_with_the_host_mirror_resumes_exactly() -> None:
     ):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
         torch.testing.assert_close(a, c, rtol=0, atol=0)
+
+
+def test_an_optimizer_already_on_the_host_of_a_gpu_run_is_left_alone() -> None:
+    """ps servers on a GPU run step fp32 masters in host memory themselves: ``mirror`` does
+    not wrap them again (no CUDA call is made to decide it)."""
+    from phalanx.memory.manager import MemoryManager
+    from phalanx.memory.plan import Plan
+
+    manager = MemoryManager(
+        Plan({}, 0, 0.0, 0), None, [], optimizer_place="mirror", device=torch.device("cuda")
+    )
+    opt = torch.optim.Adam([nn.Parameter(torch.zeros(4))], lr=0.1)  # host tensors
+    assert manager.attach_optimizer(opt) is None and "step" not in opt.__dict__

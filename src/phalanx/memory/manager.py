@@ -216,6 +216,11 @@ class MemoryManager:
             self.mirror = OptimizerMirror(optimizer, self.tier, self.optimizer_chunk_bytes)
         elif self.optimizer_place == "mirror":
             assert self.device is not None
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            if self.device.type != "cpu" and params and all(p.is_cpu for p in params):
+                # ps servers keep fp32 masters and their state on the host and step there
+                # already (its pulls copy them back): nothing to mirror.
+                return None
             self.mirror = HostMirror(optimizer, self.device, module, self.optimizer_chunk_bytes)
         return self.mirror
 
