@@ -7,7 +7,7 @@ recomputation around the Engine's forward and backward.
     engine = px.Engine(model, loss_fn, optimizer_factory, memory=manager)
 
 Phases of ``build``:
-  Phase 1 (profile, only with a budget): a copy of the layers trains two steps on the sample
+  Phase 1 (profile, only with a budget): a copy of the layers trains three steps on the sample
     batch (phalanx.memory.profile); the real model is not touched.
   Phase 2 (tier): the next tier is opened (pinned host memory on CUDA, a spill file on CPU) and
     its write/read bandwidth measured with a transfer the size of the largest layer's saved
@@ -44,7 +44,7 @@ from phalanx.memory.tiers import Tier, TierConfig, make_tier, measure_bandwidth
 
 logger = logging.getLogger("phalanx")
 OPTIMIZER_PLACES = ("device", "host", "mirror", "stream")
-PROFILE_STEPS = 2  # one warm-up and one timed step on a copy of the model
+PROFILE_STEPS = 3  # a warm-up, a timed step and one whose allocator peak is measured
 MIN_BANDWIDTH_PROBE = 1 << 20
 OPTIMIZER_NOTES = {
     "stream": "optimizer state: in the tier between steps, streamed in chunks of {:g} MiB",
