@@ -597,9 +597,12 @@ class Engine:
     def _rebuild(
         self, order: list[int], bucket_bytes: int, first_bucket_bytes: int | None = None
     ) -> None:
-        """New bucket layout; parameters and optimizer state (even sharded) carry over."""
-        self.strategy.sync()
-        with self._optimizer_resident():
+        """New bucket layout; parameters and optimizer state (even sharded) carry over. The
+        state comes out of the memory tier / host mirror only where it follows the layout
+        (sharded owners): a model whose state does not fit the device keeps it out."""
+        self._sync_parameters()
+        moves = self.strategy.optimizer_follows_layout
+        with self._optimizer_resident() if moves else nullcontext():
             carried = self.strategy.carry_optimizer_state(self.optimizer, self.trainable)
             self.buckets.bucket_bytes = bucket_bytes
             if first_bucket_bytes is not None:

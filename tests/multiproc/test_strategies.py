@@ -103,6 +103,8 @@ def _compare_all(ctx: px.Context) -> dict:
         if host and engine.optimizer_bytes() > 0:  # this rank holds state (ps: its servers)
             mirror = engine.memory.mirror
             out.setdefault("mirror", {})[key] = (mirror.stored_bytes(), mirror.num_chunks_stepped)
+            # the bucket rebuild after step 1 takes the state out only for sharded owners
+            out.setdefault("resident", {})[key] = mirror.num_resident
         engine.close()
     return out
 
@@ -117,6 +119,9 @@ def test_strategies_equal_allreduce(world_size: int) -> None:
         assert len(r["diffs"]) >= expected - (len(OPTIMIZERS) + 2) * 2  # ps servers=1 skip
         for key, (stored, chunks) in r["mirror"].items():  # the state really went to the tier
             assert stored > 0 and chunks > 1, (rank, key, stored, chunks)
+        for key, entered in r["resident"].items():
+            sharded = key.startswith(("partitioned", "ps"))
+            assert (entered > 0) == sharded, (rank, key, entered)
         for key, (sent, received) in r["bytes"].items():
             if "servers': 1" not in key:
                 assert sent > 0 or received > 0 or world_size == 1, key

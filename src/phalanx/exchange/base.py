@@ -120,6 +120,9 @@ class Strategy(ABC):
     # whole exchanged gradient before an update). Then a bad loss is agreed before the
     # exchange, and nothing can rescale the gradient first (no clipping, no fp16 unscaling).
     updates_during_exchange: bool = False
+    # True where the optimizer steps tensors of the bucket layout (owners' shards), so a
+    # rebuild moves its state; False where it steps the parameters, which a rebuild keeps.
+    optimizer_follows_layout: bool = False
 
     def __init__(self) -> None:
         self.ctx: Context | None = None

@@ -25,6 +25,8 @@ class OwnerUpdateStrategy(Strategy):
     (a Work or a CommThread Future) in ``self._pending_params[bucket index]``.
     """
 
+    optimizer_follows_layout = True  # the optimizer steps this layout's shard Parameters
+
     def __init__(self) -> None:
         super().__init__()
         self.sharded: ShardedParameters | None = None

@@ -71,6 +71,7 @@ class HostMirror:
         self.pin = device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(device) if self.pin else None
         self.num_chunks_stepped = 0
+        self.num_resident = 0  # resident() blocks entered (checkpoints, sharded rebuilds)
         self._module = module
         self._hooks: list[Any] = []
         self._ready: list[Future] = []  # per chunk, this step: Phase 3 queued (or its error)
@@ -295,6 +296,7 @@ class HostMirror:
     def resident(self) -> Iterator[None]:
         """The whole state in the device optimizer inside the block (checkpoints, rebuilds);
         after it the mirror takes the optimizer (and its possibly new parameters) back."""
+        self.num_resident += 1
         self._hand_back()
         try:
             yield

@@ -77,6 +77,7 @@ class OptimizerMirror:
         self._loaded: dict[int, torch.Tensor] = {}  # chunk index -> buffer its state views
         self._writes: list[Future] = []
         self.num_chunks_stepped = 0
+        self.num_resident = 0  # resident() blocks entered (checkpoints, sharded rebuilds)
         self._original_step = optimizer.step
         # The instance attribute shadows the class's step for every caller (strategies, LR
         # schedulers, which wrap ``optimizer.step`` in turn through its __func__).
@@ -188,6 +189,7 @@ class OptimizerMirror:
     @contextmanager
     def resident(self) -> Iterator[None]:
         """The whole state in the optimizer inside the block, out in the tier after it."""
+        self.num_resident += 1
         self.materialize()
         try:
             yield
