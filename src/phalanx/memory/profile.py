@@ -28,11 +28,9 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import statistics
-import sys
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -42,6 +40,7 @@ import torch
 from torch import nn
 
 from phalanx.errors import ConfigError, DataError, PhalanxError
+from phalanx.memory import measure
 
 if TYPE_CHECKING:
     from phalanx.config import RunConfig
@@ -435,11 +434,11 @@ def profile_model(
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         trace = _StepTrace(len(layers), model_storages, snapshot, device)
-        if device.type == "cpu" and k == len(batches) - 1 and not _profiler_running():
-            with _AllocatorPeak() as allocated:
+        if device.type == "cpu" and k == len(batches) - 1 and not measure.profiler_running():
+            with measure.AllocatorPeak() as allocated:
                 _run_step(layers, names, loss_fn, optimizer, x, y, trace, autocast)
             # the batch was allocated before the block and lives through the step
-            measured_peak = trace.events[0].total + allocated.peak_bytes + _nbytes(x)
+            measured_peak = trace.events[0].total + allocated.peak_bytes + _distinct_bytes([x])
         else:
             _run_step(layers, names, loss_fn, optimizer, x, y, trace, autocast)
         traces.append(trace)
@@ -482,57 +481,6 @@ def profile_model(
         timeline=last.events,
         measured_peak_bytes=measured_peak,
     )
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-@contextlib.contextmanager
-def _quiet_stderr() -> Iterator[None]:
-    """File descriptor 2 to /dev/null inside the block (C++ logging bypasses sys.stderr)."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    try:
-        with open(os.devnull, "wb") as null:
-            os.dup2(null.fileno(), 2)
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-
-
-def _profiler_running() -> bool:
-    """Whether a torch profiler is on already (a user profiling the profile): it does not nest,
-    so the allocator's peak is then not measured."""
-    return bool(torch.autograd._profiler_enabled())
-
-
-class _AllocatorPeak:
-    """The CPU allocator's peak growth over a block (bytes above the live bytes at its
-    start), from torch.profiler's allocation events: every tensor, autograd's temporaries
-    and kernels' workspaces (oneDNN allocates through the same allocator), which the profile's
-    accounting of saved tensors does not see."""
-
-    def __enter__(self) -> _AllocatorPeak:
-        from torch.profiler import ProfilerActivity, profile
-
-        self.peak_bytes = 0
-        self._profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-        with _quiet_stderr():  # kineto prints a line at start and stop (torch >= 2.12)
-            self._profiler.__enter__()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        with _quiet_stderr():
-            self._profiler.__exit__(*exc)
-        events = [
-            e for e in self._profiler.profiler.kineto_results.events() if e.name() == "[memory]"
-        ]
-        live = 0
-        for event in sorted(events, key=lambda e: e.start_ns()):
-            live += event.nbytes()
-            self.peak_bytes = max(self.peak_bytes, live)
 
 
 def _owned_parameters(layers: list[nn.Module]) -> list[list[nn.Parameter]]:
