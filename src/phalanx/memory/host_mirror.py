@@ -191,7 +191,7 @@ class HostMirror:
         for host_group, group in zip(self.host.param_groups, self.optimizer.param_groups):
             host_group.update({k: v for k, v in group.items() if k != "params"})
         has_grad = [p.grad is not None for p in self.params]
-        early = {i: self._early_factor for i in self._early}  # scaled on the host in Phase 2
+        early, factor = set(self._early), self._early_factor  # scaled on the host in Phase 2
         self.begin_step()
         grad_events = [
             self._copy_gradients([i for i in idx if has_grad[i] and i not in early])
@@ -204,11 +204,11 @@ class HostMirror:
         self._waited = set()
         if self.defers:
             self._worker = threading.Thread(
-                target=self._step_chunks, args=(grad_events, has_grad, early), daemon=True
+                target=self._step_chunks, args=(grad_events, has_grad, early, factor), daemon=True
             )
             self._worker.start()
             return
-        self._step_chunks(grad_events, has_grad, early)
+        self._step_chunks(grad_events, has_grad, early, factor)
         self.sync()
 
     def _copy_gradients(self, indices: list[int]) -> Any:
@@ -225,10 +225,10 @@ class HostMirror:
             return _record(self.copy_stream)
 
     def _step_chunks(
-        self, grad_events: list[Any], has_grad: list[bool], early: dict[int, float]
+        self, grad_events: list[Any], has_grad: list[bool], early: set[int], factor: float
     ) -> None:
         """Phases 2-3 for every chunk in order (on the worker thread when deferring).
-        ``early``: gradients copied as their bucket finished, with the factor the device
+        ``early``: gradients copied as their bucket finished; ``factor``: what the device
         scaled them by afterwards."""
         for c, idx in enumerate(self.chunks):
             try:
@@ -237,8 +237,8 @@ class HostMirror:
                 if grad_events[c] is not None:
                     grad_events[c].synchronize()
                 for i in stepping:
-                    if early.get(i, 1.0) != 1.0:
-                        self.grads[i].mul_(early[i])
+                    if i in early and factor != 1.0:
+                        self.grads[i].mul_(factor)
                 if stepping:
                     for i in stepping:
                         self.masters[i].grad = self.grads[i]
