@@ -386,6 +386,20 @@ class _Timeline:
                 )
             )
 
+    def _phase_event(
+        self, bucket: Any, phase: str, start: float, duration: float, step: int
+    ) -> None:
+        """One exchange phase of ``bucket`` on its track of the exchange lane."""
+        self._event(
+            LANE_EXCHANGE,
+            f"b{bucket.index} {phase}",
+            start,
+            start + duration,
+            step,
+            bucket=bucket.index,
+            bytes=bucket.nbytes,
+        )
+
     def step_fused(
         self,
         step: int,
@@ -534,15 +548,7 @@ class _Timeline:
             gate_end = clock
             for phase, duration in zip(bucket_phases, seconds):
                 if phase.gates == FORWARD_PASS:
-                    self._event(
-                        LANE_EXCHANGE,
-                        f"b{b} {phase.name}",
-                        clock,
-                        clock + duration,
-                        step,
-                        bucket=b,
-                        bytes=bucket.nbytes,
-                    )
+                    self._phase_event(bucket, phase.name, clock, duration, step)
                 clock += duration
                 if phase.gates == STEP:
                     gate_end = clock
@@ -568,15 +574,7 @@ class _Timeline:
             b = bucket.index
             clock = max(self.now, self.comm_free)
             for phase, duration in zip(returns, return_durations[b]):
-                self._event(
-                    LANE_EXCHANGE,
-                    f"b{b} {phase.name}",
-                    clock,
-                    clock + duration,
-                    step,
-                    bucket=b,
-                    bytes=bucket.nbytes,
-                )
+                self._phase_event(bucket, phase.name, clock, duration, step)
                 clock += duration
                 if phase.gates == STEP:
                     self.all_params_ready = max(self.all_params_ready, clock)
