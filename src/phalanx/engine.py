@@ -261,12 +261,13 @@ class Engine:
             self._maybe_choose_threshold()
             self.num_updates += 1
         self.num_steps += 1
+        spans = self.strategy.take_thread_spans()  # taken every step: the list stays short
         if tracing:
             assert self.tracer is not None
             for b, start, end in self.strategy.param_waits:  # inside forward's span
                 self.tracer.span("wait", f"parameters b{b}", start, end, bucket=b)
-            for b, start, end in self.strategy.update_spans:  # ps servers, inside the exchange
-                self.tracer.span("optimizer", f"update b{b}", start, end, bucket=b)
+            for lane, name, b, nbytes, start, end in spans:  # the communication thread's work
+                self.tracer.span(lane, name, start, end, bucket=b, bytes=nbytes)
             self.tracer.finish_step(self.world.group, self._trace_meta())
         return total_loss
 
@@ -308,6 +309,8 @@ class Engine:
             last = i == len(micro) - 1
             if last and self._nonfinite_before_exchange(total_loss):
                 return total_loss, True
+            if last and self._agrees_before_backward():
+                self._backward_started = self._trace("wait", "agree", self._backward_started)
             self.buckets.arm(launch=last)
             if self._recorder is not None and last:
                 self._recorder.start()
@@ -400,6 +403,11 @@ class Engine:
         return loss
 
     # -- the non-finite guard -----------------------------------------------------------------
+    def _agrees_before_backward(self) -> bool:
+        """Whether ``_nonfinite_before_exchange`` holds every rank in one all-reduce between
+        the last forward and its backward (a synchronisation the step's trace shows)."""
+        return self.nonfinite is not None and self.strategy.updates_during_exchange
+
     def _nonfinite_before_exchange(self, loss: torch.Tensor) -> bool:
         """Before the exchanging backward: a rank whose loss is inf/NaN poisons its buckets'
         usage flags, so the verdict travels with the exchange (False is returned); strategies

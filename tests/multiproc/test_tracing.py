@@ -57,8 +57,14 @@ def test_every_strategy_writes_a_trace_of_both_ranks(tmp_path: Path) -> None:
         for rank in (0, 1):
             for step in (2, 3):
                 mine = [e for e in events if e["pid"] == rank and e["args"]["step"] == step]
-                exchanges = [e for e in mine if e["lane"] == "exchange"]
+                exchanges = [e for e in mine if e["name"].endswith(" exchange")]
                 assert sorted(e["args"]["bytes"] for e in exchanges) == sorted(buckets), name
+                pulls = [e for e in mine if e["name"].endswith(" pull")]  # ps, in background
+                assert {e["lane"] for e in pulls} <= {"exchange"}, name
+                assert bool(pulls) == name.startswith("ps"), (name, rank, step)
+                assert all(e["args"]["bytes"] in buckets for e in pulls), name
+                agreed = [e for e in mine if e["name"] == "agree"]  # the guard, before backward
+                assert len(agreed) == (1 if name.startswith("ps") else 0), name
                 for e in exchanges:  # a bucket's exchange starts once its backward ended
                     b = e["args"]["bucket"]
                     backward = [x for x in mine if x["name"] == f"backward b{b}"]

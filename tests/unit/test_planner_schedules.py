@@ -70,26 +70,17 @@ def test_tree_rounds_follow_phalanx_tree(p):
 
 
 def test_ps_star_push_and_pull():
+    """One round each, in the strategy's turns (star_turn): turn t pairs worker w with server
+    (w + t) mod 3, so within a turn every rank sends one message and receives one."""
     owners = workers = (0, 1, 2)
     push = ps_rounds(3, owners, workers, "star", False).rounds(3.0)
-    assert [(m.src, m.dst) for r in push for m in r] == [
-        (1, 0),
-        (2, 0),
-        (0, 1),
-        (2, 1),
-        (0, 2),
-        (1, 2),
-    ]
-    assert all(m.nbytes == pytest.approx(1.0) and m.kind == GRAD for r in push for m in r)
+    assert len(push) == 1
+    turns = [(0, 1), (1, 2), (2, 0), (0, 2), (1, 0), (2, 1)]
+    assert [(m.src, m.dst) for m in push[0]] == turns
+    assert all(m.nbytes == pytest.approx(1.0) and m.kind == GRAD for m in push[0])
     pull = ps_rounds(3, owners, workers, "star", True).rounds(3.0)
-    assert [(m.src, m.dst) for r in pull for m in r] == [
-        (0, 1),
-        (0, 2),
-        (1, 0),
-        (1, 2),
-        (2, 0),
-        (2, 1),
-    ]
+    assert [(m.src, m.dst) for m in pull[0]] == [(dst, src) for src, dst in turns]
+    assert len(pull) == 1 and all(m.kind == PARAM for m in pull[0])
     # a binary tree over [server 4, workers 0..3]: positions 1..4 are ranks 0..3
     tree = ps_rounds(5, (4,), (0, 1, 2, 3), "tree", False).rounds(4.0)
     assert [[(m.src, m.dst) for m in r] for r in tree] == [[(0, 4), (2, 1)], [(1, 4)], [(3, 4)]]

@@ -261,12 +261,31 @@ def test_tree_ps_fetch_before_the_next_step(p):
     assert result.parameter_wait_s == pytest.approx(fetch, rel=1e-9)
 
 
-@pytest.mark.parametrize("p", [4, 8, 16])
-def test_ps_star_with_every_rank_serving_serialises(p):
-    """docs/planner.md: owners receive in rank order, so the pushes take 3p^2/4 - 1 slots."""
+@pytest.mark.parametrize("p", [3, 4, 8, 16])
+def test_ps_star_with_every_rank_serving_takes_p_minus_1_turns(p):
+    """docs/planner.md: every rank pushes its p-1 partitions of n/p at once, in turns that use
+    distinct ports (star_turn), so the push lasts p-1 message times of n/p, as an all-to-all;
+    the pull the same during the next forward."""
     n = 2 * MIB
     step = profile([(0.0, 0.0, n - FLAG_BYTES)])
     result = Simulator(step, one_node()).run(p, ExchangeSetup(strategy="ps"))
     push = result.events[[e.name for e in result.events].index("b0 exchange")]
     slot = ALPHA + n / p / BETA
-    assert push.args["phases"]["push"] == pytest.approx((3 * p * p / 4 - 1) * slot, rel=1e-9)
+    assert push.args["phases"]["push"] == pytest.approx((p - 1) * slot, rel=1e-9)
+    assert push.args["phases"]["pull"] == pytest.approx((p - 1) * slot, rel=1e-9)
+
+
+def test_ps_agrees_on_the_loss_between_forward_and_backward():
+    """The Engine's non-finite guard holds ps ranks in a 1-element allreduce after forward
+    (servers update while gradients arrive): the simulated step carries it, 2(p-1) alphas."""
+    step = profile([(1e-3, 2e-3, 4 * MIB)])
+    for p in (2, 4):
+        ps = Simulator(step, one_node()).run(p, ExchangeSetup(strategy="ps"))
+        agree = [e for e in ps.events if e.name == "agree"]
+        assert len(agree) == 1 and agree[0].lane == "wait"
+        ring_step = ALPHA + 4 / p / BETA  # a ring step carries n/p of the 4 bytes
+        assert agree[0].duration_s == pytest.approx(2 * (p - 1) * ring_step, rel=1e-9)
+        forward_end = max(e.start_s + e.duration_s for e in ps.events if e.name == "forward")
+        assert agree[0].start_s == pytest.approx(forward_end)
+    allreduce = Simulator(step, one_node()).run(2, ExchangeSetup(strategy="allreduce"))
+    assert not [e for e in allreduce.events if e.name == "agree"]

@@ -298,7 +298,7 @@ def _step_profile(
         )
         for b, seconds in zip(buckets, backward)
     ]
-    traced = total(lambda e: e["lane"] != "exchange" and not e["name"].startswith("parameters"))
+    traced = total(_on_compute_stream)
     return StepProfile(
         layers=layers,
         batch_size=batch,
@@ -307,6 +307,15 @@ def _step_profile(
         engine_s=max(0.0, step_s - traced),
         source="phalanx bench planner: one step of its straggler's trace",
     )
+
+
+def _on_compute_stream(event: dict[str, Any]) -> bool:
+    """Whether a trace slice is the main thread's own time, one after another: not the
+    exchange, not a wait for parameters (nested inside forward) and not a ``ps`` server's
+    update ("update b3": on the communication thread, while the main thread waits)."""
+    lane, name = event["lane"], event["name"]
+    nested = name.startswith("parameters") or (lane == "optimizer" and name.startswith("update b"))
+    return lane != "exchange" and not nested
 
 
 # -- in the caller ----------------------------------------------------------------------------

@@ -88,6 +88,9 @@ def strategy_config(name: str, options: dict[str, Any]) -> Any:
         raise ConfigValueError(key, reason) from None
 
 
+ThreadSpan = tuple[str, str, int, int, float, float]  # lane, name, bucket, bytes, start, end
+
+
 def stamp_done(bucket: Bucket, handle: Any) -> Any:
     """Set ``bucket.done_time`` when ``handle`` (a backend Work or a communication thread's
     Future) completes: the exchange lane of traces (phalanx.tracing). Returns ``handle``."""
@@ -133,8 +136,10 @@ class Strategy(ABC):
         # This step's forward waits for parameters still arriving: (bucket, start, end) in
         # perf_counter seconds (owner-update strategies; the Engine's traces show them).
         self.param_waits: list[tuple[int, float, float]] = []
-        # (bucket, start, end) of updates run on the communication thread (ps servers)
-        self.update_spans: list[tuple[int, float, float]] = []
+        # (lane, name, bucket, bucket bytes, start, end) of work on the communication thread
+        # that the Engine's traces show (ps servers' updates and pulls); appended there, taken
+        # by ``take_thread_spans`` after each step (a pull may end during the next step)
+        self.thread_spans: list[ThreadSpan] = []
         # called in finish() with each bucket whose mean gradient is complete (allreduce, tree)
         self.bucket_listeners: list[Callable[[Bucket], None]] = []
         self._count_lock = threading.Lock()  # a communication thread may count too
@@ -228,8 +233,12 @@ class Strategy(ABC):
         self.bytes_sent = 0
         self.bytes_received = 0
         self.param_waits.clear()
-        self.update_spans.clear()
         self.codec.num_nonfinite = 0
+
+    def take_thread_spans(self) -> list[ThreadSpan]:
+        """The communication thread's spans recorded since the last call (see __init__)."""
+        spans, self.thread_spans = self.thread_spans, []
+        return spans
 
     @abstractmethod
     def launch(self, bucket: Bucket) -> None:

@@ -7,18 +7,21 @@ memory.
 
 Phases per bucket (one job on the communication thread, started as soon as backward fills the
 bucket, so buckets are served layer by layer while backward continues, F8):
-  Phase 1 (push): every worker sends each partition to its server, either directly (``star``)
-    or summed pairwise up a binary tree rooted at the server (``tree``, F9).
+  Phase 1 (push): every worker sends each partition to its server, either directly (``star``:
+    every worker's messages to every server at once) or summed pairwise up a binary tree rooted
+    at the server (``tree``, F9, one partition after another).
   Phase 2 (update): the server steps the optimizer on that partition only, as soon as every
     worker's gradient for it has arrived.
-  Phase 3 (pull): the server sends the updated partition back to every worker (``star``) or down
-    the same tree. A layer's next forward waits only for its own bucket's pull. ``step`` returns
-    once every server stepped (Phase 2), so a learning-rate scheduler stepped afterwards never
-    changes the rate of an update still in flight.
+  Phase 3 (pull): the server sends the updated partition back to every worker (``star``: all
+    servers to all workers at once) or down the same tree. A layer's next forward waits only
+    for its own bucket's pull. ``step`` returns once every server stepped (Phase 2), so a
+    learning-rate scheduler stepped afterwards never changes the rate of an update still in
+    flight.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -56,6 +59,14 @@ class ParamServerConfig:
                 f"exchange.options.servers: {self.servers} servers leave no worker in a world of "
                 f"{world_size}; use fewer than {world_size}"
             )
+
+
+def star_turn(server: int, worker: int, num_servers: int) -> int:
+    """When worker ``worker`` and the ``server``-th of ``num_servers`` servers exchange in a
+    star push or pull (the strategy posts its messages in this order; the planner models it):
+    turn t pairs every worker w with server (w + t) mod k, so a turn's messages use distinct
+    ports."""
+    return (server - worker) % num_servers
 
 
 @STRATEGIES.register("ps")
@@ -141,22 +152,34 @@ class ParameterServer(OwnerUpdateStrategy):
     def _serve_bucket(
         self, bucket: Bucket, pushed: threading.Event, updated: threading.Event
     ) -> None:
-        """Runs on the communication thread, partition by partition."""
+        """Runs on the communication thread."""
         assert self.ctx is not None and self.sharded is not None
         owners = self._owners()
         grads = self._host(bucket.flat)
-        summed: dict[int, torch.Tensor] = {}
-        for m, owner in enumerate(owners):  # Phase 1: push
-            lo, hi = self.ranges[bucket.index][m]
-            summed[m] = self._push(grads[lo:hi], owner)
+        if self.config.reduce == "star":  # Phase 1: push
+            summed = self._push_star(bucket.index, grads)
+        else:
+            summed = {m: self._push_tree(bucket.index, grads, m) for m in range(len(owners))}
         pushed.set()  # the gradient buffer may be reused from here on
         for m, owner in enumerate(owners):  # Phase 2: update
             if owner == self.ctx.rank:
                 self._update(bucket, m, summed[m])
         updated.set()  # the optimizer's hyperparameters may change from here on
-        for m, owner in enumerate(owners):  # Phase 3: pull
-            lo, hi = self.ranges[bucket.index][m]
-            self._pull(self.sharded.flats[bucket.index], lo, hi, owner)
+        started = time.perf_counter()
+        flat = self.sharded.flats[bucket.index]
+        if self.config.reduce == "star":  # Phase 3: pull
+            self._pull_star(bucket.index, flat)
+        else:
+            for m, owner in enumerate(owners):
+                lo, hi = self.ranges[bucket.index][m]
+                self._pull_tree(flat, lo, hi, owner)
+        self._record_span("exchange", "pull", bucket, started)
+
+    def _record_span(self, lane: str, what: str, bucket: Bucket, started: float) -> None:
+        """A span of this thread's work for the Engine's traces ("update b3", "b3 pull")."""
+        name = f"update b{bucket.index}" if what == "update" else f"b{bucket.index} {what}"
+        span = (lane, name, bucket.index, bucket.nbytes, started, time.perf_counter())
+        self.thread_spans.append(span)
 
     def _host(self, flat: torch.Tensor) -> torch.Tensor:
         """Gradients as CPU tensors: servers keep everything in host memory."""
@@ -166,25 +189,60 @@ class ParameterServer(OwnerUpdateStrategy):
         """The owner first (the tree's root), then the workers."""
         return [owner] + [w for w in range(self.num_workers) if w != owner]
 
-    def _push(self, chunk: torch.Tensor, owner: int) -> torch.Tensor:
-        """Sum of every worker's ``chunk`` at ``owner`` (returned there; others get their input)."""
+    def _push_star(self, b: int, grads: torch.Tensor) -> dict[int, torch.Tensor]:
+        """Every worker sends each partition of bucket ``b``'s gradients (``grads``: 1-D, on
+        the host) to its server, all at once; each server receives every worker's at once and
+        sums them in worker order. Returns {partition: sum} of the partitions this rank owns."""
         assert self.ctx is not None and self.comm is not None
-        rank, group = self.ctx.rank, self.comm.group
-        ranks = self._participants(owner)
-        if rank not in ranks:
-            return chunk
-        if self.config.reduce == "star" and rank != owner:
-            self.count_bytes(self.codec.send(chunk, owner, group), 0)
-            return chunk
-        total = chunk.clone() if rank < self.num_workers else torch.zeros_like(chunk)
-        if self.config.reduce == "tree":
-            return self._tree_up(total, ranks)
-        for src in ranks[1:]:
-            self.count_bytes(0, self.codec.recv_add(total, src, group))
-        return total
+        rank, group, codec = self.ctx.rank, self.comm.group, self.codec
+        owners, ranges = self._owners(), self.ranges[b]
+        trainer = rank < self.num_workers
+        turn = functools.partial(star_turn, num_servers=len(owners))  # distinct ports per turn
+        outgoing = [m for m, owner in enumerate(owners) if trainer and owner != rank]
+        outgoing.sort(key=lambda m: turn(m, rank))
+        sizes = [ranges[m][1] - ranges[m][0] for m in outgoing]
+        messages = codec.message_views("push", sizes, grads)
+        works, sent = [], 0
+        for m, message in zip(outgoing, messages):
+            lo, hi = ranges[m]
+            message = codec.encode(grads[lo:hi], out=message)
+            works.append(dist.isend(message, global_rank(group, owners[m]), group=group))
+            sent += message.nbytes
+        incoming: dict[int, list[tuple[int, torch.Tensor]]] = {}
+        for m in (m for m, owner in enumerate(owners) if owner == rank):
+            lo, hi = ranges[m]
+            sources = sorted(
+                (w for w in range(self.num_workers) if w != rank), key=lambda w: turn(m, w)
+            )
+            views = codec.message_views(f"push-in {m}", [hi - lo] * len(sources), grads)
+            incoming[m] = list(zip(sources, views))
+            for src, view in incoming[m]:
+                works.append(dist.irecv(view, global_rank(group, src), group=group))
+        for work in works:
+            work.wait()
+        summed, received = {}, 0
+        for m, messages_in in incoming.items():
+            lo, hi = ranges[m]
+            chunk = grads[lo:hi]
+            total = chunk.clone() if trainer else torch.zeros_like(chunk)
+            for _, view in sorted(messages_in, key=lambda pair: pair[0]):  # sums in rank order
+                codec.decode_add(view, total)
+                received += view.nbytes
+            summed[m] = total
+        self.count_bytes(sent, received)
+        return summed
 
-    def _tree_up(self, total: torch.Tensor, ranks: list[int]) -> torch.Tensor:
+    def _push_tree(self, b: int, grads: torch.Tensor, m: int) -> torch.Tensor:
+        """Partition m of bucket ``b``'s gradients summed up a binary tree rooted at its
+        server (returned there; other ranks get their partial sum)."""
         assert self.ctx is not None and self.comm is not None
+        owner = self._owners()[m]
+        lo, hi = self.ranges[b][m]
+        chunk = grads[lo:hi]
+        ranks = self._participants(owner)
+        if self.ctx.rank not in ranks:
+            return chunk
+        total = chunk.clone() if self.ctx.rank < self.num_workers else torch.zeros_like(chunk)
         me, n, group = ranks.index(self.ctx.rank), len(ranks), self.comm.group
         for child in tree_children(me, n):
             self.count_bytes(0, self.codec.recv_add(total, ranks[child], group))
@@ -215,10 +273,35 @@ class ParameterServer(OwnerUpdateStrategy):
         self.optimizer.step()
         for shard in mine:  # a host master (CUDA runs): the replica gets the new values too
             self.sharded.write_back(shard)
-        self.update_spans.append((bucket.index, started, time.perf_counter()))  # for traces
+        self._record_span("optimizer", "update", bucket, started)
 
-    def _pull(self, flat: torch.Tensor, lo: int, hi: int, owner: int) -> None:
-        """The updated partition [lo, hi) travels from ``owner`` to every worker."""
+    def _pull_star(self, b: int, flat: torch.Tensor) -> None:
+        """Every server sends its updated partitions of bucket ``b`` (``flat``: the bucket's
+        parameters, 1-D) to every worker, all at once; each worker receives them at once."""
+        assert self.ctx is not None and self.comm is not None
+        rank, group = self.ctx.rank, self.comm.group
+        owners = self._owners()
+        pairs = [(m, w) for m, o in enumerate(owners) for w in range(self.num_workers) if w != o]
+        pairs.sort(key=lambda pair: (star_turn(pair[0], pair[1], len(owners)), pair[1]))
+        works, arrivals = [], []
+        for m, worker in pairs:  # the same turns as the push: distinct ports per turn
+            owner, (lo, hi) = owners[m], self.ranges[b][m]
+            if rank == owner:
+                piece = self._host(flat[lo:hi])  # the parameters themselves on the host
+                works.append(dist.isend(piece, global_rank(group, worker), group=group))
+            elif rank == worker:
+                piece = self._host(flat[lo:hi])
+                works.append(dist.irecv(piece, global_rank(group, owner), group=group))
+                arrivals.append((piece, lo, hi))
+        for work in works:
+            work.wait()
+        for piece, lo, hi in arrivals:
+            if piece.data_ptr() != flat[lo:hi].data_ptr():  # a device bucket: copy it in
+                flat[lo:hi].copy_(piece)
+
+    def _pull_tree(self, flat: torch.Tensor, lo: int, hi: int, owner: int) -> None:
+        """The updated partition [lo, hi) travels from ``owner`` down the tree to every
+        worker."""
         assert self.ctx is not None and self.comm is not None
         rank, group = self.ctx.rank, self.comm.group
         ranks = self._participants(owner)

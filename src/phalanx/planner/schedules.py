@@ -39,6 +39,7 @@ import numpy as np
 
 from phalanx.errors import ConfigError
 from phalanx.exchange import schedule as cyclic
+from phalanx.exchange.param_server import star_turn
 from phalanx.exchange.ring import GATHER_MAX_BYTES
 from phalanx.exchange.tree import tree_parent
 from phalanx.registry import Registry
@@ -239,30 +240,38 @@ def cyclic_rounds(world: int, send_back: bool) -> RoundTable:
 def ps_rounds(
     world: int, owners: tuple[int, ...], workers: tuple[int, ...], reduce: str, pull: bool
 ) -> RoundTable:
-    """Parameter-server push (or pull) of one bucket, partition by partition in owner order
-    (phalanx.exchange.param_server): star: each worker sends to the owner, which receives
-    from them one after another; tree: up (or down) a binary tree rooted at the owner."""
+    """Parameter-server push (or pull) of one bucket (phalanx.exchange.param_server): star:
+    one round, every worker sending each partition to its server at once (pull: every server
+    to every worker), in ``star_turn`` order; tree: partition by partition in owner order, up
+    (or down) a binary tree rooted at the owner."""
     b = _Builder()
     share = 1.0 / len(owners)
+    if reduce != "tree":
+        pairs = sorted(
+            ((owner, w) for owner in owners for w in workers if w != owner),
+            key=lambda pair: (star_turn(owners.index(pair[0]), pair[1], len(owners)), pair[1]),
+        )
+        kind = PARAM if pull else GRAD
+        b.round(((o, w, share, kind) if pull else (w, o, share, kind)) for o, w in pairs)
+        return b.table(("ps", world, owners, workers, reduce, pull))
     for owner in owners:
         ranks = [owner] + [w for w in workers if w != owner]
-        if reduce == "tree":
-            if pull:
-                _tree_down(ranks, share, PARAM, b)
-            else:
-                _tree_up(ranks, share, b)
-            continue
-        others = np.asarray(ranks[1:], dtype=np.int64)  # star: one message per round, in order
         if pull:
-            b.singles(np.full_like(others, owner), others, share, PARAM)
+            _tree_down(ranks, share, PARAM, b)
         else:
-            b.singles(others, np.full_like(others, owner), share, GRAD)
+            _tree_up(ranks, share, b)
     return b.table(("ps", world, owners, workers, reduce, pull))
 
 
 # -- the schedules ---------------------------------------------------------------------------
 class Schedule(ABC):
-    """One strategy's messages per bucket (see the module docstring for the phases)."""
+    """One strategy's messages per bucket (see the module docstring for the phases).
+
+    ``agrees_before_backward``: the strategy updates while gradients arrive, so the Engine's
+    non-finite guard agrees on every rank's loss first, in one 1-element allreduce between the
+    last forward and its backward (phalanx.engine): a synchronisation of the compute stream."""
+
+    agrees_before_backward = False
 
     def check_world(self, world: int) -> None:
         """One-line ConfigError if this schedule cannot run on ``world`` ranks."""
@@ -291,6 +300,12 @@ class Schedule(ABC):
 
 
 SCHEDULES: Registry[Schedule] = Registry("exchange schedule")
+
+
+def agreement_phases(world: int) -> list[Phase]:
+    """The non-finite guard's agreement (``Schedule.agrees_before_backward``): a 1-element
+    allreduce, as the backend's ring (4 bytes: its rounds' latency)."""
+    return [Phase("agree", ring_rounds(world))] if world > 1 else []
 
 
 def _strategy_options(name: str, options: dict[str, Any] | None) -> Any:
@@ -379,6 +394,8 @@ class ParameterServerSchedule(Schedule):
     """Per bucket: push each partition to its server, the server updates it, pull it back.
     ``servers = k`` dedicated ranks (the last k; 0: every rank serves one partition);
     ``reduce``: ``star`` (direct messages, incast at the server) or ``tree``."""
+
+    agrees_before_backward = True  # servers update buckets as they arrive
 
     def __init__(self, **options: Any) -> None:
         self.config = _strategy_options("ps", options)

@@ -5,7 +5,8 @@ batch size; the exchange of a bucket is simulated message by message over all ra
 ``network.Network``, and ends when its last rank finishes). Per step:
   Phase 1 (input, forward): the input wait the pipeline does not hide, then the layers in forward
     order; a layer whose parameters are still travelling back from the previous step (owner
-    updates, ``ps`` pulls) waits for them.
+    updates, ``ps`` pulls) waits for them; with a strategy that updates while gradients
+    arrive (``ps``), the non-finite guard's 1-element allreduce follows the forward.
   Phase 2 (backward): the layers in backward order; a gradient is ready when its layer's
     backward ends; buckets are formed as the Engine forms them (``plan_buckets`` over the
     gradients in ready order, the first capped at ``FIRST_BUCKET_BYTES``); a bucket is launched
@@ -41,6 +42,7 @@ from phalanx.planner.schedules import (
     FORWARD_PASS,
     STEP,
     Phase,
+    agreement_phases,
     make_codec,
     make_schedule,
 )
@@ -219,6 +221,7 @@ class Simulator:
         durations = self._durations(network, world, buckets, phases)
         return_durations = self._durations(network, world, buckets, [returns] * len(buckets))
         timeline = _Timeline(self.profile, buckets, self._layer_of_grad)
+        timeline.agree_s = self._agree_s(network, world) if schedule.agrees_before_backward else 0
         for step in range(NUM_STEPS):
             timeline.step(
                 step,
@@ -316,6 +319,11 @@ class Simulator:
             )
         return self._result(world, setup, schedule, timeline, moved, sizes)
 
+    def _agree_s(self, network: Network, world: int) -> float:
+        """Seconds of the non-finite guard's 1-element allreduce (``agreement_phases``)."""
+        message = BucketPlan(index=0, grads=(), nbytes=4)
+        return sum(self._durations(network, world, [message], [agreement_phases(world)])[0])
+
     def _durations(
         self, network: Network, world: int, buckets: list[BucketPlan], phases: list[list[Phase]]
     ) -> list[list[float]]:
@@ -367,6 +375,7 @@ class _Timeline:
         self.comm_free = 0.0
         self.params_ready = [0.0] * len(buckets)
         self.all_params_ready = 0.0  # return phases that gate the whole next step
+        self.agree_s = 0.0  # the synchronisation between forward and backward, if any
         self.events: list[TraceEvent] = []
         self.stats: list[dict[str, float]] = []
         self.step_starts: list[float] = []
@@ -527,6 +536,9 @@ class _Timeline:
         start = self.now
         self.step_starts.append(start)
         parameter_wait = self._forward(step)
+        if self.agree_s > 0:  # every rank's loss is checked before any update can start
+            self._event(LANE_WAIT, "agree", self.now, self.now + self.agree_s, step)
+            self.now += self.agree_s
         # Phase 2: backward; buckets become ready as their last gradient does.
         ready = [0.0] * len(self.buckets)
         segment = backward_start = self.now
