@@ -10,7 +10,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from phalanx.exchange.link import DEFAULT_REPEATS, DEFAULT_SIZES, LinkModel, calibrate
+from phalanx.exchange.link import (
+    DEFAULT_REPEATS,
+    DEFAULT_SIZES,
+    LinkModel,
+    calibrate,
+    measure_message_s,
+)
 from phalanx.exchange.threshold import BackwardProfile, agree_profile, choose_bucket_bytes
 from tests.helpers.spawn import run_ranks
 
@@ -28,8 +34,10 @@ def _calibrate_and_agree(ctx: Any, run_dir: str) -> dict[str, Any]:
     again = agree_profile(mine if ctx.rank == 0 else None, ctx.group, ctx.device)
     assert again == agreed
     choice = choose_bucket_bytes(agreed, link, ctx.world_size)
+    messages = measure_message_s(ctx.group, ctx.device, repeats=20, pause_s=1e-4)
     return {
         "link": link.to_dict(),
+        "messages": messages,
         "elapsed_s": elapsed,
         "profile": agreed.to_dict(),
         "choice": choice.to_dict(),
@@ -48,6 +56,9 @@ def test_two_ranks_calibrate_identically(tmp_path: Path) -> None:
     assert all(len(s) == DEFAULT_REPEATS and min(s) > 0 for s in link.samples_s)
     assert all(r["elapsed_s"] < 5.0 for r in results)  # sanity bound, not a benchmark
     assert LinkModel.load(tmp_path) == link  # rank 0 wrote link.json
+    # the message probe: rank 0's 20 one-way times on both ranks, each a real round trip
+    assert first["messages"] == second["messages"] and len(first["messages"]) == 20
+    assert all(0 < t < 1.0 for t in first["messages"])
 
     expected = BackwardProfile.uniform(2**20, 4, 0.01).to_dict()
     for r in results:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from pathlib import Path
 
 import pytest
@@ -123,3 +125,22 @@ def test_from_link_json(tmp_path):
     (tmp_path / "bad.json").write_text("{}")
     with pytest.raises(ConfigError):
         from_link(tmp_path / "bad.json")
+
+
+def test_from_link_charges_the_message_probe_beyond_the_link(tmp_path):
+    """A link.json with the message probe (phalanx bench link) gives the cluster the mean
+    one-way time beyond what the link model gives the same 4 KiB message; without a probe, or
+    with a probe faster than the model, nothing."""
+    link = LinkModel(alpha_s=1e-4, beta_bytes_per_s=1.2e9, world_size=2, backend="gloo")
+    assert from_link(link).message_overhead_s == 0.0
+    probed = dataclasses.replace(link, message_samples_s=(2e-4, 4e-4, 9e-4))
+    modelled = 0.5e-4 + 4096 / 2.4e9  # the cluster's intra link: alpha / 2, 2 x beta
+    assert from_link(probed).message_overhead_s == pytest.approx(5e-4 - modelled)
+    fast = dataclasses.replace(link, message_samples_s=(1e-5,))
+    assert from_link(fast).message_overhead_s == 0.0
+    saved = LinkModel.load(probed.save(tmp_path))  # the samples survive link.json
+    assert saved.message_samples_s == probed.message_samples_s
+    # the --json of `phalanx bench link` holds the median model: --cluster reads that
+    bench = {"meta": {}, "rounds": [], "median": probed.to_dict()}
+    (tmp_path / "bench_link.json").write_text(json.dumps(bench))
+    assert from_link(tmp_path / "bench_link.json") == from_link(probed)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -61,6 +62,21 @@ def test_cyclic_closed_form(p):
     net, n = Network(cluster(), make_codec("none")), 3e6
     expected = (p - 1) * (ALPHA + n / (p // 2) / BETA)
     assert seconds(cyclic_rounds(p, False), p, n, net) == pytest.approx(expected, rel=1e-9)
+
+
+@pytest.mark.parametrize("p", [2, 4])
+def test_message_overhead_is_paid_by_every_message_in_series(p):
+    """``message_overhead_s`` lengthens each message: a ring's 2(p-1) steps pay it 2(p-1)
+    times, a tree's 2 ceil(log2 p) rounds that many."""
+    h, n = 3e-4, 3e6
+    plain = Network(cluster(), make_codec("none"))
+    slow = Network(dataclasses.replace(cluster(), message_overhead_s=h), make_codec("none"))
+    for table, rounds in (
+        (ring_rounds(p), 2 * (p - 1)),
+        (tree_rounds(p), 2 * math.ceil(math.log2(p))),
+    ):
+        extra = seconds(table, p, n, slow) - seconds(table, p, n, plain)
+        assert extra == pytest.approx(rounds * h, rel=1e-9)
 
 
 def test_ring_is_paced_by_its_slowest_link():

@@ -19,7 +19,7 @@ from phalanx.planner.sim import ExchangeSetup, Simulator
 from phalanx.planner.step import StepProfile
 
 RECORDED = Path(__file__).parent / "data" / "bench_planner.json"
-MEDIAN_BOUND, WORST_BOUND = 0.05, 0.20  # recorded: median 3.6 %, worst 15.2 %
+MEDIAN_BOUND, WORST_BOUND = 0.05, 0.20  # recorded: median 4.4 %, worst 16.5 %
 
 
 def test_recorded_cells_predict_within_the_bounds() -> None:
@@ -40,4 +40,4 @@ def test_recorded_cells_predict_within_the_bounds() -> None:
         errors.append(abs(predicted / row["measured_s"] - 1))
     assert statistics.median(errors) <= MEDIAN_BOUND
     assert max(errors) <= WORST_BOUND
-    assert "within 10%: 39 of 48 cells" in format_report(result)
+    assert "within 10%: 41 of 48 cells" in format_report(result)

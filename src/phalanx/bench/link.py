@@ -21,7 +21,7 @@ import math
 import os
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
@@ -72,13 +72,15 @@ class LinkBenchConfig:
 # -- inside the workers -----------------------------------------------------------------------
 def _calibrate_task(sizes: tuple[int, ...], repeats: int) -> dict[str, Any]:
     """One calibration on every worker; returns the model and how long it took (this rank)."""
-    from phalanx.exchange.link import calibrate
+    from phalanx.exchange.link import calibrate, measure_message_s
     from phalanx.runtime.pool import current_worker
 
     ctx = current_worker().context
     start = time.perf_counter()
     link = calibrate(ctx.group, ctx.device, sizes=sizes, repeats=repeats)
-    return {"link": link.to_dict(), "seconds": time.perf_counter() - start}
+    seconds = time.perf_counter() - start
+    link = replace(link, message_samples_s=measure_message_s(ctx.group, ctx.device))
+    return {"link": link.to_dict(), "seconds": seconds}
 
 
 def _profile_task(name: str, cfg: LinkBenchConfig) -> dict[str, Any]:
@@ -128,6 +130,7 @@ def run_benchmark(cfg: LinkBenchConfig) -> dict[str, Any]:
         beta_bytes_per_s=statistics.median(link.beta_bytes_per_s for link in links),
         world_size=cfg.nproc,
         backend=backend,
+        message_samples_s=tuple(t for link in links for t in link.message_samples_s),  # pooled
     )
     thresholds = [
         _threshold(name, profile, median, cfg.nproc) for name, profile in profiles.items()
@@ -193,14 +196,20 @@ def format_report(result: dict[str, Any]) -> str:
                      f"{max(samples) * 1e3:.3f}", f"{fitted * 1e3:.3f}",
                      f"{fitted / median - 1:+.0%}"))  # fmt: skip
     lines += _table(rows)
-    rows = [("round", "alpha us", "beta GB/s", "calibrate s")]
+    rows = [("round", "alpha us", "beta GB/s", "message us", "calibrate s")]
     for i, r in enumerate(result["rounds"]):
         fit = LinkModel.from_dict(r["link"])
         rows.append((str(i + 1), f"{fit.alpha_s * 1e6:.1f}", _gbps(fit.beta_bytes_per_s),
-                     f"{r['seconds']:.3f}"))  # fmt: skip
+                     _micros(fit.message_s), f"{r['seconds']:.3f}"))  # fmt: skip
     median = LinkModel.from_dict(result["median"])
-    rows.append(("median", f"{median.alpha_s * 1e6:.1f}", _gbps(median.beta_bytes_per_s), ""))
+    rows.append(("median", f"{median.alpha_s * 1e6:.1f}", _gbps(median.beta_bytes_per_s),
+                 _micros(median.message_s), ""))  # fmt: skip
     lines += _table(rows)
+    lines.append(
+        "message us: mean one-way time of a 4 KiB point-to-point message sent from a thread "
+        "after a pause (the median row: every round's samples); `phalanx plan --cluster` on "
+        "this file charges its excess over the link model to every message"
+    )
     for t in result["thresholds"]:
         lines.append(f"{t['model']}: {t['describe']}")
         compared = ", ".join(
@@ -210,6 +219,10 @@ def format_report(result: dict[str, Any]) -> str:
         )
         lines.append(f"  predicted exposed with {compared}")
     return "\n".join(lines)
+
+
+def _micros(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e6:.1f}"
 
 
 def _gbps(beta: float) -> str:

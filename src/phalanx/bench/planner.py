@@ -7,7 +7,9 @@ after ``auto`` settled) ``steps`` consecutive steps are timed and traced
 then predicts the same step:
 
   Phase 1 (calibrate, once per model): the link's alpha and beta (``exchange.link.calibrate``,
-    the fit ``phalanx bench link`` makes) and the fp16 codec's seconds per byte.
+    the fit ``phalanx bench link`` makes), the mean cost of one message sent from a thread
+    after a pause (``measure_message_s``: the cluster's ``message_overhead_s``) and the fp16
+    codec's seconds per byte.
   Phase 2 (measure): the timed steps' mean (the slower rank's), and from the trace of each
     step, of the rank that computed longest in it (the step's straggler), the compute the
     simulator needs: forward, backward per bucket (each bucket's gradients, in ready order),
@@ -29,7 +31,7 @@ import shutil
 import statistics
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
@@ -101,11 +103,12 @@ def _loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 # -- inside the workers -----------------------------------------------------------------------
 def _worker(ctx: Any, cfg: PlannerBenchConfig, model_name: str) -> list[dict[str, Any]] | None:
-    from phalanx.exchange.link import calibrate
+    from phalanx.exchange.link import calibrate, measure_message_s
     from phalanx.planner.cluster import from_link, measure_codec_s_per_byte
 
-    # Phase 1: calibrate the link and the codec.
+    # Phase 1: calibrate the link (and a message's software cost) and the codec.
     link = calibrate(ctx.group, ctx.device)
+    link = replace(link, message_samples_s=measure_message_s(ctx.group, ctx.device))
     codec_s = measure_codec_s_per_byte("fp16")
     cluster = from_link(link, devices_per_node=ctx.world_size, codec_s_per_byte=codec_s)
     batch = 32

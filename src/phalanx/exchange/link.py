@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -36,6 +37,9 @@ import torch.distributed as dist
 DEFAULT_SIZES = tuple(4**k for k in range(6, 13))
 DEFAULT_REPEATS = 9  # medians of 9: robust to a few preempted samples on a busy machine
 LINK_FILE = "link.json"
+MESSAGE_PROBE_BYTES = 4096  # measure_message_s: small, so the time is the software's
+MESSAGE_REPEATS = 200  # ~0.3 s: the mean of a heavy tail needs many samples
+MESSAGE_PAUSE_S = 1e-3
 
 
 def ring_latency_factor(world_size: int) -> float:
@@ -53,6 +57,8 @@ class LinkModel:
     """Fitted latency and bandwidth of one process group, with the sweep they came from.
 
     ``sizes`` are message bytes; ``samples_s[i]`` the timed allreduces of ``sizes[i]`` (rank 0's).
+    ``message_samples_s``: one-way times of a ``MESSAGE_PROBE_BYTES`` point-to-point message
+    sent from a thread after a pause (``measure_message_s``; empty when not measured).
     """
 
     alpha_s: float
@@ -61,6 +67,12 @@ class LinkModel:
     sizes: tuple[int, ...] = ()
     samples_s: tuple[tuple[float, ...], ...] = ()
     backend: str = ""
+    message_samples_s: tuple[float, ...] = ()
+
+    @property
+    def message_s(self) -> float | None:
+        """The mean of ``message_samples_s`` (None when not measured)."""
+        return statistics.fmean(self.message_samples_s) if self.message_samples_s else None
 
     def predict(self, nbytes: float, world_size: int | None = None) -> float:
         """Seconds of one ring allreduce of ``nbytes`` over ``world_size`` ranks (default: the
@@ -87,6 +99,11 @@ class LinkModel:
                 {"bytes": n, "median_s": statistics.median(s), "samples_s": list(s)}
                 for n, s in zip(self.sizes, self.samples_s)
             ],
+            "message": {
+                "bytes": MESSAGE_PROBE_BYTES,
+                "mean_s": self.message_s,
+                "samples_s": list(self.message_samples_s),
+            },
         }
 
     @classmethod
@@ -102,6 +119,7 @@ class LinkModel:
                 sizes=tuple(int(point["bytes"]) for point in sweep),
                 samples_s=tuple(tuple(map(float, point["samples_s"])) for point in sweep),
                 backend=str(data.get("backend", "")),
+                message_samples_s=tuple(map(float, data.get("message", {}).get("samples_s", []))),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(
@@ -118,7 +136,8 @@ class LinkModel:
 
     @classmethod
     def load(cls, path: Path | str) -> LinkModel:
-        """Read a ``link.json`` written by ``save`` (a directory means its link.json)."""
+        """Read a ``link.json`` written by ``save`` (a directory means its link.json), or the
+        ``--json`` file of ``phalanx bench link`` (its median model)."""
         path = Path(path)
         if path.is_dir():
             path = path / LINK_FILE
@@ -126,6 +145,8 @@ class LinkModel:
             data = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, json.JSONDecodeError) as e:
             raise ValueError(f"{path}: cannot read link model ({e})") from None
+        if isinstance(data, dict) and "alpha_s" not in data and "median" in data:
+            data = data["median"]  # the --json of `phalanx bench link`: its median model
         return cls.from_dict(data)
 
 
@@ -231,6 +252,73 @@ def broadcast_from_rank0(
     src = 0 if group is None else dist.get_global_rank(group, 0)
     dist.broadcast(on_device, src=src, group=group)
     return on_device.cpu()
+
+
+def measure_message_s(
+    group: dist.ProcessGroup | None = None,
+    device: torch.device | str = "cpu",
+    nbytes: int = MESSAGE_PROBE_BYTES,
+    repeats: int = MESSAGE_REPEATS,
+    pause_s: float = MESSAGE_PAUSE_S,
+) -> tuple[float, ...]:
+    """One-way times of a small point-to-point message as the strategies send theirs: from a
+    communication thread, after a pause (the threads of both ranks asleep, as between a step's
+    phases), rank 0 and rank 1 of ``group`` ping-pong ``nbytes``; each sample is half a round
+    trip. Collective over ``group`` (ranks above 1 only join the agreement). Every rank returns
+    rank 0's samples (seconds). Their mean is what steps pay: on a shared CPU the samples are
+    heavy-tailed (a wake-up that waits for a core), so a median would hide the cost.
+
+      Phase 1 (warm-up): two round trips, so the connection and buffers exist.
+      Phase 2 (ping-pong): ``repeats`` round trips, each after ``pause_s`` of sleep.
+      Phase 3 (agree): rank 0's samples are broadcast."""
+    from phalanx.exchange.comm import global_rank
+
+    device = torch.device(device)
+    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    if world_size == 1:
+        return ()
+    samples = torch.zeros(repeats, dtype=torch.float64)
+    message = torch.zeros(max(1, nbytes // 4), dtype=torch.float32, device=device)
+    peer = global_rank(group, 1 - rank) if rank < 2 else -1
+
+    def round_trip() -> float:
+        start = time.perf_counter()
+        if rank == 0:
+            dist.send(message, peer, group=group)
+            dist.recv(message, peer, group=group)
+        else:
+            dist.recv(message, peer, group=group)
+            dist.send(message, peer, group=group)
+        _sync(device)
+        return (time.perf_counter() - start) / 2
+
+    def probe() -> None:
+        for _ in range(2):  # Phase 1
+            round_trip()
+        for i in range(repeats):  # Phase 2
+            time.sleep(pause_s)
+            samples[i] = round_trip()
+
+    if rank < 2:  # on its own thread, the caller's asleep, as a communication thread runs
+        failure: list[BaseException] = []
+        thread = threading.Thread(target=_capture(probe, failure), name="phalanx-link-probe")
+        thread.start()
+        thread.join()
+        if failure:
+            raise failure[0]
+    return tuple(broadcast_from_rank0(samples, group, device).tolist())  # Phase 3
+
+
+def _capture(fn: Any, failure: list[BaseException]) -> Any:
+    """``fn`` for a thread: an exception is kept in ``failure`` for the joining thread."""
+
+    def run() -> None:
+        try:
+            fn()
+        except BaseException as e:  # noqa: BLE001 - re-raised by the joining thread
+            failure.append(e)
+
+    return run
 
 
 def _sync(device: torch.device) -> None:

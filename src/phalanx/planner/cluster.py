@@ -81,6 +81,12 @@ class ClusterConfig:
     codec_s_per_byte: float = option(
         0.0, "compression cost: seconds per uncompressed gradient byte to encode and decode a hop"
     )
+    message_overhead_s: float = option(
+        0.0,
+        "seconds every message costs beyond its link's alpha + n / beta: the hosts' software "
+        "path of a message sent from a communication thread after a pause (wake-ups, thread "
+        "hand-offs), as a mean; from_link measures it (exchange.link.measure_message_s)",
+    )
     description: str = option("", "where the numbers come from")
 
     def __post_init__(self) -> None:
@@ -96,11 +102,9 @@ class ClusterConfig:
             "compute_speed",
             f"must be > 0, got {self.compute_speed!r}",
         )
-        require(
-            math.isfinite(self.codec_s_per_byte) and self.codec_s_per_byte >= 0,
-            "codec_s_per_byte",
-            f"must be >= 0, got {self.codec_s_per_byte!r}",
-        )
+        for key in ("codec_s_per_byte", "message_overhead_s"):
+            value = getattr(self, key)
+            require(math.isfinite(value) and value >= 0, key, f"must be >= 0, got {value!r}")
 
     # -- placement ------------------------------------------------------------------------------
     @property
@@ -207,7 +211,7 @@ def from_link(
     the directory holding it). ``devices_per_node`` defaults to the calibrated world size. The
     link fitted a ring allreduce, whose alpha and beta are per message and direction: exactly
     the intra-node link of this model."""
-    from phalanx.exchange.link import LinkModel
+    from phalanx.exchange.link import MESSAGE_PROBE_BYTES, LinkModel
 
     if not isinstance(link, LinkModel):
         try:
@@ -228,6 +232,10 @@ def from_link(
         alpha_s=link.alpha_s / p if shared else link.alpha_s,
         beta_bytes_per_s=link.beta_bytes_per_s * p if shared else link.beta_bytes_per_s,
     )
+    # The probe's mean one-way time beyond what the link model gives the same message: the
+    # software's per-message cost that back-to-back allreduces (the sweep) do not pay.
+    probe = link.message_s
+    overhead = 0.0 if probe is None else max(0.0, probe - intra.message_s(MESSAGE_PROBE_BYTES))
     return ClusterConfig(
         name=name,
         nodes=1,
@@ -235,6 +243,7 @@ def from_link(
         intra=intra,
         shared_intra=shared,
         codec_s_per_byte=codec_s_per_byte,
+        message_overhead_s=overhead,
         description=f"calibrated by phalanx bench link ({link.backend or 'unknown'} backend, "
         f"{link.world_size} ranks)",
     )
@@ -285,7 +294,7 @@ def cluster_to_toml(cluster: ClusterConfig, comment: str = "") -> str:
 
     lines = [f"# {line}".rstrip() for line in comment.splitlines()]
     for key in ("name", "description", "nodes", "devices_per_node", "shared_nic", "shared_intra",
-                "compute_speed", "codec_s_per_byte"):  # fmt: skip
+                "compute_speed", "codec_s_per_byte", "message_overhead_s"):  # fmt: skip
         lines.append(f"{key} = {value(getattr(cluster, key))}")
     for level in LEVELS:
         link = getattr(cluster, level)

@@ -2,7 +2,8 @@
 
 The model of the wire (docs/planner.md, "The model"):
   - a message of n bytes between ranks on one node takes alpha + n / beta of the ``intra`` link,
-    between nodes those of the ``inter`` link (rank r is on node r // devices_per_node);
+    between nodes those of the ``inter`` link (rank r is on node r // devices_per_node), plus
+    the cluster's ``message_overhead_s`` (the hosts' software path of one message);
   - it starts once both ranks have finished their previous rounds (a receive is posted when the
     receiver gets there, as blocking point-to-point code does) and both ports it needs are
     free: the sender's outgoing and the receiver's incoming direction of that level. Every rank
@@ -225,7 +226,8 @@ class Network:
         ratio = np.asarray(self.codec.ratio)[table.kind]
         overhead = np.asarray(self.codec.overhead_bytes)[table.kind]
         coding = np.asarray(self.codec.coding)[table.kind] * self.cluster.codec_s_per_byte
-        fixed = alpha + overhead * inv_beta  # seconds per message, whatever its size
+        # seconds per message, whatever its size (the hosts' software path included)
+        fixed = alpha + overhead * inv_beta + self.cluster.message_overhead_s
         per_byte = table.fraction * (ratio * inv_beta + coding)  # seconds per bucket byte
         done = np.zeros((p, sizes.size))  # when each rank finished its previous rounds
         level_done = np.zeros_like(done)  # rows of the current level's ranks: their latest end
