@@ -41,3 +41,21 @@ def test_recorded_cells_predict_within_the_bounds() -> None:
     assert statistics.median(errors) <= MEDIAN_BOUND
     assert max(errors) <= WORST_BOUND
     assert "within 10%: 41 of 48 cells" in format_report(result)
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--nproc", "1"], "--nproc: the exchange needs at least 2 processes"),
+        (["--models", "resnet"], "--models: unknown model 'resnet'"),
+        (["--thresholds", "big"], "--thresholds: 'big' is neither 'auto' nor a size in MiB"),
+    ],
+)
+def test_bench_planner_bad_flags_exit_2_with_one_line(flags, message, capsys):
+    from phalanx.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "planner", *flags])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1

@@ -366,6 +366,9 @@ def _check(result: dict[str, Any]) -> None:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Flags of ``phalanx bench planner``; sets ``handler``."""
+    p.add_argument(
+        "--nproc", type=int, default=2, help="processes (above the cores: oversubscribed)"
+    )
     p.add_argument("--models", default=",".join(MODELS), help="comma list")
     p.add_argument("--strategies", default=",".join(STRATEGIES), help="comma list")
     p.add_argument("--compress", default="none,fp16", help="comma list: none, fp16")
@@ -384,6 +387,7 @@ def cmd_planner(args: argparse.Namespace) -> int:
     from phalanx.bench import run_and_report
 
     cfg = PlannerBenchConfig(
+        nproc=args.nproc,
         models=_names(args.models),
         strategies=_names(args.strategies),
         compress=_names(args.compress),
