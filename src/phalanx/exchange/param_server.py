@@ -283,12 +283,13 @@ class ParameterServer(OwnerUpdateStrategy):
         owners = self._owners()
         pairs = [(m, w) for m, o in enumerate(owners) for w in range(self.num_workers) if w != o]
         pairs.sort(key=lambda pair: (star_turn(pair[0], pair[1], len(owners)), pair[1]))
-        works, arrivals = [], []
+        works, arrivals, mine = [], [], {}
         for m, worker in pairs:  # the same turns as the push: distinct ports per turn
             owner, (lo, hi) = owners[m], self.ranges[b][m]
             if rank == owner:
-                piece = self._host(flat[lo:hi])  # the parameters themselves on the host
-                works.append(dist.isend(piece, global_rank(group, worker), group=group))
+                if m not in mine:  # one host copy of the partition for every worker (CUDA)
+                    mine[m] = self._host(flat[lo:hi])
+                works.append(dist.isend(mine[m], global_rank(group, worker), group=group))
             elif rank == worker:
                 piece = self._host(flat[lo:hi])
                 works.append(dist.irecv(piece, global_rank(group, owner), group=group))
