@@ -3,8 +3,11 @@
 For each model (the digits CNN, the 8.4 M-parameter MLP, the char-LSTM), strategy, compression
 and threshold (25 MiB, ``auto``), two processes train with the Engine; after a warm-up (and
 after ``auto`` settled) ``steps`` consecutive steps are timed and traced
-(``phalanx.tracing``): the measured step is the slower rank's mean over them. The planner
-then predicts the same step:
+(``phalanx.tracing``): the measured step is the slower rank's mean over them. That block is
+repeated ``blocks`` times per cell, alternating over the cells (every cell once per round, a
+fresh Engine each time), and a cell's error is its median block's: a burst of load from this
+machine's neighbours then spoils one block of several cells instead of one cell. The planner
+predicts each block's steps:
 
   Phase 1 (calibrate, once per model): the link's alpha and beta (``exchange.link.calibrate``,
     the fit ``phalanx bench link`` makes), the mean cost of one message sent from a thread
@@ -56,6 +59,7 @@ class PlannerBenchConfig:
     thresholds: tuple[str, ...] = ("25", "auto")
     warmup: int = 3
     steps: int = 12
+    blocks: int = 3  # timed blocks per cell, alternating over the cells
     threads: int = 1
 
     def validate(self) -> None:
@@ -63,6 +67,8 @@ class PlannerBenchConfig:
             raise ConfigError("--nproc: the exchange needs at least 2 processes")
         if self.steps < 3:
             raise ConfigError("--steps: at least 3 timed steps")
+        if self.blocks < 1:
+            raise ConfigError("--blocks: at least 1 timed block per cell")
         for name in self.models:
             if name not in MODELS:
                 raise ConfigError(f"--models: unknown model {name!r}; known: {', '.join(MODELS)}")
@@ -113,14 +119,28 @@ def _worker(ctx: Any, cfg: PlannerBenchConfig, model_name: str) -> list[dict[str
     cluster = from_link(link, devices_per_node=ctx.world_size, codec_s_per_byte=codec_s)
     batch = 32
     model, x, y = _model_and_batch(model_name, batch)
-    rows = []
-    for strategy in cfg.strategies:
-        for compress in cfg.compress:
-            for threshold in cfg.thresholds:
-                setup = (strategy, compress, threshold)
-                row = _cell(ctx, cfg, model, x, y, setup, cluster)
-                rows.append({"model": model_name, **row})
-    return rows if ctx.rank == 0 else None
+    cells = [
+        (strategy, compress, threshold)
+        for strategy in cfg.strategies
+        for compress in cfg.compress
+        for threshold in cfg.thresholds
+    ]
+    blocks: dict[tuple[str, str, str], list[dict[str, Any]]] = {cell: [] for cell in cells}
+    for _ in range(cfg.blocks):  # every cell once per round: a slow minute hits one block each
+        for cell in cells:
+            blocks[cell].append(_cell(ctx, cfg, model, x, y, cell, cluster))
+    if ctx.rank != 0:
+        return None
+    return [_row(model_name, blocks[cell]) for cell in cells]
+
+
+def _row(model_name: str, blocks: list[dict[str, Any]]) -> dict[str, Any]:
+    """One cell: its blocks, and the numbers of its median block (by error) for the table."""
+    for block in blocks:
+        block["error"] = block["predicted_s"] / block["measured_s"] - 1
+    median = sorted(blocks, key=lambda b: b["error"])[(len(blocks) - 1) // 2]
+    summary = {k: v for k, v in median.items() if k not in ("profiles", "measured_samples")}
+    return {"model": model_name, **summary, "blocks": blocks}
 
 
 def _cell(
@@ -332,9 +352,9 @@ def run_benchmark(cfg: PlannerBenchConfig) -> dict[str, Any]:
     runtime = RuntimeConfig(threads=cfg.threads)
     rows: list[dict[str, Any]] = []
     for name in cfg.models:
-        rows += run_ranks(_worker, cfg.nproc, cfg, name, timeout=900, runtime=runtime)[0]
-    for r in rows:
-        r["error"] = r["predicted_s"] / r["measured_s"] - 1
+        rows += run_ranks(_worker, cfg.nproc, cfg, name, timeout=900 * cfg.blocks, runtime=runtime)[
+            0
+        ]
     meta = {**machine_meta(), "wall_s": time.perf_counter() - started, "config": asdict(cfg)}
     return {"meta": meta, "rows": rows}
 
@@ -360,7 +380,8 @@ def format_report(result: dict[str, Any]) -> str:
 
 
 def _check(result: dict[str, Any]) -> None:
-    if not all(r["measured_s"] > 0 and r["predicted_s"] > 0 for r in result["rows"]):
+    blocks = [b for r in result["rows"] for b in r["blocks"]]
+    if not all(b["measured_s"] > 0 and b["predicted_s"] > 0 for b in blocks):
         raise ConfigError("bench planner: a zero step time was measured or predicted")
 
 
@@ -373,7 +394,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--strategies", default=",".join(STRATEGIES), help="comma list")
     p.add_argument("--compress", default="none,fp16", help="comma list: none, fp16")
     p.add_argument("--thresholds", default="25,auto", help="comma list: MiB or auto")
-    p.add_argument("--steps", type=int, default=12, help="timed (and traced) steps per cell")
+    p.add_argument("--steps", type=int, default=12, help="timed (and traced) steps per block")
+    p.add_argument(
+        "--blocks",
+        type=int,
+        default=3,
+        help="timed blocks per cell, alternating over the cells; a cell's error is its median "
+        "block's",
+    )
     p.add_argument("--json", metavar="PATH", help="write every number here")
     p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="tracebacks")
     p.set_defaults(handler=cmd_planner)
@@ -393,5 +421,6 @@ def cmd_planner(args: argparse.Namespace) -> int:
         compress=_names(args.compress),
         thresholds=_names(args.thresholds),
         steps=args.steps,
+        blocks=args.blocks,
     )
     return run_and_report(cfg, run_benchmark, _check, format_report, args.json)
