@@ -221,7 +221,7 @@ class Simulator:
         durations = self._durations(network, world, buckets, phases)
         return_durations = self._durations(network, world, buckets, [returns] * len(buckets))
         timeline = _Timeline(self.profile, buckets, self._layer_of_grad)
-        timeline.agree_s = self._agree_s(network, world) if schedule.agrees_before_backward else 0
+        timeline.agree_s = self._agree_s(network, world) if schedule.agrees_before_backward else 0.0
         for step in range(NUM_STEPS):
             timeline.step(
                 step,
