@@ -168,8 +168,12 @@ def test_fusion_cycles_batch_ready_gradients():
 def test_budget_refuses_huge_schedules():
     step = profile([(0.0, 0.0, MIB)])
     simulator = Simulator(step, one_node(64), max_rounds=100)
-    with pytest.raises(TooLarge, match="rounds"):
+    with pytest.raises(TooLarge, match="allreduce on 64 ranks takes 126 rounds per bucket"):
+        simulator.run(64, ExchangeSetup(strategy="allreduce"))
+    simulator = Simulator(step, one_node(64), max_round_messages=1000)  # ps: p(p-1) at once
+    with pytest.raises(TooLarge, match="push on 64 ranks sends 4032 messages in one round"):
         simulator.run(64, ExchangeSetup(strategy="ps"))
+    assert simulator.run(16, ExchangeSetup(strategy="ps")).step_s > 0  # 240 messages: fine
 
 
 def test_buckets_are_the_engines():

@@ -32,6 +32,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from phalanx.errors import ConfigError
@@ -60,6 +61,7 @@ MIB = 2**20
 DEFAULT_BUCKET_BYTES = 25 * MIB
 FLAG_BYTES = 4  # each parameter's usage flag travels in its bucket (one float32 element)
 MAX_ROUNDS = 40_000  # per phase and bucket: each round costs the simulation ~20 us at least
+MAX_ROUND_MESSAGES = 70_000  # in one round: levelling a round costs more than its messages
 NUM_STEPS = 2  # the first step warms the send-back up; the second is reported
 
 
@@ -171,11 +173,16 @@ class Simulator:
     """Simulates steps of one step profile on one cluster; setups share the message caches."""
 
     def __init__(
-        self, profile: StepProfile, cluster: ClusterConfig, max_rounds: int = MAX_ROUNDS
+        self,
+        profile: StepProfile,
+        cluster: ClusterConfig,
+        max_rounds: int = MAX_ROUNDS,
+        max_round_messages: int = MAX_ROUND_MESSAGES,
     ) -> None:
         self.profile = profile.scaled(cluster.compute_speed)
         self.cluster = cluster
         self.max_rounds = max_rounds
+        self.max_round_messages = max_round_messages
         self._networks: dict[str, Network] = {}
         layer_of_grad = [i for i, layer in enumerate(self.profile.layers) for _ in layer.grad_bytes]
         self._layer_of_grad = layer_of_grad
@@ -200,7 +207,7 @@ class Simulator:
                     schedule.return_phases(world)
                 ):
                     table = phase.table
-                    if table is None or table.num_rounds > self.max_rounds:
+                    if table is None or self._over_budget(phase, world, "bucket"):
                         continue
                     key = (setup.compress, table.key)
                     wanted.setdefault(key, (network, table, []))[2].append(b.nbytes)
@@ -282,11 +289,8 @@ class Simulator:
             )
         cap = max(1, setup.bucket_bytes)
         for phase in probe:
-            if phase.table is not None and phase.table.num_rounds > self.max_rounds:
-                raise TooLarge(
-                    f"its {phase.name} on {world} ranks takes "
-                    f"{phase.table.num_rounds} rounds per message"
-                )
+            if phase.table is not None and (why := self._over_budget(phase, world, "message")):
+                raise TooLarge(why)
         curves = {
             p.table.key: network.interpolated(p.table, world, min(total, cap) + 1)
             for p in probe
@@ -319,6 +323,25 @@ class Simulator:
             )
         return self._result(world, setup, schedule, timeline, moved, sizes)
 
+    def _over_budget(self, phase: Phase, world: int, per: str) -> str | None:
+        """Why simulating ``phase`` on ``world`` ranks would cost too much (None: it would not):
+        its rounds per ``per`` over ``max_rounds``, or its largest round's messages over
+        ``max_round_messages``."""
+        table = phase.table
+        assert table is not None
+        if table.num_rounds > self.max_rounds:
+            return (
+                f"its {phase.name} on {world} ranks takes {table.num_rounds} rounds per {per}, "
+                f"over the simulation's limit of {self.max_rounds}"
+            )
+        largest = int(np.diff(table.starts).max()) if table.num_rounds else 0
+        if largest > self.max_round_messages:
+            return (
+                f"its {phase.name} on {world} ranks sends {largest} messages in one round, over "
+                f"the simulation's limit of {self.max_round_messages}"
+            )
+        return None
+
     def _agree_s(self, network: Network, world: int) -> float:
         """Seconds of the non-finite guard's 1-element allreduce (``agreement_phases``)."""
         message = BucketPlan(index=0, grads=(), nbytes=4)
@@ -333,12 +356,8 @@ class Simulator:
         for bucket, bucket_phases in zip(buckets, phases):
             for phase in bucket_phases:
                 if phase.table is not None:
-                    if phase.table.num_rounds > self.max_rounds:
-                        raise TooLarge(
-                            f"its {phase.name} on {world} ranks takes {phase.table.num_rounds} "
-                            f"rounds per bucket, over the simulation's limit of "
-                            f"{self.max_rounds}"
-                        )
+                    if why := self._over_budget(phase, world, "bucket"):
+                        raise TooLarge(why)
                     by_table.setdefault(phase.table.key, []).append(bucket.nbytes)
                     tables[phase.table.key] = phase.table
         seconds = {
