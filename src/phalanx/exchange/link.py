@@ -22,9 +22,9 @@ from __future__ import annotations
 import json
 import math
 import statistics
-import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -300,25 +300,9 @@ def measure_message_s(
             samples[i] = round_trip()
 
     if rank < 2:  # on its own thread, the caller's asleep, as a communication thread runs
-        failure: list[BaseException] = []
-        thread = threading.Thread(target=_capture(probe, failure), name="phalanx-link-probe")
-        thread.start()
-        thread.join()
-        if failure:
-            raise failure[0]
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="phalanx-link-probe") as pool:
+            pool.submit(probe).result()
     return tuple(broadcast_from_rank0(samples, group, device).tolist())  # Phase 3
-
-
-def _capture(fn: Any, failure: list[BaseException]) -> Any:
-    """``fn`` for a thread: an exception is kept in ``failure`` for the joining thread."""
-
-    def run() -> None:
-        try:
-            fn()
-        except BaseException as e:  # noqa: BLE001 - re-raised by the joining thread
-            failure.append(e)
-
-    return run
 
 
 def _sync(device: torch.device) -> None:

@@ -173,11 +173,10 @@ class ParameterServer(OwnerUpdateStrategy):
             for m, owner in enumerate(owners):
                 lo, hi = self.ranges[bucket.index][m]
                 self._pull_tree(flat, lo, hi, owner)
-        self._record_span("exchange", "pull", bucket, started)
+        self._record_span("exchange", f"b{bucket.index} pull", bucket, started)
 
-    def _record_span(self, lane: str, what: str, bucket: Bucket, started: float) -> None:
-        """A span of this thread's work for the Engine's traces ("update b3", "b3 pull")."""
-        name = f"update b{bucket.index}" if what == "update" else f"b{bucket.index} {what}"
+    def _record_span(self, lane: str, name: str, bucket: Bucket, started: float) -> None:
+        """A span of this thread's work, from ``started`` to now, for the Engine's traces."""
         span = (lane, name, bucket.index, bucket.nbytes, started, time.perf_counter())
         self.thread_spans.append(span)
 
@@ -273,7 +272,7 @@ class ParameterServer(OwnerUpdateStrategy):
         self.optimizer.step()
         for shard in mine:  # a host master (CUDA runs): the replica gets the new values too
             self.sharded.write_back(shard)
-        self._record_span("optimizer", "update", bucket, started)
+        self._record_span("optimizer", f"update b{bucket.index}", bucket, started)
 
     def _pull_star(self, b: int, flat: torch.Tensor) -> None:
         """Every server sends its updated partitions of bucket ``b`` (``flat``: the bucket's
