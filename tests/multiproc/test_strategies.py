@@ -106,7 +106,23 @@ def _compare_all(ctx: px.Context) -> dict:
             # the bucket rebuild after step 1 takes the state out only for sharded owners
             out.setdefault("resident", {})[key] = mirror.num_resident
         engine.close()
+    out["tree_fp16"] = _tree_fp16(ctx, model, batches)
     return out
+
+
+def _tree_fp16(ctx: px.Context, model: nn.Module, batches: list) -> dict:
+    """``tree`` with fp16: the root encodes the sum once, every rank below passes it on (at 4
+    ranks rank 2 forwards to rank 3), so every replica decodes the same bytes."""
+    engine = px.Engine(
+        copy.deepcopy(model), nn.functional.cross_entropy, OPTIMIZERS["sgd"], exchange="tree",
+        compress="fp16", bucket_mb=0.004, context=ctx,
+    )  # fmt: skip
+    _train(engine, batches)
+    ref = _reference(model, OPTIMIZERS["sgd"], batches)
+    params = _params(engine)
+    engine.close()
+    diff = max((a - b.detach()).abs().max().item() for a, b in zip(params, ref.parameters()))
+    return {"diff": diff, "params": params}
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
@@ -125,6 +141,9 @@ def test_strategies_equal_allreduce(world_size: int) -> None:
         for key, (sent, received) in r["bytes"].items():
             if "servers': 1" not in key:
                 assert sent > 0 or received > 0 or world_size == 1, key
+        assert r["tree_fp16"]["diff"] < 1e-3, (rank, r["tree_fp16"]["diff"])
+        for a, b in zip(r["tree_fp16"]["params"], results[0]["tree_fp16"]["params"]):
+            assert torch.equal(a, b), f"world {world_size} rank {rank} tree fp16: replicas differ"
     # Optimizer state: plain data parallel keeps it all on every rank; native partitioning
     # keeps about 1/p on each rank, and the shards add up to the whole.
     full = results[0]["optimizer_bytes"]["allreduce{}/adam"]

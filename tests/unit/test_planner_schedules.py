@@ -11,6 +11,7 @@ from phalanx.errors import ConfigError
 from phalanx.exchange import schedule as cyclic
 from phalanx.exchange.tree import tree_children, tree_parent
 from phalanx.planner.schedules import (
+    FORWARD,
     FORWARD_PASS,
     GRAD,
     PARAM,
@@ -67,6 +68,10 @@ def test_tree_rounds_follow_phalanx_tree(p):
     for rank in range(p):
         order = [dst for src, dst in down if src == rank]
         assert order == list(reversed(tree_children(rank, p)))
+    # coded as tree_allreduce codes: every partial sum up, the root's sum once, then passed on
+    assert {m.kind for r in rounds[:depth] for m in r} == {GRAD}
+    assert [m.kind for m in rounds[depth]] == [GRAD]
+    assert {m.kind for r in rounds[depth + 1 :] for m in r} <= {FORWARD}
 
 
 def test_ps_star_push_and_pull():

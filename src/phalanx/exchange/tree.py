@@ -4,8 +4,9 @@ Phases per bucket (a job on the communication thread, so it runs while backward 
   Phase 1 (up): in round s (s = 0 .. ceil(log2 p) - 1), a rank whose lowest set bit is s sends
     its partial sum to rank - 2^s and is done; a rank with bits 0..s clear receives from
     rank + 2^s (if that rank exists) and adds. After ceil(log2 p) rounds rank 0 holds the sum.
-  Phase 2 (down): each rank receives the result from the rank it sent to, then forwards it to
-    the ranks it received from, farthest first.
+  Phase 2 (down): the root encodes the sum once; each other rank receives that message from
+    the rank it sent to, forwards it unchanged to the ranks it received from (farthest first),
+    then decodes it.
 Any world size works: a missing partner is skipped. Each rank sends and receives the bucket at
 most 1 + (number of its children) times; rank 0 is the busiest (ceil(log2 p) sends down).
 """
@@ -16,10 +17,11 @@ import math
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from phalanx.exchange.base import STRATEGIES, Strategy, stamp_done
 from phalanx.exchange.buckets import Bucket
-from phalanx.exchange.comm import CommThread, wait
+from phalanx.exchange.comm import CommThread, global_rank, wait
 from phalanx.exchange.compression import Codec
 
 
@@ -53,12 +55,20 @@ def tree_allreduce(
         received += codec.recv_add(flat, child, group)
     if parent is not None:
         sent += codec.send(flat, parent, group)
-        # Phase 2: down the tree.
-        received += codec.recv_into(flat, parent, group)
-    elif codec.wire_dtype is not None:  # the root keeps what everyone else will decode
-        codec.decode_into(codec.encode(flat), flat)
+    # Phase 2: down the tree. The root encodes the sum once and every other rank passes the
+    # message it received on as it is: all ranks decode the same bytes (identical results),
+    # and no rank re-encodes what it decoded. A rank decodes after forwarding, so its own
+    # decode is not on its children's path.
+    if parent is None:
+        message = codec.encode(flat)
+    else:
+        message = flat if codec.wire_dtype is None else codec.scratch_message(flat)
+        dist.recv(message, global_rank(group, parent), group=group)
+        received += message.nbytes
     for child in reversed(children):
-        sent += codec.send(flat, child, group)
+        dist.send(message, global_rank(group, child), group=group)
+        sent += message.nbytes
+    codec.decode_into(message, flat)
     return sent, received
 
 

@@ -195,15 +195,19 @@ def _tree_up(ranks: list[int], share: float, b: _Builder) -> None:
         )
 
 
-def _tree_down(ranks: list[int], share: float, kind: int, b: _Builder) -> None:
+def _tree_down(
+    ranks: list[int], share: float, kind: int, b: _Builder, passed_on: int | None = None
+) -> None:
     """Back down the same tree: each position forwards what it received to its children,
-    farthest first (a binomial broadcast from ranks[0], ceil(log2 n) rounds)."""
+    farthest first (a binomial broadcast from ranks[0], ceil(log2 n) rounds). ``kind``: the
+    first round's messages; ``passed_on`` (default ``kind``): the later rounds', whose message
+    the sender already holds in wire form (the root's encoding, sent again or forwarded)."""
     n = len(ranks)
     depth = math.ceil(math.log2(n)) if n > 1 else 0
     for t in range(depth):
         step = 1 << (depth - 1 - t)
         b.round(
-            (ranks[i], ranks[i + step], share, kind)
+            (ranks[i], ranks[i + step], share, kind if t == 0 or passed_on is None else passed_on)
             for i in range(0, n, 2 * step)
             if i + step < n  # i + step is i's child: i's lowest set bit is above step
         )
@@ -215,7 +219,9 @@ def tree_rounds(world: int) -> RoundTable:
     b = _Builder()
     ranks = list(range(world))
     _tree_up(ranks, 1.0, b)
-    _tree_down(ranks, 1.0, GRAD, b)
+    # the root encodes the sum once (GRAD: encoded there, decoded at the child); every later
+    # message is that encoding passed on (FORWARD: decoded only), as tree_allreduce sends it
+    _tree_down(ranks, 1.0, GRAD, b, passed_on=FORWARD)
     return b.table(("tree", world))
 
 
