@@ -144,3 +144,21 @@ def test_from_link_charges_the_message_probe_beyond_the_link(tmp_path):
     bench = {"meta": {}, "rounds": [], "median": probed.to_dict()}
     (tmp_path / "bench_link.json").write_text(json.dumps(bench))
     assert from_link(tmp_path / "bench_link.json") == from_link(probed)
+
+
+def test_from_link_takes_the_hand_over_probe_and_the_probe_measures(tmp_path):
+    """A link.json with hand-over samples gives the cluster their mean as ``handoff_s``
+    (none: 0); the probe returns two latencies per hand-over, real and below a second, and
+    leaves no thread behind."""
+    import threading
+
+    from phalanx.exchange.comm import measure_handoff_s
+
+    link = LinkModel(alpha_s=1e-4, beta_bytes_per_s=1.2e9, world_size=2, backend="gloo")
+    assert from_link(link).handoff_s == 0.0
+    probed = dataclasses.replace(link, handoff_samples_s=(1e-4, 2e-4, 6e-4))
+    assert from_link(probed).handoff_s == pytest.approx(3e-4)
+    assert LinkModel.load(probed.save(tmp_path)).handoff_samples_s == probed.handoff_samples_s
+    samples = measure_handoff_s(repeats=5, work_s=2e-4, pause_s=1e-4)
+    assert len(samples) == 10 and all(0 < t < 1.0 for t in samples)
+    assert not [t for t in threading.enumerate() if t.name == "phalanx-handoff-probe"]

@@ -293,3 +293,44 @@ def test_ps_agrees_on_the_loss_between_forward_and_backward():
         assert agree[0].start_s == pytest.approx(forward_end)
     allreduce = Simulator(step, one_node()).run(2, ExchangeSetup(strategy="allreduce"))
     assert not [e for e in allreduce.events if e.name == "agree"]
+
+
+def test_thread_hand_overs_cost_handoff_s_where_a_thread_sleeps_or_is_waited_for():
+    """``handoff_s``: a job handed to the sleeping communication thread starts that much later,
+    and the compute thread that waits for it resumes that much after it ends. One bucket
+    launched as backward ends, no compute after it: the step pays both hand-overs once for
+    ``tree``; nothing for uncompressed ``allreduce`` (the backend's own collective) or for the
+    compressed one's last bucket (the compute thread exchanges it itself)."""
+    h, p = 3e-4, 2
+    step = profile([(1e-3, 2e-3, 4 * MIB)])
+    plain, slow = one_node(), one_node(handoff_s=h)
+
+    def extra(setup: ExchangeSetup) -> float:
+        return (
+            Simulator(step, slow).run(p, setup).step_s - Simulator(step, plain).run(p, setup).step_s
+        )
+
+    assert extra(ExchangeSetup(strategy="tree")) == pytest.approx(2 * h, rel=1e-9)
+    assert extra(ExchangeSetup(strategy="allreduce")) == 0.0
+    assert extra(ExchangeSetup(strategy="allreduce", compress="fp16")) == 0.0
+    # two buckets, compressed: the first is a thread's job (launched while backward runs: the
+    # thread sleeps); the last is not
+    two = profile([(1e-3, 2e-3, 4 * MIB), (1e-3, 2e-3, 4 * MIB)])
+    setup = ExchangeSetup(strategy="allreduce", compress="fp16", bucket_bytes=4 * MIB)
+    runs = [Simulator(two, c).run(p, setup) for c in (plain, slow)]
+    assert len(runs[0].bucket_bytes) == 2
+    first = [[e for e in r.events if e.name == "b0 exchange"][0] for r in runs]
+    assert first[1].start_s == pytest.approx(first[0].start_s)  # launched at the same time
+    assert first[1].duration_s == pytest.approx(first[0].duration_s + h)  # started h later
+    # ps: the push is a job (h to start), the step waits for the update (h to resume, hidden:
+    # the thread goes on with the pull meanwhile) and the next forward for the pull (h)
+    ps = ExchangeSetup(strategy="ps")
+    assert extra(ps) == pytest.approx(2 * h, rel=1e-9)
+    # partitioned: the reduce (h to start, h to resume), then the send-back, a job after the
+    # optimizer (h to start), waited for by the next forward (h to resume)
+    part = ExchangeSetup(strategy="partitioned")
+    assert extra(part) == pytest.approx(4 * h, rel=1e-9)
+    # a one-rank run has no exchange and no hand-over
+    assert Simulator(step, slow).run(1, ExchangeSetup(strategy="tree")).step_s == pytest.approx(
+        Simulator(step, plain).run(1, ExchangeSetup(strategy="tree")).step_s
+    )

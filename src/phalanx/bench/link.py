@@ -72,6 +72,7 @@ class LinkBenchConfig:
 # -- inside the workers -----------------------------------------------------------------------
 def _calibrate_task(sizes: tuple[int, ...], repeats: int) -> dict[str, Any]:
     """One calibration on every worker; returns the model and how long it took (this rank)."""
+    from phalanx.exchange.comm import measure_handoff_s
     from phalanx.exchange.link import calibrate, measure_message_s
     from phalanx.runtime.pool import current_worker
 
@@ -79,7 +80,11 @@ def _calibrate_task(sizes: tuple[int, ...], repeats: int) -> dict[str, Any]:
     start = time.perf_counter()
     link = calibrate(ctx.group, ctx.device, sizes=sizes, repeats=repeats)
     seconds = time.perf_counter() - start
-    link = replace(link, message_samples_s=measure_message_s(ctx.group, ctx.device))
+    link = replace(
+        link,
+        message_samples_s=measure_message_s(ctx.group, ctx.device),
+        handoff_samples_s=measure_handoff_s(ctx.device),  # every rank at once, as in a step
+    )
     return {"link": link.to_dict(), "seconds": seconds}
 
 
@@ -131,6 +136,7 @@ def run_benchmark(cfg: LinkBenchConfig) -> dict[str, Any]:
         world_size=cfg.nproc,
         backend=backend,
         message_samples_s=tuple(t for link in links for t in link.message_samples_s),  # pooled
+        handoff_samples_s=tuple(t for link in links for t in link.handoff_samples_s),
     )
     thresholds = [
         _threshold(name, profile, median, cfg.nproc) for name, profile in profiles.items()
@@ -196,19 +202,22 @@ def format_report(result: dict[str, Any]) -> str:
                      f"{max(samples) * 1e3:.3f}", f"{fitted * 1e3:.3f}",
                      f"{fitted / median - 1:+.0%}"))  # fmt: skip
     lines += _table(rows)
-    rows = [("round", "alpha us", "beta GB/s", "message us", "calibrate s")]
+    rows = [("round", "alpha us", "beta GB/s", "message us", "handoff us", "calibrate s")]
     for i, r in enumerate(result["rounds"]):
         fit = LinkModel.from_dict(r["link"])
         rows.append((str(i + 1), f"{fit.alpha_s * 1e6:.1f}", _gbps(fit.beta_bytes_per_s),
-                     _micros(fit.message_s), f"{r['seconds']:.3f}"))  # fmt: skip
+                     _micros(fit.message_s), _micros(fit.handoff_s),
+                     f"{r['seconds']:.3f}"))  # fmt: skip
     median = LinkModel.from_dict(result["median"])
     rows.append(("median", f"{median.alpha_s * 1e6:.1f}", _gbps(median.beta_bytes_per_s),
-                 _micros(median.message_s), ""))  # fmt: skip
+                 _micros(median.message_s), _micros(median.handoff_s), ""))  # fmt: skip
     lines += _table(rows)
     lines.append(
         "message us: mean one-way time of a 4 KiB point-to-point message sent from a thread "
         "after a pause (the median row: every round's samples); `phalanx plan --cluster` on "
-        "this file charges its excess over the link model to every message"
+        "this file charges its excess over the link model to every message; handoff us: "
+        "mean latency of handing a job to the communication thread and of resuming after it "
+        "(rank 0's), charged to every such hand-over"
     )
     for t in result["thresholds"]:
         lines.append(f"{t['model']}: {t['describe']}")

@@ -11,8 +11,9 @@ predicts each block's steps:
 
   Phase 1 (calibrate, once per model): the link's alpha and beta (``exchange.link.calibrate``,
     the fit ``phalanx bench link`` makes), the mean cost of one message sent from a thread
-    after a pause (``measure_message_s``: the cluster's ``message_overhead_s``) and the fp16
-    codec's seconds per byte.
+    after a pause (``measure_message_s``: the cluster's ``message_overhead_s``), the mean
+    latency of a job's hand-over to the communication thread and back (``measure_handoff_s``:
+    the cluster's ``handoff_s``) and the fp16 codec's seconds per byte.
   Phase 2 (measure): the timed steps' mean (the slower rank's), and from the trace of each
     step, of the rank that computed longest in it (the step's straggler), the compute the
     simulator needs: forward, backward per bucket (each bucket's gradients, in ready order),
@@ -109,12 +110,18 @@ def _loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 # -- inside the workers -----------------------------------------------------------------------
 def _worker(ctx: Any, cfg: PlannerBenchConfig, model_name: str) -> list[dict[str, Any]] | None:
+    from phalanx.exchange.comm import measure_handoff_s
     from phalanx.exchange.link import calibrate, measure_message_s
     from phalanx.planner.cluster import from_link, measure_codec_s_per_byte
 
-    # Phase 1: calibrate the link (and a message's software cost) and the codec.
+    # Phase 1: calibrate the link (with a message's and a thread hand-over's software cost)
+    # and the codec.
     link = calibrate(ctx.group, ctx.device)
-    link = replace(link, message_samples_s=measure_message_s(ctx.group, ctx.device))
+    link = replace(
+        link,
+        message_samples_s=measure_message_s(ctx.group, ctx.device),
+        handoff_samples_s=measure_handoff_s(ctx.device),  # every rank at once, as in a step
+    )
     codec_s = measure_codec_s_per_byte("fp16")
     cluster = from_link(link, devices_per_node=ctx.world_size, codec_s_per_byte=codec_s)
     batch = 32

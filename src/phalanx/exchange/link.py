@@ -59,6 +59,8 @@ class LinkModel:
     ``sizes`` are message bytes; ``samples_s[i]`` the timed allreduces of ``sizes[i]`` (rank 0's).
     ``message_samples_s``: one-way times of a ``MESSAGE_PROBE_BYTES`` point-to-point message
     sent from a thread after a pause (``measure_message_s``; empty when not measured).
+    ``handoff_samples_s``: latencies of handing a job to the communication thread and of
+    resuming after it (``phalanx.exchange.comm.measure_handoff_s``; empty when not measured).
     """
 
     alpha_s: float
@@ -68,11 +70,17 @@ class LinkModel:
     samples_s: tuple[tuple[float, ...], ...] = ()
     backend: str = ""
     message_samples_s: tuple[float, ...] = ()
+    handoff_samples_s: tuple[float, ...] = ()
 
     @property
     def message_s(self) -> float | None:
         """The mean of ``message_samples_s`` (None when not measured)."""
         return statistics.fmean(self.message_samples_s) if self.message_samples_s else None
+
+    @property
+    def handoff_s(self) -> float | None:
+        """The mean of ``handoff_samples_s`` (None when not measured)."""
+        return statistics.fmean(self.handoff_samples_s) if self.handoff_samples_s else None
 
     def predict(self, nbytes: float, world_size: int | None = None) -> float:
         """Seconds of one ring allreduce of ``nbytes`` over ``world_size`` ranks (default: the
@@ -104,6 +112,7 @@ class LinkModel:
                 "mean_s": self.message_s,
                 "samples_s": list(self.message_samples_s),
             },
+            "handoff": {"mean_s": self.handoff_s, "samples_s": list(self.handoff_samples_s)},
         }
 
     @classmethod
@@ -120,6 +129,7 @@ class LinkModel:
                 samples_s=tuple(tuple(map(float, point["samples_s"])) for point in sweep),
                 backend=str(data.get("backend", "")),
                 message_samples_s=tuple(map(float, data.get("message", {}).get("samples_s", []))),
+                handoff_samples_s=tuple(map(float, data.get("handoff", {}).get("samples_s", []))),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(

@@ -87,6 +87,13 @@ class ClusterConfig:
         "path of a message sent from a communication thread after a pause (wake-ups, thread "
         "hand-offs), as a mean; from_link measures it (exchange.link.measure_message_s)",
     )
+    handoff_s: float = option(
+        0.0,
+        "seconds one thread of a rank takes to act on another's signal: a job handed to the "
+        "sleeping communication thread starts that much later, and a compute thread waiting "
+        "for that thread's job resumes that much after it ends (a mean; from_link takes it "
+        "from exchange.comm.measure_handoff_s)",
+    )
     description: str = option("", "where the numbers come from")
 
     def __post_init__(self) -> None:
@@ -102,7 +109,7 @@ class ClusterConfig:
             "compute_speed",
             f"must be > 0, got {self.compute_speed!r}",
         )
-        for key in ("codec_s_per_byte", "message_overhead_s"):
+        for key in ("codec_s_per_byte", "message_overhead_s", "handoff_s"):
             value = getattr(self, key)
             require(math.isfinite(value) and value >= 0, key, f"must be >= 0, got {value!r}")
 
@@ -244,6 +251,7 @@ def from_link(
         shared_intra=shared,
         codec_s_per_byte=codec_s_per_byte,
         message_overhead_s=overhead,
+        handoff_s=link.handoff_s or 0.0,
         description=f"calibrated by phalanx bench link ({link.backend or 'unknown'} backend, "
         f"{link.world_size} ranks)",
     )
@@ -294,7 +302,8 @@ def cluster_to_toml(cluster: ClusterConfig, comment: str = "") -> str:
 
     lines = [f"# {line}".rstrip() for line in comment.splitlines()]
     for key in ("name", "description", "nodes", "devices_per_node", "shared_nic", "shared_intra",
-                "compute_speed", "codec_s_per_byte", "message_overhead_s"):  # fmt: skip
+                "compute_speed", "codec_s_per_byte", "message_overhead_s",
+                "handoff_s"):  # fmt: skip
         lines.append(f"{key} = {value(getattr(cluster, key))}")
     for level in LEVELS:
         link = getattr(cluster, level)

@@ -301,6 +301,14 @@ class Schedule(ABC):
         del world
         return []
 
+    def on_thread(self, codec: WireCodec, last: bool) -> bool:
+        """Whether a bucket's exchange (``last``: the step's last bucket) and the send-back run
+        as jobs on phalanx's communication thread, handed over from the compute thread: each
+        hand-over to a sleeping thread, and each wait that ends with such a job, costs the
+        cluster's ``handoff_s``. True for phalanx's point-to-point strategies."""
+        del codec, last
+        return True
+
     def describe(self) -> str:
         return type(self).__name__
 
@@ -340,6 +348,11 @@ class AllReduceSchedule(Schedule):
             return [Phase("gather", gather_rounds(world))]
         return [Phase("allreduce", ring_rounds(world))]
 
+    def on_thread(self, codec: WireCodec, last: bool) -> bool:
+        # uncompressed: the backend's own collectives; compressed: the thread, except the
+        # last bucket, which the compute thread exchanges itself (exchange/allreduce.py)
+        return codec.compresses and not last
+
 
 @SCHEDULES.register("ring")
 class RingSchedule(Schedule):
@@ -347,6 +360,9 @@ class RingSchedule(Schedule):
 
     def bucket_phases(self, world: int, codec: WireCodec, nbytes: float) -> list[Phase]:
         return [Phase("ring", ring_rounds(world))] if world > 1 else []
+
+    def on_thread(self, codec: WireCodec, last: bool) -> bool:
+        return not last  # as compressed ``allreduce`` runs it
 
 
 @SCHEDULES.register("tree")
@@ -474,6 +490,9 @@ class TreeServerSchedule(Schedule):
     def return_phases(self, world: int) -> list[Phase]:
         # STEP: the next iteration starts once every replica holds every parameter.
         return [Phase("fetch", star_rounds(world), gates=STEP)] if world > 1 else []
+
+    def on_thread(self, codec: WireCodec, last: bool) -> bool:
+        return False  # another system's server (its own threads are not phalanx's)
 
 
 def make_schedule(name: str, options: dict[str, Any] | None = None) -> Schedule:

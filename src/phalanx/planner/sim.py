@@ -229,6 +229,11 @@ class Simulator:
         return_durations = self._durations(network, world, buckets, [returns] * len(buckets))
         timeline = _Timeline(self.profile, buckets, self._layer_of_grad)
         timeline.agree_s = self._agree_s(network, world) if schedule.agrees_before_backward else 0.0
+        timeline.handoff_s = self.cluster.handoff_s if world > 1 else 0.0
+        timeline.on_thread = [
+            schedule.on_thread(network.codec, b.index == len(buckets) - 1) for b in buckets
+        ]
+        timeline.returns_on_thread = bool(returns) and schedule.on_thread(network.codec, False)
         for step in range(NUM_STEPS):
             timeline.step(
                 step,
@@ -395,6 +400,10 @@ class _Timeline:
         self.params_ready = [0.0] * len(buckets)
         self.all_params_ready = 0.0  # return phases that gate the whole next step
         self.agree_s = 0.0  # the synchronisation between forward and backward, if any
+        # hand-overs between the compute and the communication thread (ClusterConfig.handoff_s)
+        self.handoff_s = 0.0
+        self.on_thread = [False] * len(buckets)  # per bucket: its exchange is a thread's job
+        self.returns_on_thread = False  # the send-back (return phases) too
         self.events: list[TraceEvent] = []
         self.stats: list[dict[str, float]] = []
         self.step_starts: list[float] = []
@@ -525,13 +534,15 @@ class _Timeline:
             self._event(LANE_COMPUTE, "engine", self.now, self.now + profile.engine_s, step)
             self.now += profile.engine_s
         if self.all_params_ready > self.now:
-            self._event(LANE_WAIT, "parameters", self.now, self.all_params_ready, step)
-            parameter_wait += self.all_params_ready - self.now
-            self.now = self.all_params_ready
+            resume = self.all_params_ready + (self.handoff_s if self.returns_on_thread else 0.0)
+            self._event(LANE_WAIT, "parameters", self.now, resume, step)
+            parameter_wait += resume - self.now
+            self.now = resume
         segment = self.now
         for index in reversed(range(len(layers))):
             need = max((self.params_ready[b] for b in self.layer_buckets[index]), default=0.0)
-            if need > self.now:
+            if need > self.now:  # woken by the job that brought the parameters
+                need += self.handoff_s if self._params_on_thread(index) else 0.0
                 self._event(LANE_COMPUTE, "forward", segment, self.now, step)
                 waited = sorted(self.layer_buckets[index])
                 self._event(LANE_WAIT, "parameters", self.now, need, step, buckets=waited)
@@ -540,6 +551,12 @@ class _Timeline:
             self.now += layers[index].forward_s
         self._event(LANE_COMPUTE, "forward", segment, self.now, step)
         return parameter_wait
+
+    def _params_on_thread(self, layer: int) -> bool:
+        """Whether the parameters of ``layer`` come back as jobs of the communication thread
+        (a send-back, or a pull inside the bucket's exchange)."""
+        buckets = self.layer_buckets[layer]
+        return self.returns_on_thread or any(self.on_thread[b] for b in buckets)
 
     def step(
         self,
@@ -576,6 +593,8 @@ class _Timeline:
             b = bucket.index
             launched = max(launched, ready[b], self.params_ready[b])
             clock = max(launched, self.comm_free)
+            if self.on_thread[b] and self.comm_free < launched:  # the thread sleeps: wake it
+                clock += self.handoff_s
             gate_end = clock
             for phase, duration in zip(bucket_phases, seconds):
                 if phase.gates == FORWARD_PASS:
@@ -597,6 +616,8 @@ class _Timeline:
                 phases={p.name: d for p, d in zip(bucket_phases, seconds)},
             )
             self.comm_free = clock
+            if self.on_thread[b] and gate_end > backward_end:  # the compute thread waits
+                gate_end += self.handoff_s  # for the job, then wakes
             step_done = max(step_done, gate_end)
         # Phase 4: wait for the exchange, then the optimizer on this rank's share.
         self._finish(step, start, step_done, optimizer_fraction, parameter_wait)
@@ -604,6 +625,8 @@ class _Timeline:
         for bucket in reversed(self.buckets):
             b = bucket.index
             clock = max(self.now, self.comm_free)
+            if self.returns_on_thread and self.comm_free < self.now:  # the thread sleeps
+                clock += self.handoff_s
             for phase, duration in zip(returns, return_durations[b]):
                 self._phase_event(bucket, phase.name, clock, duration, step)
                 clock += duration
