@@ -83,7 +83,7 @@ def _calibrate_task(sizes: tuple[int, ...], repeats: int) -> dict[str, Any]:
     link = replace(
         link,
         message_samples_s=measure_message_s(ctx.group, ctx.device),
-        handoff_samples_s=measure_handoff_s(ctx.device),  # every rank at once, as in a step
+        handoff_samples_s=measure_handoff_s(),  # every rank at once, as in a step
     )
     return {"link": link.to_dict(), "seconds": seconds}
 
@@ -216,7 +216,7 @@ def format_report(result: dict[str, Any]) -> str:
         "message us: mean one-way time of a 4 KiB point-to-point message sent from a thread "
         "after a pause (the median row: every round's samples); `phalanx plan --cluster` on "
         "this file charges its excess over the link model to every message; handoff us: "
-        "mean latency of handing a job to the communication thread and of resuming after it "
+        "median latency of handing a job to the communication thread and of resuming after it "
         "(rank 0's), charged to every such hand-over"
     )
     for t in result["thresholds"]:

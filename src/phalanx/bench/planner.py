@@ -120,7 +120,7 @@ def _worker(ctx: Any, cfg: PlannerBenchConfig, model_name: str) -> list[dict[str
     link = replace(
         link,
         message_samples_s=measure_message_s(ctx.group, ctx.device),
-        handoff_samples_s=measure_handoff_s(ctx.device),  # every rank at once, as in a step
+        handoff_samples_s=measure_handoff_s(),  # every rank at once, as in a step
     )
     codec_s = measure_codec_s_per_byte("fp16")
     cluster = from_link(link, devices_per_node=ctx.world_size, codec_s_per_byte=codec_s)

@@ -10,7 +10,6 @@ submission order, which is the same on every rank.
 from __future__ import annotations
 
 import queue
-import statistics
 import threading
 import time
 from collections.abc import Callable
@@ -105,53 +104,54 @@ def wait(handle: Any) -> None:
         handle.wait()
 
 
-HANDOFF_REPEATS = 200  # ~0.4 s: the mean of a heavy tail needs many samples
-HANDOFF_WORK_S = 5e-4  # each thread's work around a hand-over (a job, the compute it overlaps)
-HANDOFF_PAUSE_S = 1e-3  # between hand-overs: the communication thread goes back to sleep
-PROBE_MATRIX = 160  # the probe's work: matrix products of this size
+HANDOFF_REPEATS = 200  # ~0.3 s
+HANDOFF_WORK_S = 5e-4  # the job's work
+HANDOFF_PAUSE_S = 1e-3  # the compute thread's work between jobs (the other thread sleeps)
+PROBE_MATRIX = 160  # the probe's work: matrix products of this size (~0.1 ms on a CPU core)
 
 
 def measure_handoff_s(
-    device: torch.device | str = "cpu",
     repeats: int = HANDOFF_REPEATS,
     work_s: float = HANDOFF_WORK_S,
     pause_s: float = HANDOFF_PAUSE_S,
 ) -> tuple[float, ...]:
     """Latencies of the two hand-overs of a strategy's job between this process's compute
-    thread and a ``CommThread`` (seconds; the cluster's ``handoff_s`` is their mean): how
-    long after ``submit`` the sleeping thread starts the job while the submitter keeps
-    computing, and how long after the job ends the submitter, waiting for it, resumes. Both
-    threads run small tensor operations meanwhile, as backward and the jobs do; every rank
+    thread and a sleeping ``CommThread``, as at the end of backward (seconds): how long after
+    ``submit`` the thread starts the job, and how long after the job ends the submitter,
+    waiting for it, resumes. The threads' work is CPU matrix products (whatever the device:
+    the hand-over is the host's), during which the GIL is free, as in backward. Every rank
     measures its own, at the same time as the others when called together (as the bench
-    commands do), so the cores are shared as in a step. The samples are heavy-tailed on a
-    shared CPU (a wake-up that waits for a core), so their mean is what steps pay.
+    commands do), so the cores are shared as in a step.
+
+    The cluster's ``handoff_s`` is the samples' median (``LinkModel.handoff_s``): inside
+    steps here the hand-overs' mean was close to this probe's median (tree on the digits CNN,
+    2 processes: 80-98 and 41-48 us), while the probe's own mean carries a tail of
+    vCPU wake-ups (0.1-1 ms) that steps did not show.
 
       Phase 1 (warm-up): two hand-overs, so the thread and its queue exist.
-      Phase 2 (probe): ``repeats`` hand-overs, each after ``pause_s`` of sleep."""
-    device = torch.device(device)
-    comm = CommThread(device, own_group=False, name="phalanx-handoff-probe")
+      Phase 2 (probe): ``repeats`` hand-overs, each after ``pause_s`` of the submitter's
+        work (the thread falls asleep meanwhile)."""
+    comm = CommThread(torch.device("cpu"), own_group=False, name="phalanx-handoff-probe")
     n = PROBE_MATRIX
-    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
-    out = {name: torch.empty(n, n, device=device) for name in ("compute", "comm")}
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    out = {name: torch.empty(n, n) for name in ("compute", "comm")}
 
     def work(seconds: float, name: str) -> None:
-        # ~0.1 ms kernels (on a CPU core), like backward's: the GIL is free while each runs
         end = time.perf_counter() + seconds
         while time.perf_counter() < end:
             torch.mm(a, b, out=out[name])
 
     def job() -> tuple[float, float]:
         started = time.perf_counter()
-        work(work_s, "comm")  # longer than the submitter's work: the submitter waits for it
+        work(work_s, "comm")
         return started, time.perf_counter()
 
     samples: list[float] = []
     try:
         for i in range(repeats + 2):
-            time.sleep(pause_s)
+            work(pause_s, "compute")
             submitted = time.perf_counter()
             future = comm.submit(job)
-            work(work_s / 2, "compute")
             started, ended = future.result()
             resumed = time.perf_counter()
             if i >= 2:  # Phase 1 done
@@ -159,8 +159,3 @@ def measure_handoff_s(
     finally:
         comm.close()
     return tuple(samples)
-
-
-def mean_or_none(samples: tuple[float, ...]) -> float | None:
-    """The mean of a probe's samples (None when it did not run)."""
-    return statistics.fmean(samples) if samples else None

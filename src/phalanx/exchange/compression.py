@@ -105,10 +105,16 @@ class Codec:
         if message.data_ptr() != t.data_ptr():
             t.copy_(message)
 
+    def send_buffer(self, like: torch.Tensor) -> torch.Tensor | None:
+        """Where to encode ``like``'s message before a blocking send: this thread's reusable
+        "send" arena (a fresh multi-MB message per send costs its page faults every time);
+        None when the message is ``like`` itself (no codec)."""
+        return None if self.wire_dtype is None else self.scratch_message(like, "send")
+
     # -- point-to-point helpers used by the strategies ----------------------------------------
     def send(self, t: torch.Tensor, dst: int, group: Any) -> int:
         """Send ``t``'s message; returns the bytes put on the wire."""
-        message = self.encode(t)
+        message = self.encode(t, out=self.send_buffer(t))
         dist.send(message, global_rank(group, dst), group=group)
         return message.nbytes
 

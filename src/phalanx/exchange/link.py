@@ -79,8 +79,9 @@ class LinkModel:
 
     @property
     def handoff_s(self) -> float | None:
-        """The mean of ``handoff_samples_s`` (None when not measured)."""
-        return statistics.fmean(self.handoff_samples_s) if self.handoff_samples_s else None
+        """The median of ``handoff_samples_s`` (None when not measured; why the median:
+        ``measure_handoff_s``)."""
+        return statistics.median(self.handoff_samples_s) if self.handoff_samples_s else None
 
     def predict(self, nbytes: float, world_size: int | None = None) -> float:
         """Seconds of one ring allreduce of ``nbytes`` over ``world_size`` ranks (default: the

@@ -60,7 +60,7 @@ def tree_allreduce(
     # and no rank re-encodes what it decoded. A rank decodes after forwarding, so its own
     # decode is not on its children's path.
     if parent is None:
-        message = codec.encode(flat)
+        message = codec.encode(flat, out=codec.send_buffer(flat))
     else:
         message = flat if codec.wire_dtype is None else codec.scratch_message(flat)
         dist.recv(message, global_rank(group, parent), group=group)

@@ -91,8 +91,8 @@ class ClusterConfig:
         0.0,
         "seconds one thread of a rank takes to act on another's signal: a job handed to the "
         "sleeping communication thread starts that much later, and a compute thread waiting "
-        "for that thread's job resumes that much after it ends (a mean; from_link takes it "
-        "from exchange.comm.measure_handoff_s)",
+        "for that thread's job resumes that much after it ends (from_link takes the median of "
+        "exchange.comm.measure_handoff_s)",
     )
     description: str = option("", "where the numbers come from")
 
