@@ -5,10 +5,11 @@ so they cannot be summed by the backend; every hop here decodes and adds in full
 
 Each ring step moves one chunk to the next rank while receiving another from the previous one.
 A chunk travels as several pieces (``PIECE_NUMEL`` elements, each its own message with its own
-scale), so encoding, the wire and decoding overlap instead of running one after another:
+scale), so that decoding overlaps the wire:
   Phase 1: post the receives of every piece of the incoming chunk;
-  Phase 2: encode the outgoing chunk piece by piece, sending each piece as soon as it is ready
-    (the backend's I/O thread moves piece k while this thread encodes piece k+1);
+  Phase 2: encode the outgoing chunk piece by piece, then post every piece's send (posting
+    each piece as soon as it was encoded measured slower on two shared cores: the backend's
+    copying thread then competes with the encoder, docs/exchange.md);
   Phase 3: fold each incoming piece into ``flat`` as it arrives, in order.
 Message buffers come from the codec's per-thread arenas: no multi-MB allocation
 per message. Gloo and NCCL deliver messages between a pair of ranks in the order they were posted.
@@ -65,7 +66,7 @@ class RingLink:
         receives = [
             dist.irecv(m, global_rank(self.group, prev), group=self.group) for m in incoming
         ]
-        # Phase 2: encode and send piece by piece.
+        # Phase 2: encode piece by piece, then send.
         if outgoing is None:
             buffers = codec.message_views("send", [b - a for a, b in send_pieces], flat)
             outgoing = [
@@ -135,7 +136,7 @@ class GatherExchange:
     ``start`` returns as soon as everything is posted, so the wire works while the caller
     goes on; ``finish`` completes:
       Phase 1 (start): post the receives of every piece from every other rank;
-      Phase 2 (start): encode this rank's pieces, sending each to every other rank when ready;
+      Phase 2 (start): encode this rank's pieces, then send each to every other rank;
       Phase 3 (finish): per piece, once all p messages are there, decode them into ``flat`` in
         rank order.
     """
@@ -157,7 +158,7 @@ class GatherExchange:
                 self.receives[src] = [
                     dist.irecv(m, global_rank(group, src), group=group) for m in self.messages[src]
                 ]
-        # Phase 2: encode and send piece by piece.
+        # Phase 2: encode piece by piece, then send.
         buffers = codec.message_views("own", numels, flat)
         own = [codec.encode(flat[a:b], out=m) for (a, b), m in zip(self.parts, buffers)]
         if codec.wire_dtype is None:  # the messages are views of flat, which the sum overwrites
