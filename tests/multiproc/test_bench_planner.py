@@ -3,6 +3,7 @@ and its flag errors."""
 
 from __future__ import annotations
 
+import statistics
 import tempfile
 from pathlib import Path
 
@@ -29,6 +30,12 @@ def test_one_cell_is_measured_traced_and_predicted() -> None:
     assert row["error"] == min(b["error"] for b in row["blocks"])
     assert row["measured_s"] > 0 and row["predicted_s"] > 0
     assert ps["cluster"]["message_overhead_s"] >= 0  # the message probe ran
+    # calibrated before each round of blocks; every block predicted from their median
+    assert len(row["calibrations"]) == 2 and row["calibrations"] == ps["calibrations"]
+    assert all(c["handoff_median_s"] > 0 and c["message_mean_s"] > 0 for c in row["calibrations"])
+    assert all(b["cluster"] == row["cluster"] for b in row["blocks"] + ps["blocks"])
+    beta = statistics.median(c["beta_bytes_per_s"] for c in row["calibrations"])
+    assert row["cluster"]["intra"]["beta_bytes_per_s"] == pytest.approx(2 * beta)  # Gloo: p beta
     assert row["forward_s"] > 0 and row["backward_s"] > 0 and row["optimizer_s"] > 0
     assert row["simulated_buckets"] == row["num_buckets"]  # the simulator re-formed the buckets
     assert row["cluster"]["shared_intra"] and row["setup"]["compress"] == "fp16"

@@ -162,3 +162,30 @@ def test_from_link_takes_the_hand_over_probe_and_the_probe_measures(tmp_path):
     samples = measure_handoff_s(repeats=5, work_s=2e-4, pause_s=1e-4)
     assert len(samples) == 10 and all(0 < t < 1.0 for t in samples)
     assert not [t for t in threading.enumerate() if t.name == "phalanx-handoff-probe"]
+
+
+def test_median_of_calibrations_keeps_one_round_of_slow_wake_ups_out():
+    """``LinkModel.median_of``: median alpha and beta, and each probe's samples from the
+    round whose statistic is the median: one round's burst (a mean of 10 ms) is not the
+    model's."""
+    rounds = [
+        LinkModel(
+            alpha_s=a,
+            beta_bytes_per_s=b,
+            world_size=2,
+            backend="gloo",
+            message_samples_s=m,
+            handoff_samples_s=h,
+        )  # fmt: skip
+        for a, b, m, h in [
+            (1e-4, 3e9, (1e-4, 1e-4), (3e-5,)),
+            (9e-4, 1e9, (1e-2, 1e-2), (9e-3,)),
+            (2e-4, 2e9, (2e-4, 2e-4), (4e-5,)),
+        ]
+    ]
+    median = LinkModel.median_of(rounds)
+    assert (median.alpha_s, median.beta_bytes_per_s) == (2e-4, 2e9)
+    assert median.message_samples_s == (2e-4, 2e-4)
+    assert median.handoff_samples_s == (4e-5,)
+    unprobed = [dataclasses.replace(r, message_samples_s=(), handoff_samples_s=()) for r in rounds]
+    assert LinkModel.median_of(unprobed).message_s is None

@@ -130,14 +130,7 @@ def run_benchmark(cfg: LinkBenchConfig) -> dict[str, Any]:
         profiles = {name: pool.run_on(0, _profile_task, name, cfg) for name in cfg.models}
         backend = LinkModel.from_dict(rounds[0]["link"]).backend
     links = [LinkModel.from_dict(r["link"]) for r in rounds]
-    median = LinkModel(
-        alpha_s=statistics.median(link.alpha_s for link in links),
-        beta_bytes_per_s=statistics.median(link.beta_bytes_per_s for link in links),
-        world_size=cfg.nproc,
-        backend=backend,
-        message_samples_s=tuple(t for link in links for t in link.message_samples_s),  # pooled
-        handoff_samples_s=tuple(t for link in links for t in link.handoff_samples_s),
-    )
+    median = LinkModel.median_of(links)
     thresholds = [
         _threshold(name, profile, median, cfg.nproc) for name, profile in profiles.items()
     ]
@@ -214,10 +207,10 @@ def format_report(result: dict[str, Any]) -> str:
     lines += _table(rows)
     lines.append(
         "message us: mean one-way time of a 4 KiB point-to-point message sent from a thread "
-        "after a pause (the median row: every round's samples); `phalanx plan --cluster` on "
-        "this file charges its excess over the link model to every message; handoff us: "
-        "median latency of handing a job to the communication thread and of resuming after it "
-        "(rank 0's), charged to every such hand-over"
+        "after a pause (the median row: the round with the median mean); `phalanx plan "
+        "--cluster` on this file charges its excess over the link model to every message; "
+        "handoff us: median latency of handing a job to the communication thread and of "
+        "resuming after it (rank 0's), charged to every such hand-over"
     )
     for t in result["thresholds"]:
         lines.append(f"{t['model']}: {t['describe']}")

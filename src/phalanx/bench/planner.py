@@ -9,19 +9,22 @@ fresh Engine each time), and a cell's error is its median block's: a burst of lo
 machine's neighbours then spoils one block of several cells instead of one cell. The planner
 predicts each block's steps:
 
-  Phase 1 (calibrate, once per model): the link's alpha and beta (``exchange.link.calibrate``,
-    the fit ``phalanx bench link`` makes), the mean cost of one message sent from a thread
-    after a pause (``measure_message_s``: the cluster's ``message_overhead_s``), the mean
-    latency of a job's hand-over to the communication thread and back (``measure_handoff_s``:
-    the cluster's ``handoff_s``) and the fp16 codec's seconds per byte.
+  Phase 1 (calibrate, before every round of blocks): the link's alpha and beta
+    (``exchange.link.calibrate``, the fit ``phalanx bench link`` makes), the mean cost of one
+    message sent from a thread after a pause (``measure_message_s``: the cluster's
+    ``message_overhead_s``), the median latency of a job's hand-over to the communication
+    thread and back (``measure_handoff_s``: the cluster's ``handoff_s``) and the fp16 codec's
+    seconds per byte.
   Phase 2 (measure): the timed steps' mean (the slower rank's), and from the trace of each
     step, of the rank that computed longest in it (the step's straggler), the compute the
     simulator needs: forward, backward per bucket (each bucket's gradients, in ready order),
     the optimizer and the step's time outside its traced phases (the Engine's own work).
-  Phase 3 (predict): ``planner.sim.Simulator`` on a one-node cluster built from the link, with
-    the run's bucket threshold and first bucket, once per timed step: the strategy's message
-    schedule, overlap with backward, the optimizer. The mean simulated step against the
-    measured mean: the error.
+  Phase 3 (predict, after the last round): ``planner.sim.Simulator`` on a one-node cluster
+    built from the rounds' median calibration (``LinkModel.median_of``: one calibration is a
+    moment of this shared VM, whose message costs moved 3x between minutes), with the run's
+    bucket threshold and first bucket, once per timed step of every block: the strategy's
+    message schedule, overlap with backward, the optimizer. The mean simulated step against
+    the measured mean: the error.
 
 The compute inputs come from the run itself, so the error measures the planner's model of the
 exchange and its overlap, not a prediction of compute speed (docs/planner.md).
@@ -109,21 +112,26 @@ def _loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 # -- inside the workers -----------------------------------------------------------------------
-def _worker(ctx: Any, cfg: PlannerBenchConfig, model_name: str) -> list[dict[str, Any]] | None:
+def _calibrate(ctx: Any) -> tuple[Any, float]:
+    """Phase 1, once per round: the link (with a message's and a thread hand-over's software
+    cost) and the fp16 codec's seconds per byte."""
     from phalanx.exchange.comm import measure_handoff_s
     from phalanx.exchange.link import calibrate, measure_message_s
-    from phalanx.planner.cluster import from_link, measure_codec_s_per_byte
+    from phalanx.planner.cluster import measure_codec_s_per_byte
 
-    # Phase 1: calibrate the link (with a message's and a thread hand-over's software cost)
-    # and the codec.
     link = calibrate(ctx.group, ctx.device)
     link = replace(
         link,
         message_samples_s=measure_message_s(ctx.group, ctx.device),
         handoff_samples_s=measure_handoff_s(),  # every rank at once, as in a step
     )
-    codec_s = measure_codec_s_per_byte("fp16")
-    cluster = from_link(link, devices_per_node=ctx.world_size, codec_s_per_byte=codec_s)
+    return link, measure_codec_s_per_byte("fp16")
+
+
+def _worker(ctx: Any, cfg: PlannerBenchConfig, model_name: str) -> list[dict[str, Any]] | None:
+    from phalanx.exchange.link import LinkModel
+    from phalanx.planner.cluster import from_link
+
     batch = 32
     model, x, y = _model_and_batch(model_name, batch)
     cells = [
@@ -133,12 +141,48 @@ def _worker(ctx: Any, cfg: PlannerBenchConfig, model_name: str) -> list[dict[str
         for threshold in cfg.thresholds
     ]
     blocks: dict[tuple[str, str, str], list[dict[str, Any]]] = {cell: [] for cell in cells}
+    calibrations = []
     for _ in range(cfg.blocks):  # every cell once per round: a slow minute hits one block each
-        for cell in cells:
-            blocks[cell].append(_cell(ctx, cfg, model, x, y, cell, cluster))
+        calibrations.append(_calibrate(ctx))
+        for cell in cells:  # Phase 2
+            blocks[cell].append(_cell(ctx, cfg, model, x, y, cell))
     if ctx.rank != 0:
         return None
-    return [_row(model_name, blocks[cell]) for cell in cells]
+    # Phase 3: every block predicted from the rounds' median calibration.
+    link = LinkModel.median_of([link for link, _ in calibrations])
+    codec_s = statistics.median(codec for _, codec in calibrations)
+    cluster = from_link(link, devices_per_node=ctx.world_size, codec_s_per_byte=codec_s)
+    rounds = [_calibration_summary(link, codec) for link, codec in calibrations]
+    for cell in cells:
+        for block in blocks[cell]:
+            _simulate(block, cluster, ctx.world_size)
+    return [{**_row(model_name, blocks[cell]), "calibrations": rounds} for cell in cells]
+
+
+def _calibration_summary(link: Any, codec_s: float) -> dict[str, Any]:
+    """One round's calibration, for the report (seconds, bytes per second)."""
+    return {
+        "alpha_s": link.alpha_s,
+        "beta_bytes_per_s": link.beta_bytes_per_s,
+        "message_mean_s": link.message_s,
+        "handoff_median_s": link.handoff_s,
+        "codec_s_per_byte": codec_s,
+    }
+
+
+def _simulate(block: dict[str, Any], cluster: Any, world: int) -> None:
+    """Predict a measured block: one simulated step per timed step's profile, their mean."""
+    from phalanx.planner.sim import ExchangeSetup, Simulator
+    from phalanx.planner.step import StepProfile
+
+    setup = ExchangeSetup(**block["setup"])
+    runs = [
+        Simulator(StepProfile.from_dict(p), cluster).run(world, setup) for p in block["profiles"]
+    ]
+    block["cluster"] = cluster.to_dict()
+    block["predicted_s"] = statistics.fmean(r.step_s for r in runs)
+    block["predicted_exposed_s"] = statistics.fmean(r.exposed_s for r in runs)
+    block["simulated_buckets"] = len(runs[0].bucket_bytes)
 
 
 def _row(model_name: str, blocks: list[dict[str, Any]]) -> dict[str, Any]:
@@ -157,7 +201,6 @@ def _cell(
     x: torch.Tensor,
     y: torch.Tensor,
     setup: tuple[str, str, str],
-    cluster: Any,
 ) -> dict[str, Any]:
     strategy, compress, threshold = setup
     import phalanx as px
@@ -208,22 +251,21 @@ def _cell(
     }
     if ctx.rank == 0:
         costs = (per_rank, state_bytes)
-        row.update(_predict(engine, trace, cluster, strategy, compress, x.shape[0], costs))
+        row.update(_profiles(engine, trace, strategy, compress, x.shape[0], costs))
     engine.close()
     shutil.rmtree(directory, ignore_errors=True)
     return row
 
 
-def _predict(
+def _profiles(
     engine: Any,
     trace: Any,
-    cluster: Any,
     strategy: str,
     compress: str,
     batch: int,
     costs: tuple[list[list[float]], list[int]],
 ) -> dict[str, Any]:
-    """Phase 3: one simulated step per timed step, their mean against the measured mean.
+    """The block's compute, one step profile per timed step, for Phase 3 to simulate.
 
     A synchronous step waits for the rank that computes slowest *in that step* (this VM's
     jitter moves between the ranks), so each step's profile comes from that step's straggler:
@@ -238,7 +280,6 @@ def _predict(
     step_times, state_bytes = costs
     from pathlib import Path
 
-    from phalanx.planner.sim import ExchangeSetup, Simulator
     from phalanx.planner.trace import read_trace
     from phalanx.tracing import TRACE_FILE
 
@@ -248,12 +289,6 @@ def _predict(
     by = {(r, s): [] for r in ranks for s in steps}
     for e in every:
         by[(e["pid"], e["args"]["step"])].append(e)
-    setup = ExchangeSetup(
-        strategy=strategy,
-        bucket_bytes=engine.buckets.bucket_bytes,
-        first_bucket_bytes=engine.buckets.first_bucket_bytes,
-        compress=compress,
-    )
     grad_bytes = sum(p.numel() * p.element_size() for b in engine.buckets.buckets for p in b.params)
     profiles, stragglers = [], []
     for k, s in enumerate(steps):
@@ -266,24 +301,19 @@ def _predict(
         )
         profile = _step_profile(by[(slow, s)], step_times[slow][k], engine, batch, per_byte)
         profiles.append(profile)
-    predictions = [Simulator(p, cluster).run(engine.ctx.world_size, setup) for p in profiles]
     return {
         "profiles": [p.to_dict() for p in profiles],  # with "cluster" and "setup": enough to
-        "cluster": cluster.to_dict(),  # simulate again
-        "setup": {
+        "setup": {  # simulate again
             "strategy": strategy,
-            "bucket_bytes": setup.bucket_bytes,
-            "first_bucket_bytes": setup.first_bucket_bytes,
+            "bucket_bytes": engine.buckets.bucket_bytes,
+            "first_bucket_bytes": engine.buckets.first_bucket_bytes,
             "compress": compress,
         },
-        "predicted_s": statistics.fmean(r.step_s for r in predictions),
-        "predicted_exposed_s": statistics.fmean(r.exposed_s for r in predictions),
         "forward_s": statistics.fmean(p.forward_s for p in profiles),
         "backward_s": statistics.fmean(p.backward_s for p in profiles),
         "optimizer_s": statistics.fmean(p.optimizer_s for p in profiles),
         "overhead_s": statistics.fmean(p.engine_s for p in profiles),
         "stragglers": stragglers,
-        "simulated_buckets": len(predictions[0].bucket_bytes),
     }
 
 

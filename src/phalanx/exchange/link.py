@@ -117,6 +117,31 @@ class LinkModel:
         }
 
     @classmethod
+    def median_of(cls, links: list[LinkModel]) -> LinkModel:
+        """One model from several calibrations of the same group (rounds a few seconds or
+        minutes apart, on a machine whose state moves): the median alpha and beta, and each
+        probe's samples from the round whose statistic (the probe's mean or median) is the
+        median (lower median for an even count), so one round's burst of slow wake-ups does
+        not set the whole model."""
+        assert links, "median_of: no calibrations"
+
+        def middle(samples: str, statistic: str) -> tuple[float, ...]:
+            measured = [link for link in links if getattr(link, samples)]
+            if not measured:
+                return ()
+            measured.sort(key=lambda link: getattr(link, statistic))
+            return getattr(measured[(len(measured) - 1) // 2], samples)
+
+        return cls(
+            alpha_s=statistics.median(link.alpha_s for link in links),
+            beta_bytes_per_s=statistics.median(link.beta_bytes_per_s for link in links),
+            world_size=links[0].world_size,
+            backend=links[0].backend,
+            message_samples_s=middle("message_samples_s", "message_s"),
+            handoff_samples_s=middle("handoff_samples_s", "handoff_s"),
+        )
+
+    @classmethod
     def from_dict(cls, data: dict[str, Any]) -> LinkModel:
         """Inverse of ``to_dict``; a missing or malformed key is a one-line ValueError."""
         try:
