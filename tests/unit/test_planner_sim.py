@@ -334,3 +334,27 @@ def test_thread_hand_overs_cost_handoff_s_where_a_thread_sleeps_or_is_waited_for
     assert Simulator(step, slow).run(1, ExchangeSetup(strategy="tree")).step_s == pytest.approx(
         Simulator(step, plain).run(1, ExchangeSetup(strategy="tree")).step_s
     )
+
+
+def test_point_to_point_reductions_pay_the_receivers_add():
+    """``add_s_per_byte``: phalanx's own reductions add each arriving (uncompressed) gradient
+    message into a buffer; the backend's allreduce (its calibration includes its adds), the
+    results sent down a tree and a codec (its ``codec_s_per_byte`` includes the decode-add)
+    pay nothing more. At p = 2 ``tree`` adds the bucket once (up), ``partitioned`` (one
+    partition) once, ``ps`` with every rank serving half the bucket per rank."""
+    a, p, n = 1e-10, 2, 8 * MIB
+    step = profile([(0.0, 0.0, n - FLAG_BYTES)])
+    plain, adding = one_node(), one_node(add_s_per_byte=a)
+
+    def extra(setup: ExchangeSetup) -> float:
+        return (
+            Simulator(step, adding).run(p, setup).step_s
+            - Simulator(step, plain).run(p, setup).step_s
+        )
+
+    assert extra(ExchangeSetup(strategy="tree")) == pytest.approx(a * n, rel=1e-9)
+    assert extra(ExchangeSetup(strategy="partitioned")) == pytest.approx(a * n, rel=1e-9)
+    assert extra(ExchangeSetup(strategy="ps")) == pytest.approx(a * n / 2, rel=1e-9)
+    assert extra(ExchangeSetup(strategy="allreduce")) == 0.0
+    assert extra(ExchangeSetup(strategy="ring")) == pytest.approx(a * n / 2, rel=1e-9)
+    assert extra(ExchangeSetup(strategy="tree", compress="fp16")) == 0.0

@@ -13,8 +13,9 @@ predicts each block's steps:
     (``exchange.link.calibrate``, the fit ``phalanx bench link`` makes), the mean cost of one
     message sent from a thread after a pause (``measure_message_s``: the cluster's
     ``message_overhead_s``), the median latency of a job's hand-over to the communication
-    thread and back (``measure_handoff_s``: the cluster's ``handoff_s``) and the fp16 codec's
-    seconds per byte.
+    thread and back (``measure_handoff_s``: the cluster's ``handoff_s``), the fp16 codec's
+    seconds per byte and an uncompressed add's (``measure_add_s_per_byte``: phalanx's
+    point-to-point reductions add what arrives).
   Phase 2 (measure): the timed steps' mean (the slower rank's), and from the trace of each
     step, of the rank that computed longest in it (the step's straggler), the compute the
     simulator needs: forward, backward per bucket (each bucket's gradients, in ready order),
@@ -112,12 +113,12 @@ def _loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 # -- inside the workers -----------------------------------------------------------------------
-def _calibrate(ctx: Any) -> tuple[Any, float]:
+def _calibrate(ctx: Any) -> tuple[Any, float, float]:
     """Phase 1, once per round: the link (with a message's and a thread hand-over's software
-    cost) and the fp16 codec's seconds per byte."""
+    cost), the fp16 codec's and an uncompressed add's seconds per byte."""
     from phalanx.exchange.comm import measure_handoff_s
     from phalanx.exchange.link import calibrate, measure_message_s
-    from phalanx.planner.cluster import measure_codec_s_per_byte
+    from phalanx.planner.cluster import measure_add_s_per_byte, measure_codec_s_per_byte
 
     link = calibrate(ctx.group, ctx.device)
     link = replace(
@@ -125,7 +126,7 @@ def _calibrate(ctx: Any) -> tuple[Any, float]:
         message_samples_s=measure_message_s(ctx.group, ctx.device),
         handoff_samples_s=measure_handoff_s(),  # every rank at once, as in a step
     )
-    return link, measure_codec_s_per_byte("fp16")
+    return link, measure_codec_s_per_byte("fp16"), measure_add_s_per_byte()
 
 
 def _worker(ctx: Any, cfg: PlannerBenchConfig, model_name: str) -> list[dict[str, Any]] | None:
@@ -149,19 +150,24 @@ def _worker(ctx: Any, cfg: PlannerBenchConfig, model_name: str) -> list[dict[str
     if ctx.rank != 0:
         return None
     # Phase 3: every block predicted from the rounds' median calibration.
-    link = LinkModel.median_of([link for link, _ in calibrations])
-    codec_s = statistics.median(codec for _, codec in calibrations)
-    cluster = from_link(link, devices_per_node=ctx.world_size, codec_s_per_byte=codec_s)
-    rounds = [_calibration_summary(link, codec) for link, codec in calibrations]
+    link = LinkModel.median_of([c[0] for c in calibrations])
+    cluster = from_link(
+        link,
+        devices_per_node=ctx.world_size,
+        codec_s_per_byte=statistics.median(c[1] for c in calibrations),
+        add_s_per_byte=statistics.median(c[2] for c in calibrations),
+    )
+    rounds = [_calibration_summary(*c) for c in calibrations]
     for cell in cells:
         for block in blocks[cell]:
             _simulate(block, cluster, ctx.world_size)
     return [{**_row(model_name, blocks[cell]), "calibrations": rounds} for cell in cells]
 
 
-def _calibration_summary(link: Any, codec_s: float) -> dict[str, Any]:
+def _calibration_summary(link: Any, codec_s: float, add_s: float) -> dict[str, Any]:
     """One round's calibration, for the report (seconds, bytes per second)."""
     return {
+        "add_s_per_byte": add_s,
         "alpha_s": link.alpha_s,
         "beta_bytes_per_s": link.beta_bytes_per_s,
         "message_mean_s": link.message_s,

@@ -81,6 +81,11 @@ class ClusterConfig:
     codec_s_per_byte: float = option(
         0.0, "compression cost: seconds per uncompressed gradient byte to encode and decode a hop"
     )
+    add_s_per_byte: float = option(
+        0.0,
+        "seconds per byte to add an uncompressed gradient message into a buffer (phalanx's "
+        "point-to-point reductions; the backend's allreduce has it in its alpha and beta)",
+    )
     message_overhead_s: float = option(
         0.0,
         "seconds every message costs beyond its link's alpha + n / beta: the hosts' software "
@@ -109,7 +114,7 @@ class ClusterConfig:
             "compute_speed",
             f"must be > 0, got {self.compute_speed!r}",
         )
-        for key in ("codec_s_per_byte", "message_overhead_s", "handoff_s"):
+        for key in ("codec_s_per_byte", "add_s_per_byte", "message_overhead_s", "handoff_s"):
             value = getattr(self, key)
             require(math.isfinite(value) and value >= 0, key, f"must be >= 0, got {value!r}")
 
@@ -211,8 +216,11 @@ def from_link(
     name: str = "this machine",
     devices_per_node: int | None = None,
     codec_s_per_byte: float = 0.0,
+    add_s_per_byte: float = 0.0,
 ) -> ClusterConfig:
-    """The one-node cluster that a ``phalanx bench link`` calibration measured.
+    """The one-node cluster that a ``phalanx bench link`` calibration measured (with the
+    codec's and the add's seconds per byte, measured apart: ``measure_codec_s_per_byte``,
+    ``measure_add_s_per_byte``).
 
     ``link``: a ``phalanx.exchange.link.LinkModel``, or the path of its ``link.json`` (or of
     the directory holding it). ``devices_per_node`` defaults to the calibrated world size. The
@@ -250,6 +258,7 @@ def from_link(
         intra=intra,
         shared_intra=shared,
         codec_s_per_byte=codec_s_per_byte,
+        add_s_per_byte=add_s_per_byte,
         message_overhead_s=overhead,
         handoff_s=link.handoff_s or 0.0,
         description=f"calibrated by phalanx bench link ({link.backend or 'unknown'} backend, "
@@ -289,6 +298,33 @@ def measure_codec_s_per_byte(
     return statistics.median(times[1:]) / (values.numel() * values.element_size())
 
 
+def measure_add_s_per_byte(
+    nbytes: int = 25 * 2**20, repeats: int = 7, device: str = "cpu"
+) -> float:
+    """Seconds per byte to add one float32 gradient message into another (``t += message``,
+    as phalanx's point-to-point reductions do without a codec), on this process: the
+    ``add_s_per_byte`` of a cluster file. Median of ``repeats`` after one warm-up, at the
+    default bucket's 25 MiB (per byte, an add of buffers past the caches costs ~2x one that
+    fits them)."""
+    import statistics
+    import time
+
+    import torch
+
+    total = torch.zeros(nbytes // 4, device=device)
+    message = torch.ones_like(total)
+    times = []
+    for _ in range(repeats + 1):
+        if total.device.type == "cuda":
+            torch.cuda.synchronize(total.device)
+        start = time.perf_counter()
+        total += message
+        if total.device.type == "cuda":
+            torch.cuda.synchronize(total.device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:]) / (total.numel() * total.element_size())
+
+
 def cluster_to_toml(cluster: ClusterConfig, comment: str = "") -> str:
     """The TOML text of ``cluster`` (``load_cluster`` reads it back unchanged); ``comment``
     lines go first, each prefixed with '# '."""
@@ -302,7 +338,7 @@ def cluster_to_toml(cluster: ClusterConfig, comment: str = "") -> str:
 
     lines = [f"# {line}".rstrip() for line in comment.splitlines()]
     for key in ("name", "description", "nodes", "devices_per_node", "shared_nic", "shared_intra",
-                "compute_speed", "codec_s_per_byte", "message_overhead_s",
+                "compute_speed", "codec_s_per_byte", "add_s_per_byte", "message_overhead_s",
                 "handoff_s"):  # fmt: skip
         lines.append(f"{key} = {value(getattr(cluster, key))}")
     for level in LEVELS:

@@ -226,6 +226,8 @@ class Network:
         ratio = np.asarray(self.codec.ratio)[table.kind]
         overhead = np.asarray(self.codec.overhead_bytes)[table.kind]
         coding = np.asarray(self.codec.coding)[table.kind] * self.cluster.codec_s_per_byte
+        if self.codec.separate_add:  # phalanx's receiver adds a reduced message itself
+            coding = coding + table.summed * self.cluster.add_s_per_byte
         # seconds per message, whatever its size (the hosts' software path included)
         fixed = alpha + overhead * inv_beta + self.cluster.message_overhead_s
         per_byte = table.fraction * (ratio * inv_beta + coding)  # seconds per bucket byte

@@ -63,6 +63,8 @@ class Message:
 class RoundTable:
     """The messages of one phase, as arrays in program order; round r holds messages
     ``starts[r]:starts[r+1]``. ``fraction``: each message's share of the bucket's bytes.
+    ``summed``: whether phalanx's receiver adds the message into its buffer (a point-to-point
+    reduction; not the backend's own allreduce, whose adds its calibration includes).
     ``key`` identifies the table (for caches): equal keys, equal tables."""
 
     key: tuple
@@ -71,6 +73,7 @@ class RoundTable:
     fraction: np.ndarray
     kind: np.ndarray
     starts: np.ndarray
+    summed: np.ndarray
 
     @property
     def num_rounds(self) -> int:
@@ -97,39 +100,51 @@ class RoundTable:
 
 
 class _Builder:
-    """Collects rounds of (src, dst, fraction, kind) into a RoundTable."""
+    """Collects rounds of (src, dst, fraction, kind) into a RoundTable. ``summed`` of a round:
+    whether its receivers add what arrives (default: gradients do, ``kind == GRAD``)."""
 
     def __init__(self) -> None:
-        self.chunks: list[np.ndarray] = []  # (4, m) blocks of src, dst, fraction, kind
+        # (5, m) blocks of src, dst, fraction, kind, summed
+        self.chunks: list[np.ndarray] = []
         self.sizes: list[int] = []  # messages per round
 
-    def round(self, messages: Iterable[tuple[int, int, float, int]]) -> None:
+    def round(
+        self, messages: Iterable[tuple[int, int, float, int]], summed: bool | None = None
+    ) -> None:
         """Append one round (skipped if empty)."""
         block = np.asarray(list(messages), dtype=np.float64).reshape(-1, 4).T
         if block.shape[1]:
-            self.chunks.append(block)
-            self.sizes.append(block.shape[1])
+            self._append(block, summed, [block.shape[1]])
 
     def rounds(
-        self, src: np.ndarray, dst: np.ndarray, fraction: float, kind: int, count: int
+        self,
+        src: np.ndarray,
+        dst: np.ndarray,
+        fraction: float,
+        kind: int,
+        count: int,
+        summed: bool | None = None,
     ) -> None:
         """Append ``count`` rounds, each of the messages src[i] -> dst[i]."""
         m = len(src)
         block = np.empty((4, m * count))
         block[0], block[1] = np.tile(src, count), np.tile(dst, count)
         block[2], block[3] = fraction, kind
-        self.chunks.append(block)
-        self.sizes.extend([m] * count)
+        self._append(block, summed, [m] * count)
 
     def singles(self, src: np.ndarray, dst: np.ndarray, fraction: float, kind: int) -> None:
         """Append one round per message src[i] -> dst[i], in order."""
         block = np.empty((4, len(src)))
         block[0], block[1], block[2], block[3] = src, dst, fraction, kind
-        self.chunks.append(block)
-        self.sizes.extend([1] * len(src))
+        self._append(block, None, [1] * len(src))
+
+    def _append(self, block: np.ndarray, summed: bool | None, sizes: list[int]) -> None:
+        flags = block[3] == GRAD if summed is None else np.full(block.shape[1], summed)
+        self.chunks.append(np.vstack([block, flags]))
+        self.sizes.extend(sizes)
 
     def table(self, key: tuple) -> RoundTable:
-        data = np.concatenate(self.chunks, axis=1) if self.chunks else np.zeros((4, 0))
+        data = np.concatenate(self.chunks, axis=1) if self.chunks else np.zeros((5, 0))
         return RoundTable(
             key=key,
             src=data[0].astype(np.int64),
@@ -137,6 +152,7 @@ class _Builder:
             fraction=data[2].copy(),
             kind=data[3].astype(np.int64),
             starts=np.concatenate(([0], np.cumsum(self.sizes, dtype=np.int64))),
+            summed=data[4].astype(bool),
         )
 
 
@@ -159,18 +175,25 @@ def _shares(num_parts: int) -> list[float]:
 
 @functools.lru_cache(maxsize=64)
 def ring_rounds(
-    world: int, reduce: bool = True, gather: bool = True, grad: bool = True
+    world: int,
+    reduce: bool = True,
+    gather: bool = True,
+    grad: bool = True,
+    backend: bool = False,
 ) -> RoundTable:
     """Ring reduce-scatter (p-1 steps) then all-gather (p-1 steps): in every step each rank
     sends 1/p of the bucket to rank+1 while receiving 1/p from rank-1 (F14). ``grad`` False:
-    the all-gather carries parameters (exact); True: the owners' encoded chunks (FORWARD)."""
+    the all-gather carries parameters (exact); True: the owners' encoded chunks (FORWARD).
+    ``backend``: the backend's own allreduce, whose adds the link's calibration includes (not
+    ``summed``); else phalanx's point-to-point ring, which adds each arriving chunk itself."""
     b = _Builder()
     ranks = np.arange(world)
     if reduce:
-        b.rounds(ranks, (ranks + 1) % world, 1.0 / world, GRAD, world - 1)
+        summed = False if backend else None
+        b.rounds(ranks, (ranks + 1) % world, 1.0 / world, GRAD, world - 1, summed=summed)
     if gather:
         b.rounds(ranks, (ranks + 1) % world, 1.0 / world, FORWARD if grad else PARAM, world - 1)
-    return b.table(("ring", world, reduce, gather, grad))
+    return b.table(("ring", world, reduce, gather, grad, backend))
 
 
 @functools.lru_cache(maxsize=64)
@@ -207,9 +230,17 @@ def _tree_down(
     for t in range(depth):
         step = 1 << (depth - 1 - t)
         b.round(
-            (ranks[i], ranks[i + step], share, kind if t == 0 or passed_on is None else passed_on)
-            for i in range(0, n, 2 * step)
-            if i + step < n  # i + step is i's child: i's lowest set bit is above step
+            (
+                (
+                    ranks[i],
+                    ranks[i + step],
+                    share,
+                    kind if t == 0 or passed_on is None else passed_on,
+                )
+                for i in range(0, n, 2 * step)
+                if i + step < n  # i + step is i's child: i's lowest set bit is above step
+            ),
+            summed=False,  # the result: stored, not added
         )
 
 
@@ -319,7 +350,7 @@ SCHEDULES: Registry[Schedule] = Registry("exchange schedule")
 def agreement_phases(world: int) -> list[Phase]:
     """The non-finite guard's agreement (``Schedule.agrees_before_backward``): a 1-element
     allreduce, as the backend's ring (4 bytes: its rounds' latency)."""
-    return [Phase("agree", ring_rounds(world))] if world > 1 else []
+    return [Phase("agree", ring_rounds(world, backend=True))] if world > 1 else []
 
 
 def _strategy_options(name: str, options: dict[str, Any] | None) -> Any:
@@ -346,7 +377,8 @@ class AllReduceSchedule(Schedule):
             return []
         if codec.compresses and world == 2 and codec.wire_bytes(nbytes) <= GATHER_MAX_BYTES:
             return [Phase("gather", gather_rounds(world))]
-        return [Phase("allreduce", ring_rounds(world))]
+        # uncompressed: the backend's allreduce; compressed: phalanx's ring
+        return [Phase("allreduce", ring_rounds(world, backend=not codec.compresses))]
 
     def on_thread(self, codec: WireCodec, last: bool) -> bool:
         # uncompressed: the backend's own collectives; compressed: the thread, except the
@@ -505,12 +537,15 @@ def make_schedule(name: str, options: dict[str, Any] | None = None) -> Schedule:
 class WireCodec:
     """What a codec does to a message of each kind: the wire's bytes per uncompressed byte, the
     bytes added per message, and the coding work in units of ``codec_s_per_byte`` per
-    uncompressed byte (1: encode and decode; 0.5: decode only)."""
+    uncompressed byte (1: encode and decode; 0.5: decode only). ``separate_add``: a summed
+    message's add costs ``ClusterConfig.add_s_per_byte`` on top (no codec: the receiver adds
+    the raw message); a codec's ``codec_s_per_byte`` already includes its decode-and-add."""
 
     name: str
     ratio: tuple[float, float, float] = (1.0, 1.0, 1.0)  # by kind: GRAD, FORWARD, PARAM
     overhead_bytes: tuple[float, float, float] = (0.0, 0.0, 0.0)
     coding: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    separate_add: bool = False
 
     @property
     def compresses(self) -> bool:
@@ -521,7 +556,7 @@ class WireCodec:
 
 
 WIRE_CODECS: Registry[WireCodec] = Registry("compression")
-WIRE_CODECS.register("none")(lambda: WireCodec("none"))
+WIRE_CODECS.register("none")(lambda: WireCodec("none", separate_add=True))
 
 
 def _half_precision(name: str) -> WireCodec:

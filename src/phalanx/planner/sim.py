@@ -675,16 +675,23 @@ def predict_step(
     optimizer_s: float = 0.0,
     input_s: float = 0.0,
     codec_s_per_byte: float = 0.0,
+    add_s_per_byte: float = 0.0,
 ) -> StepResult:
     """Predict one step of a run on ``world_size`` ranks of one node from what the run measured:
     its ``BackwardProfile`` (exchange/threshold.py: gradient-ready times, bytes, E_b) and its
     ``LinkModel`` (exchange/link.py, or the path of a link.json), plus the forward, optimizer
     and input times of one step and the batch size per rank. ``bucket_bytes``: the threshold
     the run used (after ``auto`` settled: ``engine`` logs it). ``codec_s_per_byte``: encode +
-    decode seconds per uncompressed gradient byte (only with ``compress``)."""
+    decode seconds per uncompressed gradient byte (only with ``compress``); ``add_s_per_byte``:
+    seconds per byte of adding an uncompressed message (point-to-point reductions)."""
     from phalanx.planner.cluster import from_link
 
-    cluster = from_link(link, devices_per_node=world_size, codec_s_per_byte=codec_s_per_byte)
+    cluster = from_link(
+        link,
+        devices_per_node=world_size,
+        codec_s_per_byte=codec_s_per_byte,
+        add_s_per_byte=add_s_per_byte,
+    )
     profile = StepProfile.from_backward_profile(
         backward,
         forward_s=forward_s,
