@@ -266,6 +266,28 @@ def from_link(
     )
 
 
+def _median_s_per_byte(work: Any, nbytes: int, repeats: int, device: Any) -> float:
+    """Median seconds of ``work()`` over ``repeats`` runs after one warm-up (the device's
+    queued work included), per byte of ``nbytes``."""
+    import statistics
+    import time
+
+    import torch
+
+    def sync() -> None:
+        if torch.device(device).type == "cuda":
+            torch.cuda.synchronize(device)
+
+    times = []
+    for _ in range(repeats + 1):
+        sync()
+        start = time.perf_counter()
+        work()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:]) / nbytes
+
+
 def measure_codec_s_per_byte(
     name: str = "fp16", nbytes: int = 8 * 2**20, repeats: int = 7, device: str = "cpu"
 ) -> float:
@@ -273,9 +295,6 @@ def measure_codec_s_per_byte(
     decode-add it at the receiver (exchange/compression.py), on this process: the
     ``codec_s_per_byte`` of a cluster file. Median of ``repeats`` after one warm-up; about
     0.1 s for the default 8 MiB on a CPU core."""
-    import statistics
-    import time
-
     import torch
 
     from phalanx.exchange.compression import make_codec
@@ -285,17 +304,9 @@ def measure_codec_s_per_byte(
         return 0.0
     values = torch.randn(nbytes // 4, device=device)
     target = torch.zeros_like(values)
-    times = []
-    for _ in range(repeats + 1):
-        if values.device.type == "cuda":
-            torch.cuda.synchronize(values.device)
-        start = time.perf_counter()
-        message = codec.encode(values)
-        codec.decode_add(message, target)
-        if values.device.type == "cuda":
-            torch.cuda.synchronize(values.device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[1:]) / (values.numel() * values.element_size())
+    return _median_s_per_byte(
+        lambda: codec.decode_add(codec.encode(values), target), 4 * values.numel(), repeats, device
+    )
 
 
 def measure_add_s_per_byte(
@@ -306,23 +317,11 @@ def measure_add_s_per_byte(
     ``add_s_per_byte`` of a cluster file. Median of ``repeats`` after one warm-up, at the
     default bucket's 25 MiB (per byte, an add of buffers past the caches costs ~2x one that
     fits them)."""
-    import statistics
-    import time
-
     import torch
 
     total = torch.zeros(nbytes // 4, device=device)
     message = torch.ones_like(total)
-    times = []
-    for _ in range(repeats + 1):
-        if total.device.type == "cuda":
-            torch.cuda.synchronize(total.device)
-        start = time.perf_counter()
-        total += message
-        if total.device.type == "cuda":
-            torch.cuda.synchronize(total.device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[1:]) / (total.numel() * total.element_size())
+    return _median_s_per_byte(lambda: total.add_(message), 4 * total.numel(), repeats, device)
 
 
 def cluster_to_toml(cluster: ClusterConfig, comment: str = "") -> str:
