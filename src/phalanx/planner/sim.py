@@ -13,11 +13,15 @@ batch size; the exchange of a bucket is simulated message by message over all ra
     when its last gradient is ready and every earlier bucket was launched (collectives are
     issued in order).
   Phase 3 (exchange): the communication stream serves launched buckets one at a time, each
-    bucket's phases (schedules.py) one after another, overlapping the rest of backward.
-  Phase 4 (wait, optimizer): after backward the step waits for every phase the step needs, then
-    the optimizer runs over the rank's share of the gradients.
+    bucket's phases (schedules.py) one after another, overlapping the rest of backward; a
+    bucket that is a job of phalanx's communication thread (``Schedule.on_thread``) starts
+    ``handoff_s`` later when that thread was asleep.
+  Phase 4 (wait, optimizer): after backward the step waits for every phase the step needs
+    (``handoff_s`` more to wake up from a wait for the thread's job), then the optimizer runs
+    over the rank's share of the gradients.
   Phase 5 (send back): owners send the updated buckets back in forward order; the next forward
-    overlaps them (Phase 1 of the next step), or waits for all of them (``gates = STEP``).
+    overlaps them (Phase 1 of the next step, waking ``handoff_s`` after a job it waited for),
+    or waits for all of them (``gates = STEP``).
 Two steps are simulated; the second is the steady state that is reported (its forward meets the
 first step's send-back as every later step would). Its events (and the first step's that
 overlap it) are what trace.py writes.
