@@ -358,3 +358,25 @@ def test_point_to_point_reductions_pay_the_receivers_add():
     assert extra(ExchangeSetup(strategy="allreduce")) == 0.0
     assert extra(ExchangeSetup(strategy="ring")) == pytest.approx(a * n / 2, rel=1e-9)
     assert extra(ExchangeSetup(strategy="tree", compress="fp16")) == 0.0
+
+
+def test_cpu_ranks_slow_communication_while_compute_runs():
+    """``host_cores_per_node``: CPU ranks share the node's cores between each rank's compute
+    and communication thread, so communication beside compute runs at cores / (2 x ranks)
+    of its speed (here 2 / 4): a bucket launched at the start of a long backward takes
+    twice its time; after backward, full speed; devices (0 cores given) are not slowed."""
+    p, n = 2, 4 * MIB
+    first, rest = 0.5, 1e-3  # a long backward after the first bucket is ready
+    step = profile([(1e-3, 1e-3, n - FLAG_BYTES), (1e-3, first, 0), (1e-3, rest, n - FLAG_BYTES)])
+    setup = ExchangeSetup(bucket_bytes=n)
+    own = Simulator(step, one_node()).run(p, setup)
+    cpu = Simulator(step, one_node(host_cores_per_node=2)).run(p, setup)
+    assert one_node(host_cores_per_node=2).comm_rate_beside_compute(p) == 0.5
+    assert one_node(host_cores_per_node=8).comm_rate_beside_compute(p) == 1.0
+    b0 = [[e for e in r.events if e.name == "b0 exchange"][0] for r in (own, cpu)]
+    assert b0[1].duration_s == pytest.approx(2 * b0[0].duration_s)  # all of it beside backward
+    b1 = [[e for e in r.events if e.name == "b1 exchange"][0] for r in (own, cpu)]
+    assert b1[1].duration_s == pytest.approx(b1[0].duration_s)  # after backward: full speed
+    assert cpu.step_s == pytest.approx(own.step_s)  # b0 stays hidden behind the backward
+    with pytest.raises(ConfigError, match="host_cores_per_node"):
+        one_node(host_cores_per_node=-1)

@@ -156,12 +156,22 @@ def _worker(ctx: Any, cfg: PlannerBenchConfig, model_name: str) -> list[dict[str
         devices_per_node=ctx.world_size,
         codec_s_per_byte=statistics.median(c[1] for c in calibrations),
         add_s_per_byte=statistics.median(c[2] for c in calibrations),
+        host_cores=_host_cores(),  # the processes are CPU ranks sharing this machine's cores
     )
     rounds = [_calibration_summary(*c) for c in calibrations]
     for cell in cells:
         for block in blocks[cell]:
             _simulate(block, cluster, ctx.world_size)
     return [{**_row(model_name, blocks[cell]), "calibrations": rounds} for cell in cells]
+
+
+def _host_cores() -> int:
+    """The cores this process may run on (its affinity; all of them where that is unknown)."""
+    import os
+
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def _calibration_summary(link: Any, codec_s: float, add_s: float) -> dict[str, Any]:

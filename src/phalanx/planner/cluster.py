@@ -92,6 +92,12 @@ class ClusterConfig:
         "path of a message sent from a communication thread after a pause (wake-ups, thread "
         "hand-offs), as a mean; from_link measures it (exchange.link.measure_message_s)",
     )
+    host_cores_per_node: int = option(
+        0,
+        "CPU ranks: the cores a node's processes share (0: devices compute on their own). "
+        "While the compute stream is busy, communication then runs at cores / (2 x ranks on "
+        "the node) of its speed (each rank's compute and communication thread want a core)",
+    )
     handoff_s: float = option(
         0.0,
         "seconds one thread of a rank takes to act on another's signal: a job handed to the "
@@ -109,6 +115,11 @@ class ClusterConfig:
             f"must be >= 1, got {self.devices_per_node}",
         )
         require(self.nodes >= 0, "nodes", f"must be >= 0 (0: unlimited), got {self.nodes}")
+        require(
+            self.host_cores_per_node >= 0,
+            "host_cores_per_node",
+            f"must be >= 0 (0: devices compute on their own), got {self.host_cores_per_node}",
+        )
         require(
             math.isfinite(self.compute_speed) and self.compute_speed > 0,
             "compute_speed",
@@ -165,6 +176,15 @@ class ClusterConfig:
             min(self.intra.beta_bytes_per_s, inter.beta_bytes_per_s),
         )
 
+    def comm_rate_beside_compute(self, world: int) -> float:
+        """How fast communication runs while the compute stream is busy, as a fraction of its
+        calibrated speed: 1 for devices; for CPU ranks, the node's cores shared by each rank's
+        compute and communication thread (2 x the ranks on a node)."""
+        if self.host_cores_per_node <= 0:
+            return 1.0
+        ranks = min(world, self.devices_per_node)
+        return min(1.0, self.host_cores_per_node / (2 * ranks))
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -217,6 +237,7 @@ def from_link(
     devices_per_node: int | None = None,
     codec_s_per_byte: float = 0.0,
     add_s_per_byte: float = 0.0,
+    host_cores: int = 0,
 ) -> ClusterConfig:
     """The one-node cluster that a ``phalanx bench link`` calibration measured (with the
     codec's and the add's seconds per byte, measured apart: ``measure_codec_s_per_byte``,
@@ -225,7 +246,8 @@ def from_link(
     ``link``: a ``phalanx.exchange.link.LinkModel``, or the path of its ``link.json`` (or of
     the directory holding it). ``devices_per_node`` defaults to the calibrated world size. The
     link fitted a ring allreduce, whose alpha and beta are per message and direction: exactly
-    the intra-node link of this model."""
+    the intra-node link of this model. ``host_cores``: the cores the calibrated processes
+    shared (a Gloo calibration: CPU ranks; ``host_cores_per_node``), 0 when not known."""
     from phalanx.exchange.link import MESSAGE_PROBE_BYTES, LinkModel
 
     if not isinstance(link, LinkModel):
@@ -259,6 +281,7 @@ def from_link(
         shared_intra=shared,
         codec_s_per_byte=codec_s_per_byte,
         add_s_per_byte=add_s_per_byte,
+        host_cores_per_node=host_cores if shared else 0,
         message_overhead_s=overhead,
         handoff_s=link.handoff_s or 0.0,
         description=f"calibrated by phalanx bench link ({link.backend or 'unknown'} backend, "
@@ -338,7 +361,7 @@ def cluster_to_toml(cluster: ClusterConfig, comment: str = "") -> str:
     lines = [f"# {line}".rstrip() for line in comment.splitlines()]
     for key in ("name", "description", "nodes", "devices_per_node", "shared_nic", "shared_intra",
                 "compute_speed", "codec_s_per_byte", "add_s_per_byte", "message_overhead_s",
-                "handoff_s"):  # fmt: skip
+                "handoff_s", "host_cores_per_node"):  # fmt: skip
         lines.append(f"{key} = {value(getattr(cluster, key))}")
     for level in LEVELS:
         link = getattr(cluster, level)

@@ -238,6 +238,7 @@ class Simulator:
             schedule.on_thread(network.codec, b.index == len(buckets) - 1) for b in buckets
         ]
         timeline.returns_on_thread = bool(returns) and schedule.on_thread(network.codec, False)
+        timeline.comm_rate = self.cluster.comm_rate_beside_compute(world)
         for step in range(NUM_STEPS):
             timeline.step(
                 step,
@@ -385,6 +386,28 @@ class Simulator:
         ]
 
 
+def _progress(start: float, work: float, busy: list[tuple[float, float]], rate: float) -> float:
+    """When ``work`` seconds of communication started at ``start`` end, running at ``rate`` of
+    its speed inside the compute stream's ``busy`` intervals (sorted, disjoint) and at full
+    speed outside them."""
+    if rate >= 1.0:
+        return start + work
+    t = start
+    for lo, hi in busy:
+        if hi <= t:
+            continue
+        if lo > t:
+            if t + work <= lo:
+                return t + work
+            work -= lo - t
+            t = lo
+        if work <= (hi - t) * rate:
+            return t + work / rate
+        work -= (hi - t) * rate
+        t = hi
+    return t + work
+
+
 class _Timeline:
     """The compute and communication streams of consecutive steps (Phases 1-5, module doc)."""
 
@@ -408,6 +431,7 @@ class _Timeline:
         self.handoff_s = 0.0
         self.on_thread = [False] * len(buckets)  # per bucket: its exchange is a thread's job
         self.returns_on_thread = False  # the send-back (return phases) too
+        self.comm_rate = 1.0  # communication's speed while compute is busy (CPU ranks: < 1)
         self.events: list[TraceEvent] = []
         self.stats: list[dict[str, float]] = []
         self.step_starts: list[float] = []
@@ -593,6 +617,7 @@ class _Timeline:
         # Phase 3: the communication stream, bucket after bucket in launch order.
         launched, step_done = backward_start, backward_end
         next_ready = [0.0] * len(self.buckets)
+        busy = [(backward_start, backward_end)]  # the compute stream, for comm_rate
         for bucket, bucket_phases, seconds in zip(self.buckets, phases, durations):
             b = bucket.index
             launched = max(launched, ready[b], self.params_ready[b])
@@ -601,9 +626,10 @@ class _Timeline:
                 clock += self.handoff_s
             gate_end = clock
             for phase, duration in zip(bucket_phases, seconds):
+                end = _progress(clock, duration, busy, self.comm_rate)
                 if phase.gates == FORWARD_PASS:
-                    self._phase_event(bucket, phase.name, clock, duration, step)
-                clock += duration
+                    self._phase_event(bucket, phase.name, clock, end - clock, step)
+                clock = end
                 if phase.gates == STEP:
                     gate_end = clock
                 else:
@@ -625,15 +651,21 @@ class _Timeline:
             step_done = max(step_done, gate_end)
         # Phase 4: wait for the exchange, then the optimizer on this rank's share.
         self._finish(step, start, step_done, optimizer_fraction, parameter_wait)
-        # Phase 5: send the updated buckets back, first those the next forward needs first.
+        # Phase 5: send the updated buckets back, first those the next forward needs first;
+        # the next step's own work and forward keep the compute stream busy meanwhile (its
+        # waits for these very buckets are not known yet: left out).
+        profile = self.profile
+        ahead = profile.engine_s + profile.input_s + sum(layer.forward_s for layer in layers)
+        busy = [(self.now, self.now + ahead)]
         for bucket in reversed(self.buckets):
             b = bucket.index
             clock = max(self.now, self.comm_free)
             if self.returns_on_thread and self.comm_free < self.now:  # the thread sleeps
                 clock += self.handoff_s
             for phase, duration in zip(returns, return_durations[b]):
-                self._phase_event(bucket, phase.name, clock, duration, step)
-                clock += duration
+                end = _progress(clock, duration, busy, self.comm_rate)
+                self._phase_event(bucket, phase.name, clock, end - clock, step)
+                clock = end
                 if phase.gates == STEP:
                     self.all_params_ready = max(self.all_params_ready, clock)
                 else:
