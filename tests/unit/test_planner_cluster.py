@@ -65,6 +65,9 @@ def test_good_file_loads(tmp_path):
         (("nodes = 2", "nodes = 2\ngpus = 3"), ("gpus", "unknown key")),
         (("[inter]\nalpha_s = 2e-5\nbeta_bytes_per_s = 3e9", ""), ("inter", "missing")),
         (('name = "two nodes"', ""), ("name",)),
+        (("nodes = 2", "nodes = 2\nhandoff_s = -1e-4"), ("handoff_s", ">= 0")),
+        (("nodes = 2", "nodes = 2\nadd_s_per_byte = -1.0"), ("add_s_per_byte", ">= 0")),
+        (("nodes = 2", "nodes = 2\nhost_cores_per_node = -2"), ("host_cores_per_node", ">= 0")),
         (("[intra]", "[intra\n"), ("invalid TOML",)),
     ],
 )

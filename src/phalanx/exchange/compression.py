@@ -125,10 +125,16 @@ class Codec:
         self.decode_add(message, t)
         return message.nbytes
 
-    def recv_into(self, t: torch.Tensor, src: int, group: Any) -> int:
-        """Receive a message and store its values in ``t``."""
+    def recv_message(self, t: torch.Tensor, src: int, group: Any) -> torch.Tensor:
+        """Receive the message of a tensor like ``t``, undecoded: into ``t`` itself without a
+        codec, else into this thread's scratch (valid until its next receive)."""
         message = t if self.wire_dtype is None else self.scratch_message(t)
         dist.recv(message, global_rank(group, src), group=group)
+        return message
+
+    def recv_into(self, t: torch.Tensor, src: int, group: Any) -> int:
+        """Receive a message and store its values in ``t``."""
+        message = self.recv_message(t, src, group)
         self.decode_into(message, t)
         return message.nbytes
 

@@ -113,7 +113,7 @@ class LinkModel:
                 "mean_s": self.message_s,
                 "samples_s": list(self.message_samples_s),
             },
-            "handoff": {"mean_s": self.handoff_s, "samples_s": list(self.handoff_samples_s)},
+            "handoff": {"median_s": self.handoff_s, "samples_s": list(self.handoff_samples_s)},
         }
 
     @classmethod

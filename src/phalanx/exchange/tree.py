@@ -62,8 +62,7 @@ def tree_allreduce(
     if parent is None:
         message = codec.encode(flat, out=codec.send_buffer(flat))
     else:
-        message = flat if codec.wire_dtype is None else codec.scratch_message(flat)
-        dist.recv(message, global_rank(group, parent), group=group)
+        message = codec.recv_message(flat, parent, group)
         received += message.nbytes
     for child in reversed(children):
         dist.send(message, global_rank(group, child), group=group)

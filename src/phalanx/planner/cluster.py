@@ -89,8 +89,9 @@ class ClusterConfig:
     message_overhead_s: float = option(
         0.0,
         "seconds every message costs beyond its link's alpha + n / beta: the hosts' software "
-        "path of a message sent from a communication thread after a pause (wake-ups, thread "
-        "hand-offs), as a mean; from_link measures it (exchange.link.measure_message_s)",
+        "path of a message sent from a communication thread after a pause (the wake-ups of "
+        "both ranks' threads), as a mean; from_link measures it "
+        "(exchange.link.measure_message_s); hand-overs within a rank: handoff_s",
     )
     host_cores_per_node: int = option(
         0,
