@@ -77,14 +77,36 @@ def _report(error: BaseException, in_worker: bool) -> None:
 
     message = str(error) if isinstance(error, PhalanxError) else f"{type(error).__name__}: {error}"
     if in_worker:  # the launcher reads this file to name the rank and the error
-        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
-
-        ErrorHandler().record_exception(error)
+        _record_for_launcher(error)
         if any(p in message.lower() for p in PEER_LOSS):  # a consequence: keep it short
             message = "lost its connection to a peer (the launcher names the rank that failed)"
         print(f"{PROG}: rank {os.environ['RANK']}: {message}", file=sys.stderr)
     else:
         print(f"{PROG}: error: {message}", file=sys.stderr)
+
+
+def _record_for_launcher(error: BaseException) -> None:
+    """Write the error file torch elastic's agent reads (``TORCHELASTIC_ERROR_FILE``, the
+    format of its ``ErrorHandler.record_exception``), atomically: a worker the launcher stops
+    while it writes must not leave half a file, which the agent fails to parse (the launcher
+    then died with a JSONDecodeError instead of naming the rank)."""
+    import traceback
+
+    from phalanx.checkpoint import atomic_write_text
+
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    data = {
+        "message": {
+            "message": f"{type(error).__name__}: {error}",
+            "extraInfo": {
+                "py_callstack": traceback.format_exc(),
+                "timestamp": str(int(time.time())),
+            },
+        }
+    }
+    atomic_write_text(Path(path), json.dumps(data))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -388,3 +388,23 @@ def test_export_loads_into_plain_pytorch(tmp_path, capsys):
     assert all(torch.equal(got[k], expected[k]) for k in expected)
     assert run_main(["export", str(tmp_path / "nothing")]) == 2
     assert_one_line_error(capsys.readouterr().err, "no checkpoint in")
+
+
+def test_worker_error_file_is_written_whole_for_the_launcher(tmp_path, monkeypatch):
+    """A worker's error reaches torch elastic's agent through TORCHELASTIC_ERROR_FILE, written
+    atomically (a stopped writer leaves no half file for the agent to choke on) and in the
+    format the agent parses; without the variable nothing is written."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from phalanx.cli import _record_for_launcher
+    from phalanx.runtime.launch import _failure_message
+
+    monkeypatch.delenv("TORCHELASTIC_ERROR_FILE", raising=False)
+    _record_for_launcher(RuntimeError("nothing to write"))
+    assert list(tmp_path.iterdir()) == []
+    path = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
+    _record_for_launcher(RuntimeError("bucket 3 exploded"))
+    failure = ProcessFailure(local_rank=1, pid=123, exitcode=1, error_file=str(path))
+    assert "RuntimeError: bucket 3 exploded" in _failure_message(failure)  # the launcher reads
+    assert [p.name for p in tmp_path.iterdir()] == ["error.json"]  # no temporary left
