@@ -5,7 +5,7 @@ TORCH ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.phalanx-installed
 
-.PHONY: demo test test-fast lint format bench drill clean install
+.PHONY: demo test test-fast test-integration lint format bench drill drill-exit clean install
 
 install: $(STAMP)
 
@@ -28,6 +28,9 @@ test-fast: $(STAMP)
 	$(BIN)/ruff check src tests examples tools
 	$(BIN)/python -m pytest -q -m "unit and not slow" tests
 
+test-integration: $(STAMP)
+	$(BIN)/python -m pytest -q -m integration tests/integration
+
 lint: $(STAMP)
 	$(BIN)/ruff check src tests examples tools
 	$(BIN)/ruff format --check src tests examples tools
@@ -41,6 +44,9 @@ bench: $(STAMP)
 
 drill: $(STAMP)
 	$(BIN)/python tools/fault_drill.py --repeats 3
+
+drill-exit: $(STAMP)
+	$(BIN)/python tools/exit_drill.py --jobs 50
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache

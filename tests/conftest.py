@@ -1,5 +1,6 @@
-"""Test tiers: every test is ``unit`` (tests/unit, in-process) or ``multiproc`` (spawned ranks,
-launcher runs, fault drills); ``slow`` marks the ones that spawn processes or train for real.
+"""Test tiers: every test is ``unit`` (tests/unit, in-process), ``multiproc`` (spawned ranks,
+launcher runs, fault drills) or ``integration`` (tests/integration: users' scripts run as
+users run them, under torchrun or ``phalanx train``); ``slow`` marks all but ``unit``.
 ``make test-fast`` runs ``unit and not slow``; ``make test`` runs everything."""
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ import pytest
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
-        tier = "unit" if Path(str(item.fspath)).parent.name == "unit" else "multiproc"
+        folder = Path(str(item.fspath)).parent.name
+        tier = folder if folder in ("unit", "integration") else "multiproc"
         item.add_marker(getattr(pytest.mark, tier))
-        if tier == "multiproc":
+        if tier != "unit":
             item.add_marker(pytest.mark.slow)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import weakref
 from collections.abc import Callable
@@ -26,7 +27,12 @@ from phalanx.metrics import PhaseTimer, StepStats
 from phalanx.parallel.layout import ParallelConfig
 from phalanx.parallel.pipeline import PipelineParallel, build_pipeline
 from phalanx.precision import Precision
-from phalanx.runtime.context import Context, current_context, on_shutdown
+from phalanx.runtime.context import (
+    Context,
+    current_context,
+    on_shutdown,
+    unregister_shutdown,
+)
 from phalanx.tracing import StepTracer, TraceConfig
 
 logger = logging.getLogger("phalanx")
@@ -136,7 +142,6 @@ class Engine:
                 "use it with pipeline = 1"
             )
         self.memory = memory
-        self._closed = False
         self._module = model.to(self.ctx.device)
         self.loss_fn = loss_fn
         self.accumulate_steps = accumulate_steps
@@ -173,7 +178,12 @@ class Engine:
         if self._mirror is not None:  # gradients to the host as each bucket's exchange ends
             self._mirror.listen(self.strategy)
         self.strategy.register_module(self._module)
-        self._unregister_teardown = on_shutdown(_close_if_alive(weakref.ref(self)))
+        # Closing must not depend on this object: a script's ranks may drop their Engine (return
+        # from main) while an exchange is still pending. The teardown owns the parts and runs
+        # at shutdown, or as soon as the Engine is collected on the thread that built it.
+        self._teardown = _Teardown(self.strategy, self.buckets, self.pipeline, self.memory)
+        self._unregister_teardown = on_shutdown(self._teardown)
+        weakref.finalize(self, self._teardown.on_collected).atexit = False
         # bucket_mb = "auto" (F12): measure the link now, profile backward in the first steps,
         # then derive the threshold from the cost model (phalanx.exchange.threshold).
         self.link: LinkModel | None = None
@@ -735,18 +745,13 @@ class Engine:
         """Wait for pending parameters, remove hooks and stop background work (idempotent; the
         model then works without the Engine). Runs by itself at ``phalanx.shutdown()`` and at
         interpreter exit."""
-        if self._closed:
-            return
-        self._closed = True
         self._unregister_teardown()
-        try:
-            self.strategy.close()
-        finally:
-            self.buckets.remove_hooks()
-            if self.pipeline is not None:
-                self.pipeline.close()
-            if self.memory is not None:
-                self.memory.close()
+        self._teardown()
+
+    @property
+    def _closed(self) -> bool:
+        """Closed by ``close()``, by shutdown or at interpreter exit."""
+        return self._teardown.closed
 
     def __enter__(self) -> Engine:
         return self
@@ -782,16 +787,48 @@ def rescaling_problem(
     return None
 
 
-def _close_if_alive(ref: weakref.ref) -> Callable[[], None]:
-    """A teardown that closes the Engine if it still exists (the registry must not keep an
-    Engine alive after the user dropped it)."""
+class _Teardown:
+    """Closes an Engine's parts once: pending exchanges finish, hooks go, threads stop.
 
-    def teardown() -> None:
-        engine = ref()
-        if engine is not None:
-            engine.close()
+    Owns the parts, not the Engine, so it still runs at ``phalanx.shutdown()`` (and interpreter
+    exit) when the user dropped the Engine first: every rank then completes the last step's
+    exchange before it leaves, whatever the script did after its last ``step()``."""
 
-    return teardown
+    def __init__(
+        self,
+        strategy: Strategy,
+        buckets: GradientBuckets,
+        pipeline: PipelineParallel | None,
+        memory: MemoryManager | None,
+    ) -> None:
+        self.parts: tuple | None = (strategy, buckets, pipeline, memory)
+        self.thread = threading.get_ident()  # the thread that built the Engine
+
+    def __call__(self) -> None:
+        if self.parts is None:
+            return
+        strategy, buckets, pipeline, memory = self.parts
+        self.parts = None
+        try:
+            strategy.close()
+        finally:
+            buckets.remove_hooks()
+            if pipeline is not None:
+                pipeline.close()
+            if memory is not None:
+                memory.close()
+
+    @property
+    def closed(self) -> bool:
+        return self.parts is None
+
+    def on_collected(self) -> None:
+        """The Engine was garbage-collected: close now on the building thread (a collection
+        elsewhere, e.g. on a communication thread that could not join itself, leaves it to
+        shutdown, which still holds this teardown)."""
+        if threading.get_ident() == self.thread:
+            unregister_shutdown(self)
+            self()
 
 
 PACK_ALIGN = 16  # bytes: every tensor starts aligned in the packed buffer, so views are legal

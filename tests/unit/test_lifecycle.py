@@ -4,6 +4,7 @@ shutdown closes what is still open, the optimizer object survives bucket rebuild
 from __future__ import annotations
 
 import functools
+import os
 import threading
 
 import pytest
@@ -82,3 +83,38 @@ def test_optimizer_object_survives_rebuilds_and_scheduler_acts(strategy: str) ->
         steps += 1
         assert engine.optimizer is optimizer
     assert optimizer.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**steps)
+
+
+def _os_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs Linux /proc")
+def test_shutdown_joins_the_backends_worker_threads() -> None:
+    """After shutdown no Gloo worker thread is left to drop a Work during interpreter
+    finalization (the exit abort; docs/reliability.md), even with the user's ctx kept."""
+    before = _os_threads()
+    ctx = px.init()
+    engine = px.Engine(nn.Linear(4, 3), nn.functional.cross_entropy, SGD)
+    for _ in range(2):
+        engine.step(*_batch())
+    assert _os_threads() > before  # Gloo's worker and transport threads
+    px.shutdown()
+    assert ctx.group is None  # the user's Context no longer keeps the group alive
+    assert _os_threads() == before
+
+
+@pytest.mark.parametrize("strategy", ["partitioned", "ps"])
+def test_a_dropped_engine_closes_itself(strategy: str) -> None:
+    """A script that returns from main() right after its last step: the Engine's pending
+    send-back completes and its thread stops when the Engine goes, not at exit."""
+
+    def main() -> nn.Module:
+        model = nn.Linear(4, 3)
+        engine = px.Engine(model, nn.functional.cross_entropy, SGD, exchange=strategy)
+        engine.step(*_batch())
+        return model
+
+    model = main()
+    assert _comm_threads() == []
+    model(_batch()[0]).sum().backward()  # no hooks left on the user's model

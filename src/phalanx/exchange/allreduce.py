@@ -19,6 +19,7 @@ from phalanx.exchange.base import STRATEGIES, Strategy, stamp_done
 from phalanx.exchange.buckets import Bucket
 from phalanx.exchange.comm import CommThread, wait
 from phalanx.exchange.ring import GatherExchange, p2p_allreduce, prefers_gather
+from phalanx.runtime.context import hold_until_shutdown
 
 
 @STRATEGIES.register("allreduce")
@@ -28,6 +29,9 @@ class AllReduce(Strategy):
     def __init__(self) -> None:
         super().__init__()
         self._works: list[Any] = []
+        # The last step's backend works: the Python side keeps the last reference to each
+        # until the next step (or, at close, until the groups are gone: hold_until_shutdown).
+        self._finished_works: list[Any] = []
         self._last: Bucket | None = None
         self._gather: GatherExchange | None = None
         self.comm: CommThread | None = None
@@ -79,8 +83,11 @@ class AllReduce(Strategy):
             if self.comm is not None:
                 self.count_bytes(*work.result())
             self.bucket_exchanged(bucket)
+        self._finished_works = [work for _, work in self._works if self.comm is None]
         self._works = []
 
     def close(self) -> None:
+        hold_until_shutdown(self._finished_works)
+        self._finished_works = []
         if self.comm is not None:
             self.comm.close()

@@ -75,6 +75,7 @@ class CommThread:
         if self._thread.is_alive():
             self._jobs.put(None)
             self._thread.join(timeout=5)
+        self.group = None  # the group may go at shutdown (its worker threads joined)
 
 
 def global_rank(group: Any, rank: int) -> int:

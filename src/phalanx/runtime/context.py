@@ -7,12 +7,15 @@ in-memory store), so collectives, buckets and strategies run the same code every
 from __future__ import annotations
 
 import atexit
+import ctypes
 import datetime
+import gc
 import logging
 import os
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -70,19 +73,38 @@ _CONTEXT: Context | None = None
 # threads). They run before the group is destroyed, newest first: destroying a Gloo group while
 # a thread still waits in it aborts the process ("terminate called without an active exception").
 _TEARDOWNS: list[Callable[[], None]] = []
+# Backend Work objects whose last release must not fall to a backend worker thread (see
+# ``hold_until_shutdown``); released by ``shutdown`` once their groups' threads are joined.
+_HELD_WORKS: list[Any] = []
 logger = logging.getLogger("phalanx")
+
+
+def hold_until_shutdown(works: Iterable[Any]) -> None:
+    """Keep backend ``Work`` objects until the process groups that ran them are destroyed.
+
+    Why: a Gloo worker thread drops its reference to a collective's Work a moment *after*
+    completing it. When that is the last reference, destroying the Work may need the GIL (its
+    captured thread-local state holds Python objects: inside backward, the autograd engine's
+    ``contextvars`` context). If the interpreter is finalizing by then, CPython ends the
+    thread with ``pthread_exit``, whose unwinding through the C++ thread's ``noexcept`` frame
+    calls ``std::terminate``: "terminate called without an active exception", SIGABRT, after
+    training finished. Strategies hand their last works here so the Python side keeps the last
+    reference; ``shutdown`` releases them after the worker threads are joined
+    (docs/reliability.md, "Exit")."""
+    _HELD_WORKS.extend(works)
 
 
 def on_shutdown(teardown: Callable[[], None]) -> Callable[[], None]:
     """Run ``teardown`` at ``shutdown()`` (and so at interpreter exit) before the process group
     goes; returns a function that unregisters it (for objects closed earlier by hand)."""
     _TEARDOWNS.append(teardown)
+    return lambda: unregister_shutdown(teardown)
 
-    def unregister() -> None:
-        if teardown in _TEARDOWNS:
-            _TEARDOWNS.remove(teardown)
 
-    return unregister
+def unregister_shutdown(teardown: Callable[[], None]) -> None:
+    """Forget ``teardown`` (it ran already, or its object was closed by hand)."""
+    if teardown in _TEARDOWNS:
+        _TEARDOWNS.remove(teardown)
 
 
 def current_context() -> Context:
@@ -129,8 +151,14 @@ def init(
 
 
 def shutdown() -> None:
-    """Close what uses the group (newest first), then destroy the group (idempotent); runs at
-    interpreter exit, so a script that never calls it still exits cleanly."""
+    """Close what uses the group (newest first), then destroy the groups (idempotent); runs at
+    interpreter exit, so a script that never calls it still exits cleanly.
+
+      Phase 1 (teardowns): Engines wait for their pending exchanges and stop their threads.
+      Phase 2 (groups): every process group is destroyed and the Context lets go of its group,
+        so the backend's worker threads are joined while the interpreter is fully alive.
+      Phase 3 (held works): released once no group that ran them is left (else kept for the
+        life of the process: a worker thread must never drop the last reference)."""
     global _CONTEXT
     while _TEARDOWNS:
         teardown = _TEARDOWNS.pop()
@@ -138,9 +166,38 @@ def shutdown() -> None:
             teardown()
         except Exception as e:  # noqa: BLE001 - the group must still be destroyed
             logger.warning("phalanx: teardown at shutdown failed: %s: %s", type(e).__name__, e)
+    # Phase 2: groups
+    groups = _live_groups()
+    if _CONTEXT is not None:
+        object.__setattr__(_CONTEXT, "group", None)  # a user's `ctx` must not keep it alive
     _CONTEXT = None
     if dist.is_initialized():
         dist.destroy_process_group()
+    # Phase 3: held works
+    _release_held_works(groups)
+
+
+def _live_groups() -> list[weakref.ref]:
+    """Weak references to every process group this process has."""
+    if not dist.is_initialized():
+        return []
+    from torch.distributed import distributed_c10d
+
+    return [weakref.ref(pg) for pg in list(distributed_c10d._world.pg_map)]
+
+
+def _release_held_works(groups: list[weakref.ref]) -> None:
+    if not _HELD_WORKS:
+        return
+    gc.collect()  # groups held only by reference cycles (closed Engines) go now
+    alive = [ref() for ref in groups if ref() is not None]
+    if alive:
+        # Someone still holds a group, so its worker threads run until the interpreter
+        # clears it: keep the works past that point rather than risk the last release there.
+        logger.debug("phalanx: %d process group(s) outlive shutdown", len(alive))
+        for work in _HELD_WORKS:
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(work))
+    _HELD_WORKS.clear()
 
 
 def _pick_device(kind: str, local_rank: int) -> torch.device:

@@ -1,0 +1,70 @@
+"""Users' scripts, run as users run them (torchrun, ``phalanx train``): every job exits 0 with no
+rank aborting at exit and no process left, and the weights rank 0 saves equal one process.
+
+Scenarios: only rank 0 reads the weights (``engine.module.state_dict()`` or a plain
+``torch.save(model.state_dict())``), only rank 0 evaluates, ranks leave ``main`` at different
+times, Engines built one after another in one script -- every strategy, with and without fp16
+compression, at worlds 2, 3 and 4; a rank that raises after its last step (the job fails
+naming it, nobody hangs); the README's Python example verbatim; ``phalanx train``.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.integration.users import SCRIPTS, assert_clean, readme_example, run, torchrun
+
+sys.path.insert(0, str(SCRIPTS))
+from user_model import reference  # noqa: E402
+
+STRATEGIES = ["allreduce", "tree", "partitioned", "ps"]
+SPECS = [f"{s}:{c}" for s in STRATEGIES for c in ("none", "fp16")]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_only_rank0_reads_the_weights(tmp_path: Path, world_size: int) -> None:
+    done = torchrun(SCRIPTS / "rank0_reads.py", str(tmp_path), *SPECS, nproc=world_size)
+    assert_clean(done)
+    expected = reference(world_size)
+    for spec in SPECS:
+        saved = torch.load(tmp_path / f"{spec.replace(':', '_')}.pt")
+        tolerance = 1e-5 if spec.endswith(":none") else 3e-3  # fp16 messages round gradients
+        assert saved.keys() == expected.keys(), spec
+        for name, value in expected.items():
+            torch.testing.assert_close(
+                saved[name], value, atol=tolerance, rtol=0,
+                msg=lambda m, s=spec, n=name: f"{s} at world {world_size}, {n}: {m}",
+            )  # fmt: skip
+
+
+@pytest.mark.timeout(300)
+def test_a_rank_that_raises_after_its_last_step_fails_the_job_by_name(tmp_path: Path) -> None:
+    specs = ["partitioned:none", "ps:fp16"]
+    done = torchrun(SCRIPTS / "rank0_reads.py", str(tmp_path), *specs, "--raise-on", "1", nproc=3)
+    assert done.returncode != 0
+    assert "user code failed on rank 1 after training" in done.output, done.output[-4000:]
+    assert re.search(r"rank\s*:\s*1\b", done.output), done.output[-4000:]  # torchrun's report
+    assert "terminate called" not in done.output, done.output[-4000:]
+
+
+@pytest.mark.timeout(300)
+def test_readme_example_verbatim_under_torchrun(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(readme_example())
+    done = torchrun(script, nproc=2)
+    assert_clean(done)
+    assert re.search(r"^80 \d", done.output, re.M), done.output[-2000:]  # it printed progress
+
+
+@pytest.mark.timeout(300)
+def test_phalanx_train_exits_cleanly(tmp_path: Path) -> None:
+    command = [sys.executable, "-m", "phalanx", "train", "configs/digits_cnn.toml", "--nproc", "2"]
+    command += ["--set", "train.steps=6", "--set", f"train.run_dir={tmp_path / 'run'}"]
+    done = run(command, marker=str(tmp_path))
+    assert_clean(done)

@@ -1,0 +1,67 @@
+"""Run a user's script or command the way users do: a subprocess under torchrun or
+``phalanx train``, with nothing from the test process inside it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from tests.faults.procs import ROOT, wait_gone
+
+SCRIPTS = Path(__file__).parent / "scripts"
+
+
+@dataclass
+class Finished:
+    returncode: int
+    output: str  # stdout and stderr together
+
+
+def torchrun(script: Path | str, *args: str, nproc: int, timeout: float = 240.0) -> Finished:
+    """``torchrun --standalone --nproc-per-node NPROC SCRIPT ARGS``; fails the test if the job
+    runs past ``timeout`` (every process is killed) or leaves a process behind."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    command += ["--nproc-per-node", str(nproc), str(script), *args]
+    return run(command, marker=str(args[0]) if args else str(script), timeout=timeout)
+
+
+def run(command: list[str], *, marker: str, timeout: float = 240.0) -> Finished:
+    """Run ``command`` from the repository root; ``marker`` is a string on every command line
+    it starts (a temporary directory), to find processes left behind."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
+    try:
+        done = subprocess.run(
+            command,
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            timeout=timeout,
+            start_new_session=True,
+        )
+    except subprocess.TimeoutExpired as e:
+        wait_gone(marker, timeout=0)
+        raise AssertionError(f"{command[-3:]} still running after {timeout} s:\n{e.output}") from e
+    left = wait_gone(marker)
+    assert left == [], f"processes left behind: {left}"
+    return Finished(done.returncode, done.stdout)
+
+
+def assert_clean(done: Finished) -> None:
+    """Exit code 0 and no rank aborted at exit."""
+    tail = done.output[-4000:]
+    assert "terminate called" not in done.output, tail
+    assert "Fatal Python error" not in done.output, tail
+    assert done.returncode == 0, f"exit code {done.returncode}:\n{tail}"
+
+
+def readme_example() -> str:
+    """The README's Python example, verbatim."""
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## Python API") :]
+    start = section.index("```python\n") + len("```python\n")
+    return section[start : section.index("```\n", start)]
