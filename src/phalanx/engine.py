@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from phalanx.errors import ConfigError, NonFiniteError
 from phalanx.exchange.autotune import LayoutTrials
-from phalanx.exchange.base import OptimizerFactory, Strategy, make_strategy
+from phalanx.exchange.base import Strategy, make_strategy
 from phalanx.exchange.buckets import FIRST_BUCKET_BYTES, GradientBuckets, plan_buckets
 from phalanx.exchange.comm import global_rank
 from phalanx.exchange.compression import make_codec
@@ -24,6 +24,7 @@ from phalanx.exchange.threshold import BackwardRecorder, Choice, agree_profile, 
 from phalanx.faults import fault_at
 from phalanx.memory.manager import MemoryManager
 from phalanx.metrics import PhaseTimer, StepStats
+from phalanx.optim.user import OptimizerSpec, group_of, resolve_optimizer
 from phalanx.parallel.layout import ParallelConfig
 from phalanx.parallel.pipeline import PipelineParallel, build_pipeline
 from phalanx.precision import Precision
@@ -82,8 +83,8 @@ class Engine:
     def __init__(
         self,
         model: torch.nn.Module,
-        loss_fn: LossFn,
-        optimizer: OptimizerFactory,
+        loss_fn: LossFn | None = None,
+        optimizer: OptimizerSpec | None = None,
         *,
         exchange: str | Strategy = "allreduce",
         bucket_mb: float | str = 25.0,
@@ -102,6 +103,18 @@ class Engine:
         memory: MemoryManager | None = None,
         trace: TraceConfig | None = None,
     ) -> None:
+        if not isinstance(model, torch.nn.Module):
+            raise ConfigError(f"model: pass a torch.nn.Module; got {type(model).__name__}")
+        if optimizer is None:
+            raise ConfigError(
+                "optimizer: required; pass the optimizer built over model.parameters() or a "
+                "factory params -> Optimizer"
+            )
+        if loss_fn is not None and not callable(loss_fn):
+            raise ConfigError(
+                f"loss_fn: pass a function (output, targets) -> loss, or None when the model "
+                f"returns its own loss; got {type(loss_fn).__name__}"
+            )
         if bucket_mb != AUTO and (isinstance(bucket_mb, str) or not bucket_mb > 0):
             raise ConfigError(f"bucket_mb: got {bucket_mb!r}; allowed: a size > 0 (MiB) or 'auto'")
         if accumulate_steps < 1:
@@ -133,6 +146,11 @@ class Engine:
                     "bucket_mb: 'auto' profiles one whole backward pass, which a pipeline "
                     "splits over ranks; give a size in MiB with pipeline > 1"
                 )
+            if loss_fn is None:
+                raise ConfigError(
+                    "loss_fn: pipeline > 1 computes the loss on the last stage from loss_fn; "
+                    "give one (the model's own loss works with pipeline = 1)"
+                )
             self.pipeline = build_pipeline(model, loss_fn, parallel, self.ctx, sample_input, stages)
             model, self.ctx = self.pipeline.local, self.pipeline.data_context
             self.pipeline.before_backward = self._before_pipeline_backward
@@ -162,14 +180,19 @@ class Engine:
             align=self.strategy.bucket_alignment(self.ctx.world_size),
             first_bucket_bytes=int((first_bucket_mb or FIRST_BUCKET_BYTES / 2**20) * 2**20),
         )
+        # The user's optimizer over the model's parameters (instance or factory), checked;
+        # sharded strategies cut their shards where its parameter groups change.
+        shards = self.strategy.optimizer_follows_layout
+        name = exchange if isinstance(exchange, str) else type(exchange).__name__
+        user_optimizer = resolve_optimizer(optimizer, self.trainable, strategy=name, shards=shards)
+        self.strategy.group_of = group_of(user_optimizer) if shards else None
         self.strategy.setup(self.ctx, self.buckets.buckets)
         if self.pipeline is not None and self.strategy.data_parallel()[1] != self.ctx.world_size:
             raise ConfigError(
                 "exchange.strategy: dedicated parameter servers train no stage; with pipeline "
                 "> 1 every rank must train (ps with servers = 0)"
             )
-        self._optimizer_factory = optimizer
-        self.optimizer = self.strategy.build_optimizer(self.trainable, optimizer)
+        self.optimizer = self.strategy.adopt_optimizer(user_optimizer, self.trainable)
         # [memory] optimizer: the state in the memory tier between steps (stream), or the
         # masters, state and arithmetic on the host (mirror; layers wait in forward pre-hooks).
         self._mirror = (
@@ -209,8 +232,14 @@ class Engine:
             raise ConfigError(f"{problem[0]}: {problem[1]}")
 
     # -- the step -----------------------------------------------------------------------------
-    def step(self, inputs: Any, targets: torch.Tensor) -> torch.Tensor:
-        """Train on one batch; returns this rank's mean loss (a detached 0-dim tensor)."""
+    def step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """Train on one batch; returns this rank's mean loss (a detached 0-dim tensor).
+
+        With a ``loss_fn``: ``step(inputs, targets)`` computes ``loss_fn(model(inputs),
+        targets)``. Without one, the arguments go to the model as they are
+        (``step(idx, targets)``, ``step(**batch)``) and the model's output is the loss: a
+        0-dim tensor, an object or dict with a ``loss`` (Hugging Face), or a tuple holding one
+        0-dim tensor (``(logits, loss)``)."""
         timer = self._timer
         timer.start()
         tracing = self.tracer is not None and self.tracer.begin(self.num_steps + 1)
@@ -222,7 +251,7 @@ class Engine:
             self._mirror.begin_step()
         micro = []
         if self.strategy.is_trainer:  # a dedicated server has no batch, only its exchange part
-            micro = self._split(self._to_device(inputs), self._to_device(targets))
+            micro = self._split(self._batch(args, kwargs))
         total_loss = torch.zeros((), device=self.ctx.device)
         # Folding 1/p into the loss makes the exchanged sums means without a pass over buckets.
         # fp16 multiplies by its loss scale too; the exchanged mean is unscaled after Phase 4.
@@ -234,7 +263,7 @@ class Engine:
         skip = False
         if self.pipeline is not None:
             started = time.perf_counter()
-            total_loss, skip = self._pipeline_forward_backward(micro, scale)
+            total_loss, skip = self._pipeline_forward_backward([a for a, _ in micro], scale)
             timer.mark("backward")
             self._trace("compute", "pipeline schedule", started)
             micro = []  # done: the loop below is the one-stage path
@@ -304,15 +333,15 @@ class Engine:
         }
 
     def _forward_backward(
-        self, micro: list[tuple[Any, torch.Tensor]], scale: float, timer: PhaseTimer
+        self, micro: list[Batch], scale: float, timer: PhaseTimer
     ) -> tuple[torch.Tensor, bool]:
         """Phase 2 in one process: forward and backward per micro-batch (the loss multiplied by
         ``scale``); only the last backward launches the exchange. Returns (mean loss, whether
         the step must be skipped before the exchange)."""
         total_loss = torch.zeros((), device=self.ctx.device)
-        for i, (x, y) in enumerate(micro):
+        for i, batch in enumerate(micro):
             started = time.perf_counter()
-            loss = self._forward(x, y)
+            loss = self._forward(batch)
             total_loss += loss.detach() / len(micro)
             timer.mark("forward")
             self._backward_started = self._trace("compute", "forward", started, micro=i)
@@ -405,9 +434,14 @@ class Engine:
         value = self.pipeline.sum_over_stages(value)
         return bool(value[0].item() > 0), None if norm is None else float(value[1].item()) ** 0.5
 
-    def _forward(self, x: Any, y: torch.Tensor) -> torch.Tensor:
+    def _forward(self, batch: Batch) -> torch.Tensor:
+        args, kwargs = batch
         with self.precision.autocast():
-            loss = self.loss_fn(self._module(x), y)
+            if self.loss_fn is not None:
+                inputs, targets = args
+                loss = self.loss_fn(self._module(inputs), targets)
+            else:
+                loss = loss_of(self._module(*args, **kwargs))
         if fault_at("forward", self.num_steps + 1) == "nan":
             loss = loss * float("nan")
         return loss
@@ -504,15 +538,41 @@ class Engine:
         """How many ranks train on data (the global batch is batch_size x this)."""
         return self.strategy.data_parallel()[1]
 
-    def _split(self, inputs: Any, targets: torch.Tensor) -> list[tuple[Any, torch.Tensor]]:
+    def _batch(self, args: tuple, kwargs: dict[str, Any]) -> Batch:
+        """The step's arguments on this rank's device, checked against how the loss is made."""
+        if self.loss_fn is not None and (len(args) != 2 or kwargs):
+            raise ConfigError(
+                "step: with a loss_fn, call step(inputs, targets); to pass the model's own "
+                "arguments (step(**batch)), build the Engine with loss_fn=None"
+            )
+        if not args and not kwargs:
+            raise ConfigError("step: got no batch; pass the model's inputs")
+        return (
+            tuple(self._to_device(a) for a in args),
+            {k: self._to_device(v) for k, v in kwargs.items()},
+        )
+
+    def _split(self, batch: Batch) -> list[Batch]:
+        """``accumulate_steps`` micro-batches: every tensor argument cut along dim 0 (others
+        passed to each as they are)."""
         k = self.accumulate_steps
         if k == 1:
-            return [(inputs, targets)]
-        if targets.shape[0] % k:
-            raise ValueError(
-                f"batch of {targets.shape[0]} does not split into accumulate_steps={k} equal parts"
+            return [batch]
+        args, kwargs = batch
+        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        if any(t.shape[0] % k for t in tensors):
+            raise ConfigError(
+                f"step: a batch of {tensors[0].shape[0]} does not split into "
+                f"accumulate_steps={k} equal parts"
             )
-        return list(zip(torch.chunk(inputs, k), torch.chunk(targets, k)))
+
+        def part(value: Any, i: int) -> Any:
+            return value.chunk(k)[i] if isinstance(value, torch.Tensor) else value
+
+        return [
+            (tuple(part(a, i) for a in args), {n: part(v, i) for n, v in kwargs.items()})
+            for i in range(k)
+        ]
 
     def _to_device(self, x: Any) -> Any:
         if isinstance(x, torch.Tensor) and x.device != self.ctx.device:
@@ -627,9 +687,7 @@ class Engine:
                 self.buckets.first_bucket_bytes = first_bucket_bytes
             self.buckets.build(order)
             self.strategy.setup(self.ctx, self.buckets.buckets)
-            self.strategy.rebind_optimizer(
-                self.optimizer, self.trainable, self._optimizer_factory, carried
-            )
+            self.strategy.rebind_optimizer(self.optimizer, self.trainable, carried)
         self.strategy.register_module(self._module)
 
     def _optimizer_resident(self) -> AbstractContextManager[None]:
@@ -785,6 +843,31 @@ def rescaling_problem(
             "'skip' (max_nonfinite still bounds consecutive skips)"
         )
     return None
+
+
+Batch = tuple[tuple[Any, ...], dict[str, Any]]  # a step's (args, kwargs), on the device
+
+
+def loss_of(output: Any) -> torch.Tensor:
+    """The loss in a model's output: a 0-dim tensor, ``output["loss"]`` / ``output.loss``
+    (Hugging Face's outputs), or the one 0-dim tensor in a tuple (``(logits, loss)``)."""
+    if isinstance(output, torch.Tensor) and output.dim() == 0:
+        return output
+    loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
+    if isinstance(loss, torch.Tensor) and loss.dim() == 0:
+        return loss
+    if isinstance(output, tuple | list):
+        scalars = [o for o in output if isinstance(o, torch.Tensor) and o.dim() == 0]
+        if len(scalars) == 1:
+            return scalars[0]
+    what = type(output).__name__
+    if isinstance(output, torch.Tensor):
+        what = f"a tensor of shape {tuple(output.shape)}"
+    raise ConfigError(
+        f"loss_fn is None, so the model's output must be its loss (a 0-dim tensor, a `loss` "
+        f"field or key, or one 0-dim tensor in a tuple); got {what}: pass the targets the model "
+        "needs to compute it, or give a loss_fn"
+    )
 
 
 class _Teardown:

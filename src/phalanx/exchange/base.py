@@ -25,7 +25,7 @@ import torch
 from phalanx.errors import ConfigError
 from phalanx.exchange.buckets import Bucket
 from phalanx.exchange.compression import CODECS, Codec
-from phalanx.exchange.sharding import copy_pieces
+from phalanx.exchange.sharding import copy_pieces, merged_groups
 from phalanx.fields import ConfigValueError, option, require
 from phalanx.registry import Registry
 from phalanx.runtime.context import Context
@@ -131,6 +131,9 @@ class Strategy(ABC):
         self.ctx: Context | None = None
         self.buckets: list[Bucket] = []
         self.codec: Codec = Codec()  # gradient message compression, set by the Engine
+        # id(parameter) -> index of the user's optimizer group (set by the Engine before
+        # setup; sharded strategies cut their shards where the group changes)
+        self.group_of: dict[int, int] | None = None
         self.bytes_sent = 0  # this step, counted by the strategy
         self.bytes_received = 0
         # This step's forward waits for parameters still arriving: (bucket, start, end) in
@@ -186,11 +189,13 @@ class Strategy(ABC):
         """Hook into the model if the strategy needs to (e.g. wait for parameters in forward)."""
         del module
 
-    def build_optimizer(
-        self, params: list[torch.nn.Parameter], factory: OptimizerFactory
+    def adopt_optimizer(
+        self, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter]
     ) -> torch.optim.Optimizer:
-        """The optimizer over ``params`` (sharded strategies build it on their shard)."""
-        return factory(params)
+        """The optimizer the Engine steps, from the user's over the model's parameters
+        (``params``); sharded strategies point its groups at their shards."""
+        del params
+        return optimizer
 
     def carry_optimizer_state(
         self, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter]
@@ -205,12 +210,11 @@ class Strategy(ABC):
         self,
         optimizer: torch.optim.Optimizer,
         params: list[torch.nn.Parameter],
-        factory: OptimizerFactory,
         carried: Any,
     ) -> None:
         """After ``setup`` on a new layout: point the *same* optimizer object at the layout's
         parameters with its state moved (a scheduler attached to it keeps acting)."""
-        del optimizer, params, factory, carried
+        del optimizer, params, carried
 
     def gradient_scale(self) -> float:
         """Factor the Engine folds into the loss so the exchanged sums are means (1/p)."""
@@ -345,13 +349,9 @@ class Strategy(ABC):
                         )
                     value = full.view(p.shape)
                 loaded[n][key] = value
-        saved_groups, start = [], 0
-        for k, g in enumerate(optimizer.param_groups):
-            saved = groups[k] if k < len(groups) else (groups[0] if groups else {})
-            hyper = {a: b for a, b in {**g, **saved}.items() if a != "params"}
-            saved_groups.append({**hyper, "params": list(range(start, start + len(g["params"])))})
-            start += len(g["params"])
-        optimizer.load_state_dict({"state": loaded, "param_groups": saved_groups})
+        optimizer.load_state_dict(
+            {"state": loaded, "param_groups": merged_groups(optimizer, groups)}
+        )
 
     def optimizer_bytes(self, optimizer: torch.optim.Optimizer) -> int:
         """Bytes of optimizer state held by this rank."""

@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from phalanx.exchange.base import OptimizerFactory, Strategy
+from phalanx.exchange.base import Strategy
 from phalanx.exchange.comm import CommThread, wait
-from phalanx.exchange.sharding import ShardedParameters
+from phalanx.exchange.sharding import ShardedParameters, hyperparameters
 
 
 class OwnerUpdateStrategy(Strategy):
@@ -41,15 +41,19 @@ class OwnerUpdateStrategy(Strategy):
 
     # -- parameters arriving while the next forward runs --------------------------------------
     def register_module(self, module: torch.nn.Module) -> None:
-        """Make each submodule wait, before its forward, for its own parameters only."""
+        """Make each submodule that holds parameters wait, before its forward, for those of
+        its subtree only (containers wait for nothing: their children do)."""
         assert self.sharded is not None
         for handle in self._hooks:  # a rebuilt layout replaces the previous hooks
             handle.remove()
         self._hooks = []
         bucket_of = {id(p): b.index for b in self.sharded.buckets for p in b.params}
         for sub in module.modules():
-            own = sub.parameters(recurse=False)
-            indices = sorted({bucket_of[id(p)] for p in own if id(p) in bucket_of})
+            if next(sub.parameters(recurse=False), None) is None:
+                continue  # a container: its children wait for their own
+            # A module that holds parameters may also read its children's without calling
+            # them (MultiheadAttention reads out_proj.weight): it waits for its whole subtree.
+            indices = sorted({bucket_of[id(p)] for p in sub.parameters() if id(p) in bucket_of})
             if indices:
                 waiter = self._waiter(indices)
                 self._hooks.append(sub.register_forward_pre_hook(waiter))
@@ -79,25 +83,33 @@ class OwnerUpdateStrategy(Strategy):
         """The canonical per-parameter state (collective: every rank rebuilds at one step)."""
         return self.optimizer_state_dict(optimizer, params)
 
+    def adopt_optimizer(
+        self, optimizer: torch.optim.Optimizer, params: list
+    ) -> torch.optim.Optimizer:
+        """Point the user's optimizer (built over the model's parameters) at this rank's
+        shards, group by group: each shard keeps the hyperparameters of the group its
+        elements came from. The object stays the user's (schedulers attached to it act)."""
+        del params
+        self._point_at_shards(optimizer)
+        return optimizer
+
     def rebind_optimizer(
         self,
         optimizer: torch.optim.Optimizer,
         params: list,
-        factory: OptimizerFactory,
         carried: Any,
     ) -> None:
-        """Point the optimizer's group at this layout's shard Parameters, then load the carried
-        state into them (hyperparameters a scheduler changed travel in ``carried``)."""
-        assert self.sharded is not None
-        del factory
-        if len(optimizer.param_groups) != 1:
-            raise ValueError(
-                f"{type(self).__name__}: the optimizer factory must build one parameter group "
-                f"over the shard it is given, got {len(optimizer.param_groups)}"
-            )
-        optimizer.param_groups[0]["params"] = self.sharded.shard_params()
-        optimizer.state.clear()
+        """Point the optimizer's groups at this layout's shard Parameters, then load the
+        carried state into them (hyperparameters a scheduler changed travel in ``carried``)."""
+        self._point_at_shards(optimizer)
         self.load_optimizer_state_dict(optimizer, params, carried)
+
+    def _point_at_shards(self, optimizer: torch.optim.Optimizer) -> None:
+        assert self.sharded is not None
+        per_group = self.sharded.group_params(len(optimizer.param_groups))
+        for group, shards in zip(optimizer.param_groups, per_group):
+            group["params"] = shards
+        optimizer.state.clear()
 
     # -- accounting and state -----------------------------------------------------------------
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer, params: list) -> dict:
@@ -116,8 +128,7 @@ class OwnerUpdateStrategy(Strategy):
         assert self.sharded is not None and self.ctx is not None
         self.sync()
         state = self.sharded.local_state(optimizer, params, self.ctx.group)
-        hyper = {k: v for k, v in optimizer.param_groups[0].items() if k != "params"}
-        return state, [{**hyper, "params": list(range(len(params)))}]
+        return state, hyperparameters(self.sharded, optimizer, params)
 
     def owned_ranges(self, params: list) -> dict[int, list[tuple[int, int]]]:
         assert self.sharded is not None

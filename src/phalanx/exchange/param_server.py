@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from phalanx.errors import ConfigError
-from phalanx.exchange.base import STRATEGIES, OptimizerFactory, holds_nonfinite, stamp_done
+from phalanx.exchange.base import STRATEGIES, holds_nonfinite, stamp_done
 from phalanx.exchange.buckets import Bucket
 from phalanx.exchange.comm import global_rank
 from phalanx.exchange.owners import OwnerUpdateStrategy
@@ -112,22 +112,20 @@ class ParameterServer(OwnerUpdateStrategy):
         owners = self._owners()
         self.ranges = [bounds(b.flat.numel(), len(owners)) for b in buckets]
         self.sharded = ShardedParameters(
-            buckets, self.ranges, [owners] * len(buckets), ctx.rank, host_master=True
+            buckets,
+            self.ranges,
+            [owners] * len(buckets),
+            ctx.rank,
+            host_master=True,
+            group_of=self.group_of,
         )
         self._ensure_comm(ctx.device, ctx.group)
 
-    def build_optimizer(
-        self, params: list[torch.nn.Parameter], factory: OptimizerFactory
+    def adopt_optimizer(
+        self, optimizer: torch.optim.Optimizer, params: list
     ) -> torch.optim.Optimizer:
-        assert self.sharded is not None
-        self.optimizer = factory(self.sharded.shard_params())
+        self.optimizer = super().adopt_optimizer(optimizer, params)  # the servers step it
         return self.optimizer
-
-    def rebind_optimizer(
-        self, optimizer: torch.optim.Optimizer, params: list, factory: Any, carried: Any
-    ) -> None:
-        super().rebind_optimizer(optimizer, params, factory, carried)
-        self.optimizer = optimizer  # the servers step the user's optimizer object
 
     # -- the non-finite guard ------------------------------------------------------------------
     def inspect_gradients(self, want_norm: bool) -> tuple[bool, float | None]:
@@ -253,7 +251,7 @@ class ParameterServer(OwnerUpdateStrategy):
     def _update(self, bucket: Bucket, m: int, summed: torch.Tensor) -> None:
         """Step the optimizer on partition m of this bucket only (others have no gradient)."""
         assert self.sharded is not None and self.optimizer is not None
-        lo, _ = self.ranges[bucket.index][m]
+        lo, hi = self.ranges[bucket.index][m]
         if holds_nonfinite([summed]):
             # Earlier buckets may already be updated: only this partition can still be saved.
             logger.warning(
@@ -264,11 +262,12 @@ class ParameterServer(OwnerUpdateStrategy):
             self.num_nonfinite_partitions += 1
             return
         started = time.perf_counter()
-        mine = [s for s in self.sharded.shards if s.bucket == bucket.index and s.start == lo]
+        mine = [s for s in self.sharded.shards if s.bucket == bucket.index and lo <= s.start < hi]
         for shard in self.sharded.shards:
             shard.param.grad = None
         for shard in mine:  # the reduced range may end with usage flags and padding: cut them
-            shard.param.grad = summed[: shard.end - shard.start].to(shard.param.device)
+            grad = summed[shard.start - lo : shard.end - lo]
+            shard.param.grad = grad.to(shard.param.device)
         self.optimizer.step()
         for shard in mine:  # a host master (CUDA runs): the replica gets the new values too
             self.sharded.write_back(shard)

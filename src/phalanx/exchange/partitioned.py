@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from phalanx.exchange import schedule
-from phalanx.exchange.base import STRATEGIES, OptimizerFactory, holds_nonfinite, stamp_done
+from phalanx.exchange.base import STRATEGIES, holds_nonfinite, stamp_done
 from phalanx.exchange.buckets import Bucket
 from phalanx.exchange.comm import global_rank
 from phalanx.exchange.compression import Codec
@@ -218,13 +218,7 @@ class Partitioned(OwnerUpdateStrategy):
         self.layouts = [self.plan.layout(b.flat.numel()) for b in buckets]
         ranges = [lay.ranges for lay in self.layouts]
         owners = [lay.owners for lay in self.layouts]
-        self.sharded = ShardedParameters(buckets, ranges, owners, ctx.rank)
-
-    def build_optimizer(
-        self, params: list[torch.nn.Parameter], factory: OptimizerFactory
-    ) -> torch.optim.Optimizer:
-        assert self.sharded is not None
-        return factory(self.sharded.shard_params())
+        self.sharded = ShardedParameters(buckets, ranges, owners, ctx.rank, group_of=self.group_of)
 
     # -- phases 1 and 2: reduce ---------------------------------------------------------------
     def launch(self, bucket: Bucket) -> None:

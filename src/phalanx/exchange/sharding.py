@@ -34,14 +34,15 @@ def bounds(length: int, num_parts: int) -> list[tuple[int, int]]:
 
 @dataclass
 class Shard:
-    """One owned range of one bucket: ``param`` views the parameter buffer, ``grad_source``
-    the reduced gradients of the same range (both 1-D, the bucket's dtype and device)."""
+    """One owned range of one bucket whose elements all belong to one of the user's optimizer
+    parameter groups (``group``): ``param`` views the parameter buffer (1-D, the bucket's dtype
+    and device)."""
 
     bucket: int
     start: int
     end: int
     param: torch.nn.Parameter
-    grad_source: torch.Tensor | None = None
+    group: int = 0
 
 
 class ShardedParameters:
@@ -54,6 +55,7 @@ class ShardedParameters:
         owners: list[list[int]],
         rank: int,
         host_master: bool = False,
+        group_of: dict[int, int] | None = None,
     ) -> None:
         assert len(buckets) == len(ranges) == len(owners)
         self.buckets = buckets
@@ -61,6 +63,9 @@ class ShardedParameters:
         self.owners = owners  # per bucket: partition -> owning rank
         self.rank = rank
         self.host_master = host_master  # keep owned ranges (and their state) in CPU memory
+        # id(parameter) -> index of the user's optimizer group holding it (None: one group);
+        # a parameter in no group is never updated, as in one process.
+        self.group_of = group_of
         self.flats = [self._adopt(bucket) for bucket in buckets]
         self.shards = self._make_shards()
 
@@ -81,13 +86,51 @@ class ShardedParameters:
             num_grads = bucket.grads.numel()
             for (start, end), owner in zip(self.ranges[b], self.owners[b]):
                 end = min(end, num_grads)  # usage flags and padding are not parameters
-                if owner == self.rank and start < end:
-                    data = self.flats[b][start:end]
+                if owner != self.rank or start >= end:
+                    continue
+                for lo, hi, group in self._group_runs(bucket, start, end):
+                    data = self.flats[b][lo:hi]
                     if self.host_master and data.device.type != "cpu":
                         data = data.detach().to("cpu", copy=True)
-                    param = torch.nn.Parameter(data)
-                    shards.append(Shard(b, start, end, param))
+                    shards.append(Shard(b, lo, hi, torch.nn.Parameter(data), group))
         return shards
+
+    def _group_runs(self, bucket: Bucket, start: int, end: int) -> list[tuple[int, int, int]]:
+        """[start, end) of ``bucket`` cut where the optimizer group changes: (lo, hi, group)
+        runs, leaving out parameters in no group (a run starting in alignment padding takes
+        the group of the parameter before it)."""
+        if self.group_of is None:
+            return [(start, end, 0)]
+        runs: list[tuple[int, int, int]] = []
+        for p, offset in sorted(zip(bucket.params, bucket.offsets), key=lambda po: po[1]):
+            lo, hi = max(start, offset), min(end, offset + p.numel())
+            if lo >= hi:
+                continue
+            group = self.group_of.get(id(p), -1)
+            if runs and runs[-1][2] == group:
+                runs[-1] = (runs[-1][0], hi, group)
+            else:
+                runs.append((lo, hi, group))
+        return [run for run in runs if run[2] >= 0]
+
+    def group_params(self, num_groups: int) -> list[list[torch.nn.Parameter]]:
+        """This rank's shard Parameters per optimizer group; a group with nothing here gets
+        one empty placeholder, so every group keeps its place (and steps nothing)."""
+        out: list[list[torch.nn.Parameter]] = [[] for _ in range(num_groups)]
+        for shard in self.shards:
+            out[shard.group].append(shard.param)
+        return [params or [torch.nn.Parameter(torch.empty(0))] for params in out]
+
+    def groups_of(self, params: list[torch.nn.Parameter], num_groups: int) -> list[list[int]]:
+        """Per optimizer group: the indices in ``params`` of the parameters it holds (the
+        canonical format's ``param_groups``, as an optimizer over ``params`` would have)."""
+        if self.group_of is None:
+            return [list(range(len(params)))] + [[] for _ in range(num_groups - 1)]
+        out: list[list[int]] = [[] for _ in range(num_groups)]
+        for i, p in enumerate(params):
+            if self.group_of.get(id(p), -1) >= 0:
+                out[self.group_of[id(p)]].append(i)
+        return out
 
     def write_back(self, shard: Shard) -> None:
         """Copy a host master's values into the device buffer (no-op when it is a view)."""
@@ -129,11 +172,7 @@ class ShardedParameters:
                 entry = _assemble(pieces, b, offset, p)
                 if entry:
                     state[index[id(p)]] = entry
-        groups = [
-            {**{k: v for k, v in g.items() if k != "params"}, "params": list(range(len(params)))}
-            for g in optimizer.state_dict()["param_groups"][:1]
-        ]
-        return {"state": state, "param_groups": groups}
+        return {"state": state, "param_groups": hyperparameters(self, optimizer, params)}
 
     def load_canonical_state(
         self,
@@ -143,18 +182,14 @@ class ShardedParameters:
     ) -> None:
         """Load per-parameter state into this rank's shards."""
         index = {id(p): i for i, p in enumerate(params)}
+        position = optimizer_positions(optimizer)
         shard_state = {}
-        for n, shard in enumerate(self.shards):
+        for shard in self.shards:
             bucket = self.buckets[shard.bucket]
             entry = _slice_state(canonical["state"], bucket, index, shard.start, shard.end)
             if entry:
-                shard_state[n] = entry
-        (group,) = canonical["param_groups"][:1] or [{}]
-        current = {k: v for k, v in optimizer.param_groups[0].items() if k != "params"}
-        hyper = {k: v for k, v in group.items() if k != "params"}
-        groups = [
-            {**current, **hyper, "params": list(range(len(optimizer.param_groups[0]["params"])))}
-        ]
+                shard_state[position[id(shard.param)]] = entry
+        groups = merged_groups(optimizer, canonical["param_groups"])
         optimizer.load_state_dict({"state": shard_state, "param_groups": groups})
 
     # -- this rank's part, for checkpoints that every rank writes ------------------------------
@@ -214,9 +249,9 @@ class ShardedParameters:
         """Load per-parameter pieces covering this rank's shards (``owned_ranges``), and
         refresh host master copies from the (just loaded) parameter buffers."""
         shard_state: dict[int, dict[str, Any]] = {}
-        number = {id(s): n for n, s in enumerate(self.shards)}
+        number = optimizer_positions(optimizer)
         for shard, i, lo, hi, offset in self._overlaps(params):
-            entry = shard_state.setdefault(number[id(shard)], {})
+            entry = shard_state.setdefault(number[id(shard.param)], {})
             for key, value in state.get(i, {}).items():
                 if isinstance(value, list):
                     full = entry.get(key)
@@ -237,16 +272,42 @@ class ShardedParameters:
             if shard.param.data_ptr() != target.data_ptr():
                 with torch.no_grad():
                     shard.param.copy_(target)
-        (group,) = groups[:1] or [{}]
-        current = {k: v for k, v in optimizer.param_groups[0].items() if k != "params"}
-        hyper = {k: v for k, v in group.items() if k != "params"}
-        count = len(optimizer.param_groups[0]["params"])
         optimizer.load_state_dict(
             {
                 "state": {n: e for n, e in shard_state.items() if e},
-                "param_groups": [{**current, **hyper, "params": list(range(count))}],
+                "param_groups": merged_groups(optimizer, groups),
             }
         )
+
+
+def hyperparameters(
+    sharded: ShardedParameters, optimizer: torch.optim.Optimizer, params: list
+) -> list[dict[str, Any]]:
+    """The optimizer's groups in the canonical format: each group's hyperparameters, and as
+    ``params`` the indices in ``params`` of the model parameters the user put in it."""
+    members = sharded.groups_of(params, len(optimizer.param_groups))
+    return [
+        {**{k: v for k, v in g.items() if k != "params"}, "params": members[n]}
+        for n, g in enumerate(optimizer.param_groups)
+    ]
+
+
+def optimizer_positions(optimizer: torch.optim.Optimizer) -> dict[int, int]:
+    """id(tensor) -> its index in the optimizer's state dict (groups in order)."""
+    order = [p for g in optimizer.param_groups for p in g["params"]]
+    return {id(p): n for n, p in enumerate(order)}
+
+
+def merged_groups(optimizer: torch.optim.Optimizer, saved: list[dict]) -> list[dict[str, Any]]:
+    """``param_groups`` for ``load_state_dict``: group k's hyperparameters from saved group k
+    (or the first, when fewer were saved) over the current ones; ``params`` numbered in order."""
+    groups, start = [], 0
+    for k, g in enumerate(optimizer.param_groups):
+        stored = saved[k] if k < len(saved) else (saved[0] if saved else {})
+        hyper = {a: b for a, b in {**g, **stored}.items() if a != "params"}
+        groups.append({**hyper, "params": list(range(start, start + len(g["params"])))})
+        start += len(g["params"])
+    return groups
 
 
 def copy_pieces(pieces: list[tuple[int, torch.Tensor]], lo: int, out: torch.Tensor) -> int:

@@ -1,0 +1,117 @@
+"""The user's optimizer, as users write it: an instance over the model's parameters (any number
+of parameter groups, any per-group hyperparameters) or a factory ``params -> Optimizer``.
+
+``resolve_optimizer`` turns either into one optimizer over the model's parameters, checked:
+whatever a strategy could not honour is refused in one line naming it, never ignored. The
+Engine then hands it to the strategy (``Strategy.adopt_optimizer``), which steps it as it is
+(``allreduce``, ``tree``) or points its groups at this rank's shards (``partitioned``, ``ps``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from phalanx.errors import ConfigError
+from phalanx.optim.adagrad import AdaGrad
+
+# Optimizers whose update of an element depends only on that element's gradient and state:
+# they give the same result on any flat shard of a parameter as on the whole of it.
+ELEMENTWISE: tuple[type, ...] = (
+    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad,
+    torch.optim.Adadelta, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
+    torch.optim.RMSprop, torch.optim.ASGD, AdaGrad,
+)  # fmt: skip
+
+
+def resolve_optimizer(
+    spec: Any, params: list[torch.nn.Parameter], *, strategy: str, shards: bool
+) -> torch.optim.Optimizer:
+    """The optimizer over ``params`` (the model's trainable parameters) that ``spec`` names.
+
+    ``strategy``: its name, for messages; ``shards``: whether it steps flat shards of the
+    parameters (an optimizer that is not elementwise, or one with state already, is refused).
+    """
+    if isinstance(spec, torch.optim.Optimizer):
+        optimizer = spec
+        _check_holds_model_parameters(optimizer, params)
+    elif callable(spec):
+        optimizer = spec(params)
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ConfigError(
+                f"optimizer: the factory returned {type(optimizer).__name__}, not a "
+                "torch.optim.Optimizer; return the optimizer built over the parameters given"
+            )
+        _check_exactly(optimizer, params)
+    else:
+        raise ConfigError(
+            "optimizer: pass a torch.optim.Optimizer built over the model's parameters or a "
+            f"factory params -> Optimizer; got {type(spec).__name__}"
+        )
+    _check_supported(optimizer, strategy, shards)
+    return optimizer
+
+
+def group_of(optimizer: torch.optim.Optimizer) -> dict[int, int]:
+    """id(parameter) -> the index of the optimizer group holding it."""
+    return {id(p): g for g, group in enumerate(optimizer.param_groups) for p in group["params"]}
+
+
+def _held(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def _check_holds_model_parameters(
+    optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter]
+) -> None:
+    """An instance may leave some trainable parameters out (they are not updated, as in one
+    process); it may not hold tensors the model does not have."""
+    known = {id(p) for p in params}
+    foreign = [p for p in _held(optimizer) if id(p) not in known and p.requires_grad]
+    if foreign:
+        raise ConfigError(
+            f"optimizer: {type(optimizer).__name__} holds {len(foreign)} tensor(s) that are not "
+            f"trainable parameters of the model (first: shape {tuple(foreign[0].shape)}); build "
+            "it over this model's parameters (e.g. model.parameters() or its parameter groups)"
+        )
+
+
+def _check_exactly(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter]) -> None:
+    """A factory's optimizer must hold exactly the parameters it was given (one that ignores
+    them and builds over other tensors would train something else, silently)."""
+    given, held = {id(p) for p in params}, {id(p) for p in _held(optimizer)}
+    if given != held:
+        extra, missing = len(held - given), len(given - held)
+        raise ConfigError(
+            f"optimizer: the factory's {type(optimizer).__name__} does not hold exactly the "
+            f"parameters it was given ({extra} other tensor(s), {missing} given parameter(s) "
+            "left out); build it over the parameters passed in, or pass the optimizer instance"
+        )
+
+
+def _check_supported(optimizer: torch.optim.Optimizer, strategy: str, shards: bool) -> None:
+    name = type(optimizer).__name__
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise ConfigError(
+            f"optimizer: {name} needs a closure that re-evaluates the loss, which Engine.step "
+            "does not take; use an optimizer without one (e.g. Adam, SGD)"
+        )
+    if not shards:
+        return
+    if not isinstance(optimizer, ELEMENTWISE):
+        known = ", ".join(kind.__name__ for kind in ELEMENTWISE)
+        raise ConfigError(
+            f"optimizer: {name} is not known to be elementwise, and {strategy!r} steps flat "
+            f"shards of the parameters; use one of {known}, or the 'allreduce' or 'tree' "
+            "strategy"
+        )
+    if any(optimizer.state.values()):
+        raise ConfigError(
+            f"optimizer: {name} already holds state, which {strategy!r} cannot split over its "
+            "shards; pass a fresh optimizer (resume through phalanx checkpoints)"
+        )
+
+
+OptimizerSpec = torch.optim.Optimizer | Callable[[list[torch.nn.Parameter]], Any]

@@ -1,0 +1,144 @@
+"""The optimizer and loss as users write them, in a world of one: instances with parameter
+groups, factories checked, what a strategy cannot honour refused in one line, the model's own
+loss (equivalence at worlds 2 and 3: tests/multiproc/test_user_optimizer.py)."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from torch import nn
+
+import phalanx as px
+from phalanx.errors import ConfigError
+
+
+@pytest.fixture(autouse=True)
+def _fresh_world():
+    px.shutdown()
+    yield
+    px.shutdown()
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Linear(8, 3))
+
+
+def _groups(model: nn.Module) -> list[dict]:
+    params = list(model.parameters())
+    return [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0, "lr": 0.02},
+    ]
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(6, 4, generator=g), torch.randint(0, 3, (6,), generator=g)
+
+
+@pytest.mark.parametrize("strategy", ["allreduce", "tree", "partitioned", "ps"])
+def test_an_instance_keeps_its_object_and_groups(strategy: str) -> None:
+    model = _model()
+    optimizer = torch.optim.AdamW(_groups(model), lr=0.01)
+    engine = px.Engine(model, nn.functional.cross_entropy, optimizer, exchange=strategy)
+    engine.step(*_batch())
+    assert engine.optimizer is optimizer
+    assert [g["weight_decay"] for g in optimizer.param_groups] == [0.1, 0.0]
+    assert [g["lr"] for g in optimizer.param_groups] == [0.01, 0.02]
+
+
+def test_a_factory_that_ignores_its_parameters_is_refused() -> None:
+    other = _model()
+    with pytest.raises(ConfigError, match="does not hold exactly the parameters"):
+        px.Engine(_model(), nn.functional.cross_entropy, lambda params: torch.optim.SGD(
+            other.parameters(), lr=0.1))  # fmt: skip
+
+
+def test_a_factory_over_the_same_parameters_is_accepted() -> None:
+    model = _model()  # the GPT script's `lambda params: model.configure_optimizers(...)`
+    engine = px.Engine(model, nn.functional.cross_entropy,
+                       lambda params: torch.optim.AdamW(_groups(model), lr=0.01),
+                       exchange="partitioned")  # fmt: skip
+    engine.step(*_batch())
+    assert len(engine.optimizer.param_groups) == 2
+
+
+@pytest.mark.parametrize(
+    ("spec", "strategy", "message"),
+    [
+        (42, "allreduce", "pass a torch.optim.Optimizer built over the model's parameters"),
+        (lambda params: None, "allreduce", "returned NoneType, not a torch.optim.Optimizer"),
+        ("foreign", "allreduce", "not trainable parameters of the model"),
+        ("lbfgs", "allreduce", "LBFGS needs a closure"),
+        ("adafactor", "partitioned", "Adafactor is not known to be elementwise"),
+        ("stateful", "ps", "already holds state"),
+    ],
+)
+def test_what_cannot_be_honoured_is_refused_in_one_line(spec, strategy, message) -> None:
+    model = _model()
+    if spec == "foreign":
+        spec = torch.optim.SGD([nn.Parameter(torch.zeros(3))], lr=0.1)
+    elif spec == "lbfgs":
+        spec = torch.optim.LBFGS(model.parameters())
+    elif spec == "adafactor":
+        spec = torch.optim.Adafactor(model.parameters())
+    elif spec == "stateful":
+        spec = torch.optim.Adam(model.parameters())
+        model(_batch()[0]).sum().backward()
+        spec.step()
+    with pytest.raises(ConfigError, match=message) as caught:
+        px.Engine(model, nn.functional.cross_entropy, spec, exchange=strategy)
+    assert "\n" not in str(caught.value)
+
+
+def test_adafactor_under_allreduce_is_stepped_as_it_is() -> None:
+    model = _model()
+    optimizer = torch.optim.Adafactor(model.parameters(), lr=0.01)
+    engine = px.Engine(model, nn.functional.cross_entropy, optimizer)
+    before = [p.detach().clone() for p in model.parameters()]
+    engine.step(*_batch())
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+class OwnLoss(nn.Module):
+    def __init__(self, output: str) -> None:
+        super().__init__()
+        self.net, self.output = _model(), output
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None):
+        logits = self.net(x)
+        loss = nn.functional.cross_entropy(logits, targets) if targets is not None else None
+        if self.output == "tuple":
+            return logits, loss
+        if self.output == "dict":
+            return {"logits": logits, "loss": loss}
+        return logits
+
+
+@pytest.mark.parametrize("output", ["tuple", "dict"])
+def test_the_models_own_loss(output: str) -> None:
+    model = OwnLoss(output)
+    engine = px.Engine(model, optimizer=functools.partial(torch.optim.SGD, lr=0.1),
+                       accumulate_steps=2)  # fmt: skip
+    x, y = _batch()
+    loss = engine.step(x, targets=y)
+    assert loss.dim() == 0 and torch.isfinite(loss)
+    assert "net.0.weight" in engine.module.state_dict()  # the model's own key names
+
+
+def test_an_output_without_a_loss_is_refused_in_one_line() -> None:
+    engine = px.Engine(OwnLoss("logits"), optimizer=functools.partial(torch.optim.SGD, lr=0.1))
+    with pytest.raises(ConfigError, match="the model's output must be its loss"):
+        engine.step(_batch()[0])
+
+
+def test_step_arguments_must_fit_the_loss() -> None:
+    engine = px.Engine(_model(), nn.functional.cross_entropy, torch.optim.SGD, exchange="tree")
+    x, y = _batch()
+    with pytest.raises(ConfigError, match=r"call step\(inputs, targets\)"):
+        engine.step(x, y, x)
+    with pytest.raises(ConfigError, match="optimizer: required"):
+        px.Engine(_model(), nn.functional.cross_entropy)
