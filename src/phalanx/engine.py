@@ -31,6 +31,7 @@ from phalanx.precision import Precision
 from phalanx.runtime.context import (
     Context,
     current_context,
+    hold_until_shutdown,
     on_shutdown,
     unregister_shutdown,
 )
@@ -219,6 +220,10 @@ class Engine:
             self._recorder = BackwardRecorder(num_steps=PROFILE_STEPS, skip_steps=1)
             self.buckets.on_ready = self._recorder.record
         self._timer = PhaseTimer(self.ctx.device)
+        # The step's global loss: [sum of the reporting ranks' losses, their count], summed
+        # over every rank by an all-reduce that runs while backward does.
+        self._loss_sum = torch.zeros(2, dtype=torch.float64, device=self.ctx.device)
+        self._loss_work: Any = None
 
     def _check_rescaling(self, max_grad_norm: float | None) -> None:
         problem = rescaling_problem(
@@ -270,6 +275,8 @@ class Engine:
         if micro:
             with self.memory.step() if self.memory is not None else nullcontext():
                 total_loss, skip = self._forward_backward(micro, scale, timer)
+        if self._loss_work is None:  # a pipeline or a dedicated server: after Phase 2
+            self._start_global_loss(total_loss)
         if not self.strategy.is_trainer:  # a dedicated server joins the trainers' agreement
             skip = self._nonfinite_before_exchange(total_loss)
         launched_in_backward = sum(b.launched for b in self.buckets.buckets)
@@ -294,6 +301,7 @@ class Engine:
         self._trace("optimizer", "update" if not skip else "skipped", updating)
         self._count_nonfinite(skip)
         self._record(timer.read(), launched_in_backward)
+        self.stats.loss = self._finish_global_loss()
         if not skip:  # every rank skips alike: the layout schedule counts updates only
             self._maybe_rebuild_buckets()
             self._maybe_finish_trials()
@@ -309,6 +317,21 @@ class Engine:
                 self.tracer.span(lane, name, start, end, bucket=b, bytes=nbytes)
             self.tracer.finish_step(self.world.group, self._trace_meta())
         return total_loss
+
+    def _start_global_loss(self, loss: torch.Tensor) -> None:
+        reports = float(self.reports_loss)
+        self._loss_sum[0] = loss.detach().to(torch.float64) * reports
+        self._loss_sum[1] = reports
+        self._loss_work = dist.all_reduce(self._loss_sum, group=self.world.group, async_op=True)
+
+    def _finish_global_loss(self) -> float:
+        """The mean loss over every rank that computes one (``stats.loss``)."""
+        self._loss_work.wait()
+        # kept until the next step, then by the teardown: a worker never drops the last reference
+        self._teardown.held = [self._loss_work]
+        self._loss_work = None
+        total, count = self._loss_sum.tolist()
+        return total / count if count else float("nan")
 
     def _trace(self, lane: str, name: str, start: float, **args: Any) -> float:
         """Record [start, now] on ``lane`` when this step is traced; returns now."""
@@ -346,6 +369,8 @@ class Engine:
             timer.mark("forward")
             self._backward_started = self._trace("compute", "forward", started, micro=i)
             last = i == len(micro) - 1
+            if last:  # the global loss travels while backward runs
+                self._start_global_loss(total_loss)
             if last and self._nonfinite_before_exchange(total_loss):
                 return total_loss, True
             if last and self._agrees_before_backward():
@@ -886,12 +911,15 @@ class _Teardown:
     ) -> None:
         self.parts: tuple | None = (strategy, buckets, pipeline, memory)
         self.thread = threading.get_ident()  # the thread that built the Engine
+        self.held: list[Any] = []  # the Engine's own last backend works (hold_until_shutdown)
 
     def __call__(self) -> None:
         if self.parts is None:
             return
         strategy, buckets, pipeline, memory = self.parts
         self.parts = None
+        hold_until_shutdown(self.held)
+        self.held = []
         try:
             strategy.close()
         finally:

@@ -21,6 +21,7 @@ class StepStats:
     sets them after the step): the input wait and the buffer occupancy.
     """
 
+    loss: float = float("nan")  # mean loss over all ranks (this rank's: Engine.step's return)
     forward_s: float = 0.0
     backward_s: float = 0.0
     exchange_s: float = 0.0

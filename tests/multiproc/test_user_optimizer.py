@@ -19,7 +19,9 @@ STRATEGIES = ["allreduce", "tree", "partitioned", "ps"]
 
 
 def _gpt_run(world_size: int, rank: int, strategy: str | None) -> dict[str, torch.Tensor]:
-    """The user's loop; ``strategy`` None: the plain one-process loop on the global batch."""
+    """The user's loop; ``strategy`` None: the plain one-process loop on the global batch.
+    Returns the state dict and, as "global losses", each step's loss over the global batch
+    (``engine.stats.loss`` under phalanx)."""
     torch.manual_seed(0)
     model = GPT()
     optimizer = model.configure_optimizers(weight_decay=0.1, lr=lr_at(0))
@@ -29,19 +31,24 @@ def _gpt_run(world_size: int, rank: int, strategy: str | None) -> dict[str, torc
         engine = px.Engine(model, optimizer=optimizer, exchange=strategy, bucket_mb=0.002,
                            max_grad_norm=1.0 if clip else None)  # fmt: skip
     per = GLOBAL_BATCH // world_size
+    losses = []
     for step in range(STEPS):
         for group in optimizer.param_groups:  # the script's own LR loop, any key
             group["lr"] = lr_at(step) * group.get("lr_scale", 1.0)
         idx, targets = tokens(step, GLOBAL_BATCH)
         if engine is not None:
             engine.step(idx[rank * per : (rank + 1) * per], targets[rank * per : (rank + 1) * per])
+            losses.append(engine.stats.loss)  # the mean over every rank
             continue
         optimizer.zero_grad(set_to_none=True)
-        model(idx, targets)[1].backward()
+        loss = model(idx, targets)[1]
+        loss.backward()
+        losses.append(loss.item())
         if clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
-    return {k: v.clone() for k, v in model.state_dict().items()}
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    return {**state, "global losses": torch.tensor(losses, dtype=torch.float64)}
 
 
 def _hf_run(world_size: int, rank: int, strategy: str | None) -> dict[str, torch.Tensor]:
@@ -82,7 +89,7 @@ def test_users_optimizer_groups_and_own_loss_equal_one_process(world_size: int) 
     for rank, result in enumerate(results):
         for case, state in result.items():
             reference = expected[case.split()[0]]
-            assert state.keys() == reference.keys(), case  # the model's own key names
+            assert state.keys() == reference.keys(), case  # the model's own key names (+ losses)
             for name, value in reference.items():
                 torch.testing.assert_close(
                     state[name], value, atol=2e-5, rtol=1e-4,
