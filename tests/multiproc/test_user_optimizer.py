@@ -16,20 +16,23 @@ from tests.multiproc.users_models import GPT, HFStyle, lr_at, tokens
 STEPS = 5
 GLOBAL_BATCH = 6  # divisible by 2 and 3
 STRATEGIES = ["allreduce", "tree", "partitioned", "ps"]
+CLIP = 0.05  # below the gradients' norm (about 0.1-0.3 here): clipping acts on every step
 
 
-def _gpt_run(world_size: int, rank: int, strategy: str | None) -> dict[str, torch.Tensor]:
+def _gpt_run(
+    world_size: int, rank: int, strategy: str | None, clip: bool = True
+) -> dict[str, torch.Tensor]:
     """The user's loop; ``strategy`` None: the plain one-process loop on the global batch.
     Returns the state dict and, as "global losses", each step's loss over the global batch
     (``engine.stats.loss`` under phalanx)."""
     torch.manual_seed(0)
     model = GPT()
     optimizer = model.configure_optimizers(weight_decay=0.1, lr=lr_at(0))
-    clip = strategy != "ps"  # ps refuses max_grad_norm (its servers update as buckets arrive)
+    clip = clip and strategy != "ps"  # ps refuses it (its servers update as buckets arrive)
     engine = None
     if strategy is not None:
         engine = px.Engine(model, optimizer=optimizer, exchange=strategy, bucket_mb=0.002,
-                           max_grad_norm=1.0 if clip else None)  # fmt: skip
+                           max_grad_norm=CLIP if clip else None)  # fmt: skip
     per = GLOBAL_BATCH // world_size
     losses = []
     for step in range(STEPS):
@@ -45,7 +48,7 @@ def _gpt_run(world_size: int, rank: int, strategy: str | None) -> dict[str, torc
         loss.backward()
         losses.append(loss.item())
         if clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            assert torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP) > CLIP
         optimizer.step()
     state = {k: v.clone() for k, v in model.state_dict().items()}
     return {**state, "global losses": torch.tensor(losses, dtype=torch.float64)}
@@ -86,12 +89,76 @@ def _all(ctx: px.Context) -> dict[str, dict[str, torch.Tensor]]:
 def test_users_optimizer_groups_and_own_loss_equal_one_process(world_size: int) -> None:
     results = run_ranks(_all, world_size, timeout=240)
     expected = {"gpt": _gpt_run(world_size, 0, None), "hf": _hf_run(world_size, 0, None)}
+    unclipped = _gpt_run(world_size, 0, None, clip=False)  # what ps (no clipping) matches
     for rank, result in enumerate(results):
         for case, state in result.items():
-            reference = expected[case.split()[0]]
+            reference = unclipped if case == "gpt ps" else expected[case.split()[0]]
             assert state.keys() == reference.keys(), case  # the model's own key names (+ losses)
             for name, value in reference.items():
                 torch.testing.assert_close(
                     state[name], value, atol=2e-5, rtol=1e-4,
+                    msg=lambda m, c=case, r=rank, n=name: f"{c} rank {r} {n}: {m}",
+                )  # fmt: skip
+
+
+FIRST = 3  # steps saved at world 2; the rest of STEPS run after resuming at world 3
+SAVERS, RESUMERS = ["partitioned", "ps"], ["allreduce", "partitioned"]  # pairwise: (saver, resumer)
+
+
+def _gpt_engine(strategy: str) -> tuple[px.Engine, torch.optim.Optimizer]:
+    torch.manual_seed(1)  # other initial weights than the reference: resuming must restore them
+    model = GPT()
+    optimizer = model.configure_optimizers(weight_decay=0.1, lr=lr_at(0))
+    return px.Engine(model, optimizer=optimizer, exchange=strategy, bucket_mb=0.002), optimizer
+
+
+def _gpt_steps(ctx: px.Context, engine: px.Engine, optimizer, steps: range) -> None:
+    per = GLOBAL_BATCH // ctx.world_size
+    for step in steps:
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step) * group.get("lr_scale", 1.0)
+        idx, targets = tokens(step, GLOBAL_BATCH)
+        part = slice(ctx.rank * per, (ctx.rank + 1) * per)
+        engine.step(idx[part], targets[part])
+
+
+def _save_groups(ctx: px.Context, root: str) -> None:
+    from phalanx import checkpoint
+
+    for strategy in SAVERS:
+        torch.manual_seed(0)
+        model = GPT()
+        optimizer = model.configure_optimizers(weight_decay=0.1, lr=lr_at(0))
+        engine = px.Engine(model, optimizer=optimizer, exchange=strategy, bucket_mb=0.002)
+        _gpt_steps(ctx, engine, optimizer, range(FIRST))
+        checkpoint.save(f"{root}/{strategy}", FIRST, {"engine": engine}, group=ctx.group)
+        engine.close()
+
+
+def _resume_groups(ctx: px.Context, root: str) -> dict[str, dict[str, torch.Tensor]]:
+    from phalanx import checkpoint
+
+    out = {}
+    for saver, resumer in zip(SAVERS, RESUMERS):
+        engine, optimizer = _gpt_engine(resumer)
+        checkpoint.restore(f"{root}/{saver}", {"engine": engine}, group=ctx.group)
+        groups = [(g["weight_decay"], g.get("lr_scale")) for g in optimizer.param_groups]
+        assert groups == [(0.1, None), (0.0, 2.0)], groups  # the groups came back
+        _gpt_steps(ctx, engine, optimizer, range(FIRST, STEPS))
+        out[f"{saver} -> {resumer}"] = {k: v.clone() for k, v in engine.module.state_dict().items()}
+        engine.close()
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_grouped_checkpoints_resume_across_strategies_and_worlds(tmp_path) -> None:
+    run_ranks(_save_groups, 2, str(tmp_path), timeout=240)
+    results = run_ranks(_resume_groups, 3, str(tmp_path), timeout=240)
+    reference = _gpt_run(1, 0, None, clip=False)  # the same global batches at every world
+    for rank, result in enumerate(results):
+        for case, state in result.items():
+            for name, value in state.items():
+                torch.testing.assert_close(
+                    value, reference[name], atol=2e-5, rtol=1e-4,
                     msg=lambda m, c=case, r=rank, n=name: f"{c} rank {r} {n}: {m}",
                 )  # fmt: skip
