@@ -304,6 +304,9 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
     optimizer.add_arguments(
         targets.add_parser("optimizer", help="optimizer state in memory vs in the spill file")
     )
+    from phalanx.bench import port
+
+    port.add_arguments(targets.add_parser("port", help="a user's GPT script: DDP vs Engine"))
     from phalanx.bench import planner
 
     planner.add_arguments(

@@ -1,0 +1,232 @@
+"""``phalanx bench port``: a typical GPT training script, as users write it, under torch DDP and
+under phalanx, in one invocation (tokens/s), and in a world of one against the plain loop.
+
+The script: a GPT whose ``forward(idx, targets)`` returns ``(logits, loss)`` with tied
+embeddings, AdamW from its own ``configure_optimizers`` (decay / no-decay groups), the
+learning rate set on every group each step, gradient clipping at 1.0. Contenders, each with its
+own copy of the same initial model, in the same ``nproc`` ranks (``run_ranks``, Gloo, one
+intra-op thread each):
+  - ``ddp``: ``DistributedDataParallel`` and the script's own loop (zero_grad, backward,
+    clip_grad_norm_, step);
+  - ``allreduce``, ``partitioned``: ``Engine(model, optimizer=the same AdamW, exchange=...)``.
+After ``warmup`` steps each, ``rounds`` rounds run the contenders one after another (the order
+rotates each round), ``steps`` steps each, timed between barriers (the slowest rank's time).
+Then one rank alone: ``plain`` (the one-process loop) against ``engine`` (the Engine in a
+world of one), alternating the same way. Reported: medians over rounds and the median of the
+per-round ratios (to ``ddp``; to ``plain``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from phalanx.bench import machine_meta
+from phalanx.errors import ConfigError
+
+MULTI = ("ddp", "allreduce", "partitioned")
+SINGLE = ("plain", "engine")
+
+
+@dataclass(frozen=True)
+class PortBenchConfig:
+    """Everything one ``phalanx bench port`` run needs (sent to the ranks)."""
+
+    nproc: int = 2
+    vocab: int = 512
+    width: int = 128
+    num_layers: int = 2
+    seq_len: int = 64
+    batch_size: int = 8  # sequences per process per step
+    steps: int = 20
+    rounds: int = 9
+    warmup: int = 3
+
+    def validate(self) -> None:
+        for key, value in asdict(self).items():
+            if value < (0 if key == "warmup" else 1):
+                raise ConfigError(f"--{key.replace('_', '-')}: must be >= 1, got {value}")
+
+
+class GPT(nn.Module):
+    """The user's model: pre-norm blocks, tied embeddings, its own loss."""
+
+    def __init__(self, cfg: PortBenchConfig) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(cfg.vocab, cfg.width)
+        self.wpe = nn.Embedding(cfg.seq_len, cfg.width)
+        layer = nn.TransformerEncoderLayer(cfg.width, 4, 4 * cfg.width, dropout=0.0,
+                                           batch_first=True, norm_first=True)  # fmt: skip
+        self.blocks = nn.TransformerEncoder(layer, cfg.num_layers, enable_nested_tensor=False)
+        self.ln_f = nn.LayerNorm(cfg.width)
+        self.lm_head = nn.Linear(cfg.width, cfg.vocab, bias=False)
+        self.wte.weight = self.lm_head.weight
+
+    def forward(
+        self, idx: torch.Tensor, targets: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        t = idx.shape[1]
+        mask = nn.Transformer.generate_square_subsequent_mask(t)
+        x = self.wte(idx) + self.wpe(torch.arange(t))
+        logits = self.lm_head(self.ln_f(self.blocks(x, mask=mask, is_causal=True)))
+        loss = nn.functional.cross_entropy(logits.flatten(0, 1), targets.reshape(-1))
+        return logits, loss
+
+    def configure_optimizers(self) -> torch.optim.AdamW:
+        params = [p for p in self.parameters() if p.requires_grad]
+        groups = [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ]
+        return torch.optim.AdamW(groups, lr=3e-4, betas=(0.9, 0.95))
+
+
+def _lr(step: int) -> float:
+    return 3e-4 * min(1.0, (step + 1) / 10)
+
+
+class _Contender:
+    """One way of training the user's model; ``step(i, idx, targets)`` runs step i."""
+
+    def __init__(self, kind: str, model: nn.Module, ctx: Any) -> None:
+        import phalanx as px
+
+        self.kind, self.model = kind, model
+        self.optimizer = model.configure_optimizers()
+        self.engine = None
+        self.ddp = None
+        if kind == "ddp":
+            self.ddp = nn.parallel.DistributedDataParallel(model)
+        elif kind != "plain":
+            exchange = "allreduce" if kind == "engine" else kind
+            self.engine = px.Engine(model, optimizer=self.optimizer, exchange=exchange,
+                                    max_grad_norm=1.0, context=ctx)  # fmt: skip
+
+    def step(self, i: int, idx: torch.Tensor, targets: torch.Tensor) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = _lr(i)
+        if self.engine is not None:
+            self.engine.step(idx, targets)
+            return
+        self.optimizer.zero_grad(set_to_none=True)
+        _, loss = (self.ddp or self.model)(idx, targets)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.optimizer.step()
+
+
+def _batch(cfg: PortBenchConfig, step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step * 1000 + rank)
+    idx = torch.randint(0, cfg.vocab, (cfg.batch_size, cfg.seq_len + 1), generator=g)
+    return idx[:, :-1], idx[:, 1:]
+
+
+def _timed(ctx: Any, contender: _Contender, cfg: PortBenchConfig, first: int) -> float:
+    """Seconds for ``cfg.steps`` steps, the slowest rank's, between barriers."""
+    import torch.distributed as dist
+
+    batches = [_batch(cfg, first + s, ctx.rank) for s in range(cfg.steps)]
+    dist.barrier(group=ctx.group)
+    start = time.perf_counter()
+    for s, (idx, targets) in enumerate(batches):
+        contender.step(first + s, idx, targets)
+    seconds = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    dist.all_reduce(seconds, op=dist.ReduceOp.MAX, group=ctx.group)
+    return float(seconds.item())
+
+
+def _race(ctx: Any, cfg: PortBenchConfig, kinds: tuple[str, ...]) -> dict:
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    contenders = {k: _Contender(k, copy.deepcopy(model), ctx) for k in kinds}
+    for contender in contenders.values():  # warm-up
+        for s in range(cfg.warmup):
+            contender.step(s, *_batch(cfg, s, ctx.rank))
+    seconds: dict[str, list[float]] = {k: [] for k in kinds}
+    for r in range(cfg.rounds):
+        order = kinds[r % len(kinds) :] + kinds[: r % len(kinds)]
+        for k in order:
+            seconds[k].append(_timed(ctx, contenders[k], cfg, cfg.warmup + r * cfg.steps))
+    for contender in contenders.values():
+        if contender.engine is not None:
+            contender.engine.close()
+    return seconds
+
+
+def _in_ranks(ctx: Any, cfg: PortBenchConfig) -> dict:
+    import dataclasses
+
+    import torch.distributed as dist
+
+    multi = _race(ctx, cfg, MULTI)
+    alone = dist.new_group([0]) if ctx.world_size > 1 else ctx.group  # every rank creates it
+    single = {}
+    if ctx.rank == 0:  # a world of one inside the same process
+        one = dataclasses.replace(ctx, group=alone, world_size=1)
+        single = _race(one, cfg, SINGLE)
+    return {**multi, **single}
+
+
+def run_benchmark(cfg: PortBenchConfig) -> dict[str, Any]:
+    from phalanx.runtime.spawn import run_ranks
+
+    started = time.perf_counter()
+    seconds = run_ranks(_in_ranks, cfg.nproc, cfg, timeout=None)[0]
+    tokens = cfg.batch_size * cfg.seq_len * cfg.steps
+    rows = {}
+    for kind, samples in seconds.items():
+        procs = cfg.nproc if kind in MULTI else 1
+        rows[kind] = {
+            "seconds": samples,
+            "tokens_per_s": statistics.median(tokens * procs / s for s in samples),
+        }
+    for kind, base in [(k, "ddp") for k in MULTI[1:]] + [("engine", "plain")]:
+        ratios = [b / s for s, b in zip(seconds[kind], seconds[base])]
+        rows[kind][f"vs_{base}"] = statistics.median(ratios)
+    meta = {**machine_meta(), "wall_s": time.perf_counter() - started, "config": asdict(cfg)}
+    return {"meta": meta, "rows": rows}
+
+
+def _check(result: dict[str, Any]) -> None:
+    if not all(r["tokens_per_s"] > 0 for r in result["rows"].values()):
+        raise RuntimeError("a contender measured no throughput")
+
+
+def format_table(result: dict[str, Any]) -> str:
+    cfg = result["meta"]["config"]
+    lines = [
+        f"GPT script ({cfg['num_layers']} layers, width {cfg['width']}, vocab {cfg['vocab']}, "
+        f"{cfg['batch_size']} x {cfg['seq_len']} tokens per process), AdamW groups, clip 1.0; "
+        f"medians of {cfg['rounds']} alternating rounds of {cfg['steps']} steps",
+        f"{'contender':<12} {'processes':>9} {'tokens/s':>10} {'ratio':>16}",
+    ]
+    for kind, row in result["rows"].items():
+        procs = cfg["nproc"] if kind in MULTI else 1
+        ratio = next((f"{v:.3f}x {k[3:]}" for k, v in row.items() if k.startswith("vs_")), "")
+        lines.append(f"{kind:<12} {procs:>9} {row['tokens_per_s']:>10.0f} {ratio:>16}")
+    return "\n".join(lines)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags of ``phalanx bench port``; sets ``handler``."""
+    d = PortBenchConfig()
+    p.add_argument("--json", metavar="PATH", help="write every number (per round too) here")
+    for key, value in asdict(d).items():
+        p.add_argument(f"--{key.replace('_', '-')}", type=int, default=value,
+                       help=f"default {value}")  # fmt: skip
+    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="tracebacks")
+    p.set_defaults(handler=cmd_port)
+
+
+def cmd_port(args: argparse.Namespace) -> int:
+    from phalanx.bench import run_and_report
+
+    cfg = PortBenchConfig(**{k: getattr(args, k) for k in asdict(PortBenchConfig())})
+    return run_and_report(cfg, run_benchmark, _check, format_table, args.json)
