@@ -224,6 +224,7 @@ class Engine:
         # over every rank by an all-reduce that runs while backward does.
         self._loss_sum = torch.zeros(2, dtype=torch.float64, device=self.ctx.device)
         self._loss_work: Any = None
+        self._loss_started = False
 
     def _check_rescaling(self, max_grad_norm: float | None) -> None:
         problem = rescaling_problem(
@@ -275,7 +276,7 @@ class Engine:
         if micro:
             with self.memory.step() if self.memory is not None else nullcontext():
                 total_loss, skip = self._forward_backward(micro, scale, timer)
-        if self._loss_work is None:  # a pipeline or a dedicated server: after Phase 2
+        if not self._loss_started:  # a pipeline or a dedicated server: after Phase 2
             self._start_global_loss(total_loss)
         if not self.strategy.is_trainer:  # a dedicated server joins the trainers' agreement
             skip = self._nonfinite_before_exchange(total_loss)
@@ -322,14 +323,19 @@ class Engine:
         reports = float(self.reports_loss)
         self._loss_sum[0] = loss.detach().to(torch.float64) * reports
         self._loss_sum[1] = reports
-        self._loss_work = dist.all_reduce(self._loss_sum, group=self.world.group, async_op=True)
+        self._loss_started = True
+        if self.world.world_size > 1:
+            self._loss_work = dist.all_reduce(self._loss_sum, group=self.world.group, async_op=True)
 
     def _finish_global_loss(self) -> float:
         """The mean loss over every rank that computes one (``stats.loss``)."""
-        self._loss_work.wait()
-        # kept until the next step, then by the teardown: a worker never drops the last reference
-        self._teardown.held = [self._loss_work]
-        self._loss_work = None
+        self._loss_started = False
+        if self._loss_work is not None:
+            self._loss_work.wait()
+            # kept until the next step, then by the teardown: a worker never drops the last
+            # reference
+            self._teardown.held = [self._loss_work]
+            self._loss_work = None
         total, count = self._loss_sum.tolist()
         return total / count if count else float("nan")
 
