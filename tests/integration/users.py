@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -32,23 +33,24 @@ def run(command: list[str], *, marker: str, timeout: float = 240.0) -> Finished:
     """Run ``command`` from the repository root; ``marker`` is a string on every command line
     it starts (a temporary directory), to find processes left behind."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
+    proc = subprocess.Popen(
+        command,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # its own process group: a timeout stops every rank
+    )
     try:
-        done = subprocess.run(
-            command,
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            timeout=timeout,
-            start_new_session=True,
-        )
-    except subprocess.TimeoutExpired as e:
-        wait_gone(marker, timeout=0)
-        raise AssertionError(f"{command[-3:]} still running after {timeout} s:\n{e.output}") from e
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        raise AssertionError(f"{command[-3:]} still running after {timeout} s:\n{output}") from None
     left = wait_gone(marker)
     assert left == [], f"processes left behind: {left}"
-    return Finished(done.returncode, done.stdout)
+    return Finished(proc.returncode, output)
 
 
 def assert_clean(done: Finished) -> None:
