@@ -62,3 +62,20 @@ def test_a_hung_rank_killed_late_by_the_launcher_is_not_blamed_on_memory() -> No
     assert message.startswith("RuntimeError: Timed out waiting 20000ms for recv (exit code 1)")
     assert message.endswith("; rank 1 stopped responding and was killed by the launcher")
     assert "out of memory" not in message
+
+
+def test_own_error_then_stopped_by_the_launcher_is_the_cause() -> None:
+    """A rank that recorded its error and was still exiting (closing its connections) when its
+    peer died of the lost connection and the launcher stopped it: its error is the cause."""
+    failures = {
+        0: _failure("", exitcode=1),  # lost the peer inside the backend: a bare exit code
+        1: _failure("RuntimeError: injected failure on rank 1", exitcode=-15),
+    }
+    rank, message = _describe(failures)
+    assert rank == 1 and message.startswith("RuntimeError: injected failure on rank 1"), message
+    stopped = {  # a rank the launcher stopped that only recorded its own interruption
+        0: _failure("ValueError: bad batch", exitcode=1),
+        1: _failure("stopped by SIGTERM", exitcode=-15, timestamp=99),
+        2: _failure("Signal 15 (SIGTERM) received by PID 7", exitcode=-15, timestamp=98),
+    }
+    assert _root_cause(stopped)[0] == 0

@@ -125,6 +125,7 @@ def _quiet_elastic_loggers() -> None:
 PEER_LOSS = ("closed by peer", "reset by peer", "remote worker crashing", "remote process exit")
 # Signals the launcher itself sends to stop the ranks that are left.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+STOPPED = ("stopped by sigterm", "stopped by sigint")  # phalanx.errors.Interrupted
 SIGNAL_HINTS = {
     signal.SIGKILL: "killed — out of memory?",
     signal.SIGSEGV: "crashed (segmentation fault)",
@@ -185,13 +186,18 @@ def _killed(failure: object) -> bool:
 
 
 def _is_consequence(failure: object) -> bool:
+    """A lost peer, or the launcher's own stop of a rank that had recorded no error of its
+    own (a rank that did, and was stopped while it exited, failed by itself)."""
     message = _failure_message(failure).lower()
-    return _signal_of(failure) in STOP_SIGNALS or any(p in message for p in PEER_LOSS)
+    if any(p in message for p in (*PEER_LOSS, *STOPPED)):
+        return True
+    return _signal_of(failure) in STOP_SIGNALS and not _recorded(failure)
 
 
 def _is_own_error(failure: object) -> bool:
+    signum = _signal_of(failure)
     return (
-        _signal_of(failure) is None
+        (signum is None or (signum in STOP_SIGNALS and bool(_recorded(failure))))
         and not _is_consequence(failure)
         and not _failure_message(failure).startswith("exit code")
     )
@@ -210,15 +216,25 @@ def _signal_of(failure: object) -> signal.Signals | None:
 
 def _failure_message(failure: object) -> str:
     signum = _signal_of(failure)
+    recorded = _recorded(failure)
+    if signum in STOP_SIGNALS and recorded:  # its own error, then the launcher's stop
+        return f"{recorded} (then stopped by the launcher, {signum.name})"
     if signum is not None:
         hint = SIGNAL_HINTS.get(signum, "killed")
         return f"{hint} ({signum.name}, pid {getattr(failure, 'pid', '?')})"
-    message = getattr(failure, "message", "") or ""
     exitcode = getattr(failure, "exitcode", None)
+    if not recorded:
+        return f"exit code {exitcode}"
+    return f"{recorded} (exit code {exitcode})"
+
+
+def _recorded(failure: object) -> str:
+    """The first line of the error the rank recorded in its error file ("" if none)."""
+    message = getattr(failure, "message", "") or ""
     if isinstance(message, dict):  # the error file's structure
         message = message.get("message", "")
-    message = str(message).strip().splitlines()
-    first = message[0] if message else ""
-    if not first or first.startswith("To enable traceback"):
-        return f"exit code {exitcode}"
-    return f"{first} (exit code {exitcode})"
+    lines = str(message).strip().splitlines()
+    first = lines[0] if lines else ""
+    if first.startswith("To enable traceback") or first.startswith("Signal "):
+        return ""  # torch elastic's placeholders, not an error of the rank's own
+    return first
