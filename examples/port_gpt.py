@@ -2,6 +2,7 @@
 
     python examples/port_gpt.py                                  # a world of one
     torchrun --nproc-per-node 2 examples/port_gpt.py partitioned  # any strategy by name
+    torchrun --nproc-per-node 2 examples/port_gpt.py ps /tmp/gpt.pt  # where rank 0 saves
 
 The model computes its own loss (``forward(idx, targets) -> (logits, loss)``), builds its own
 AdamW with decay / no-decay parameter groups, and the loop sets each group's learning rate and
@@ -12,6 +13,7 @@ marked ``# phalanx``.
 from __future__ import annotations
 
 import math
+import os
 import sys
 
 import torch
@@ -19,7 +21,8 @@ from torch import nn
 
 import phalanx as px
 
-VOCAB, WIDTH, SEQ, BATCH, STEPS = 64, 64, 32, 16, 60
+VOCAB, WIDTH, SEQ, BATCH = 64, 64, 32, 16
+STEPS = int(os.environ.get("STEPS", "60"))
 
 
 class GPT(nn.Module):
@@ -28,7 +31,7 @@ class GPT(nn.Module):
         self.wte = nn.Embedding(VOCAB, WIDTH)
         self.wpe = nn.Embedding(SEQ, WIDTH)
         layer = nn.TransformerEncoderLayer(
-            WIDTH, 4, 4 * WIDTH, dropout=0.0, batch_first=True, norm_first=True
+            WIDTH, 4, 4 * WIDTH, dropout=0.0, batch_first=True, norm_first=True, bias=False
         )
         self.blocks = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
         self.ln_f = nn.LayerNorm(WIDTH)
@@ -70,6 +73,7 @@ def get_batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def main() -> None:
     strategy = sys.argv[1] if len(sys.argv) > 1 else "allreduce"
+    out = sys.argv[2] if len(sys.argv) > 2 else "gpt.pt"
     ctx = px.init()  # phalanx: instead of init_process_group
     torch.manual_seed(0)
     model = GPT()
@@ -83,8 +87,8 @@ def main() -> None:
         if ctx.is_main and step % 20 == 0:
             print(f"step {step}: loss {float(loss):.3f}")
     if ctx.is_main:
-        torch.save(model.state_dict(), "gpt.pt")
-        print("saved gpt.pt")
+        torch.save(model.state_dict(), out)
+        print(f"saved {out}")
 
 
 if __name__ == "__main__":

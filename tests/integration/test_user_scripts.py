@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.faults.procs import ROOT
 from tests.integration.users import SCRIPTS, assert_clean, readme_example, run, torchrun
 
 sys.path.insert(0, str(SCRIPTS))
@@ -68,3 +69,42 @@ def test_phalanx_train_exits_cleanly(tmp_path: Path) -> None:
     command += ["--set", "train.steps=6", "--set", f"train.run_dir={tmp_path / 'run'}"]
     done = run(command, marker=str(tmp_path))
     assert_clean(done)
+
+
+PORT_STEPS = 20  # Adam at lr 1e-2 turns rounding into visible drift after ~40 steps
+
+
+def _port_gpt_reference(world_size: int) -> dict[str, torch.Tensor]:
+    """examples/port_gpt.py's loop in one process on the ranks' batches put together."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    import port_gpt
+
+    port_gpt.STEPS = PORT_STEPS
+    torch.manual_seed(0)
+    model = port_gpt.GPT()
+    optimizer = model.configure_optimizers(weight_decay=0.1, lr=port_gpt.get_lr(0))
+    for step in range(port_gpt.STEPS):
+        for group in optimizer.param_groups:
+            group["lr"] = port_gpt.get_lr(step)
+        batches = [port_gpt.get_batch(step, r) for r in range(world_size)]
+        idx, targets = (torch.cat(parts) for parts in zip(*batches))
+        optimizer.zero_grad(set_to_none=True)
+        model(idx, targets)[1].backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+    return model.state_dict()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("strategy", ["allreduce", "partitioned"])
+def test_the_ported_gpt_example_equals_one_process(tmp_path: Path, strategy: str) -> None:
+    """The README's "Port a training script" example as users run it: its own AdamW groups,
+    its own loss, per-group LR every step, clipping, only rank 0 saving."""
+    out = tmp_path / "gpt.pt"
+    script, steps = ROOT / "examples" / "port_gpt.py", {"STEPS": str(PORT_STEPS)}
+    done = torchrun(script, strategy, str(out), nproc=2, marker=str(out), env=steps)
+    assert_clean(done)
+    saved, expected = torch.load(out), _port_gpt_reference(2)
+    assert saved.keys() == expected.keys()
+    for name, value in expected.items():
+        torch.testing.assert_close(saved[name], value, atol=2e-5, rtol=1e-4, msg=name)

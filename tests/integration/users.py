@@ -21,22 +21,34 @@ class Finished:
     output: str  # stdout and stderr together
 
 
-def torchrun(script: Path | str, *args: str, nproc: int, timeout: float = 240.0) -> Finished:
+def torchrun(
+    script: Path | str,
+    *args: str,
+    nproc: int,
+    timeout: float = 240.0,
+    marker: str = "",
+    env: dict[str, str] | None = None,
+) -> Finished:
     """``torchrun --standalone --nproc-per-node NPROC SCRIPT ARGS``; fails the test if the job
-    runs past ``timeout`` (every process is killed) or leaves a process behind."""
+    runs past ``timeout`` (every process is killed) or leaves a process behind (``marker``: a
+    string on its command lines; default the first argument, else the script)."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     command += ["--nproc-per-node", str(nproc), str(script), *args]
-    return run(command, marker=str(args[0]) if args else str(script), timeout=timeout)
+    marker = marker or (str(args[0]) if args else str(script))
+    return run(command, marker=marker, timeout=timeout, env=env)
 
 
-def run(command: list[str], *, marker: str, timeout: float = 240.0) -> Finished:
+def run(
+    command: list[str], *, marker: str, timeout: float = 240.0, env: dict[str, str] | None = None
+) -> Finished:
     """Run ``command`` from the repository root; ``marker`` is a string on every command line
-    it starts (a temporary directory), to find processes left behind."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
+    it starts (a temporary directory), to find processes left behind; ``env``: variables
+    added to this process's."""
+    environ = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1", **(env or {})}
     proc = subprocess.Popen(
         command,
         cwd=ROOT,
-        env=env,
+        env=environ,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
