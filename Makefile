@@ -46,7 +46,7 @@ drill: $(STAMP)
 	$(BIN)/python tools/fault_drill.py --repeats 3
 
 drill-exit: $(STAMP)
-	$(BIN)/python tools/exit_drill.py --jobs 50
+	$(BIN)/python tools/exit_drill.py --jobs 50 --concurrent 2
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache

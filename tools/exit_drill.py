@@ -1,7 +1,7 @@
 """Soak drill for clean exits: many short multi-process jobs, as users start them, and how many
 ended cleanly (exit code 0, no "terminate called" / "Fatal Python error", no process left).
 
-    .venv/bin/python tools/exit_drill.py [--jobs 50] [--json PATH]
+    .venv/bin/python tools/exit_drill.py [--jobs 50] [--concurrent 2] [--json PATH]
 
 The jobs cycle through users' entry points and strategies: the README's Python example under
 torchrun, a script where only rank 0 reads the weights (tests/integration/scripts/rank0_reads.py)
@@ -20,6 +20,7 @@ import platform
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -107,30 +108,53 @@ def run_job(name: str, command: list[str], marker: str) -> Outcome:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--jobs", type=int, default=50, help="jobs to run (default 50)")
+    parser.add_argument(
+        "--concurrent",
+        type=int,
+        default=1,
+        help="jobs running at once (default 1); 2 on a 2-core machine loads it the way a busy "
+        "CI runner does, which makes timing-dependent exits far more likely",
+    )
     parser.add_argument("--json", help="also write the outcomes here")
     args = parser.parse_args()
-    outcomes = []
-    with tempfile.TemporaryDirectory(prefix="phalanx-exit-drill-") as tmp:
-        kinds = jobs(Path(tmp))
-        for n in range(args.jobs):
-            name, command = kinds[n % len(kinds)]
-            outcome = run_job(name, command, marker=tmp)
-            outcomes.append(outcome)
-            state = "clean" if outcome.clean else f"NOT CLEAN ({outcome.why})"
-            print(f"[{n + 1}/{args.jobs}] {name}: {state}, {outcome.seconds} s", file=sys.stderr)
-    report(outcomes)
+    outcomes: list[Outcome | None] = [None] * args.jobs
+    lock = threading.Lock()
+    counter = iter(range(args.jobs))
+
+    def slot() -> None:
+        # Each slot has its own directory: its jobs' files, run directory and process marker.
+        with tempfile.TemporaryDirectory(prefix="phalanx-exit-drill-") as tmp:
+            kinds = jobs(Path(tmp))
+            while True:
+                with lock:
+                    n = next(counter, None)
+                if n is None:
+                    return
+                name, command = kinds[n % len(kinds)]
+                outcome = outcomes[n] = run_job(name, command, marker=tmp)
+                state = "clean" if outcome.clean else f"NOT CLEAN ({outcome.why})"
+                print(
+                    f"[{n + 1}/{args.jobs}] {name}: {state}, {outcome.seconds} s", file=sys.stderr
+                )
+
+    slots = [threading.Thread(target=slot) for _ in range(max(1, args.concurrent))]
+    for thread in slots:
+        thread.start()
+    for thread in slots:
+        thread.join()
+    report([o for o in outcomes if o is not None], args.concurrent)
     if args.json:
         Path(args.json).write_text(json.dumps([asdict(o) for o in outcomes], indent=1))
 
 
-def report(outcomes: list[Outcome]) -> None:
+def report(outcomes: list[Outcome], concurrent: int) -> None:
     import torch
 
     clean = sum(o.clean for o in outcomes)
     source = os.environ.get("PYTHONPATH") or str(ROOT / "src")
     print(f"exit drill {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
           f"{platform.node()} ({os.cpu_count()} cores), torch {torch.__version__}, "
-          f"phalanx from {source}")  # fmt: skip
+          f"phalanx from {source}, {concurrent} job(s) at a time")  # fmt: skip
     print(f"\n**{clean} of {len(outcomes)} jobs exited cleanly**\n")
     print("| job | runs | clean | not clean (why) |")
     print("|---|---|---|---|")

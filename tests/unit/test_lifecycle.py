@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import functools
 import os
+import subprocess
+import sys
 import threading
+import types
 
 import pytest
 import torch
@@ -102,6 +105,47 @@ def test_shutdown_joins_the_backends_worker_threads() -> None:
     px.shutdown()
     assert ctx.group is None  # the user's Context no longer keeps the group alive
     assert _os_threads() - before == set()  # (threads of earlier tests may have ended meanwhile)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs Linux /proc")
+def test_shutdown_joins_a_group_captured_as_a_default_argument() -> None:
+    """A module evaluating ``def f(group=dist.group.WORLD)`` after init (as
+    torch.distributed.nn.functional does when torch._dynamo first imports it) must not keep
+    the group's worker threads alive into interpreter finalization."""
+    before = _os_threads()
+    px.init()
+    captures = types.ModuleType("phalanx_test_captures")
+    world = "dist.group.WORLD"
+    source = f"import torch.distributed as dist\ndef f(x, group={world}, *, g={world}): pass"
+    exec(source, captures.__dict__)
+    sys.modules[captures.__name__] = captures
+    try:
+        assert captures.f.__defaults__[0] is not None
+        px.shutdown()
+        assert _os_threads() - before == set()
+        assert captures.f.__defaults__ == (None,) and captures.f.__kwdefaults__ == {"g": None}
+    finally:
+        del sys.modules[captures.__name__]
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs Linux /proc")
+def test_shutdown_after_torch_captured_the_world_group_leaves_no_thread() -> None:
+    """The real trigger, in a fresh interpreter: the first optimizer after init imports
+    torch._dynamo, which imports torch.distributed.nn.functional, whose defaults capture the
+    world group; shutdown still joins every Gloo thread."""
+    script = (
+        "import os, torch, phalanx as px\n"
+        "before = set(os.listdir('/proc/self/task'))\n"
+        "px.init()\n"
+        "torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)\n"
+        "import torch.distributed.nn.functional as F\n"
+        "assert F.broadcast.__defaults__[0] is not None\n"
+        "px.shutdown()\n"
+        "print(sorted(set(os.listdir('/proc/self/task')) - before))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]", done.stdout
 
 
 @pytest.mark.parametrize("strategy", ["partitioned", "ps"])

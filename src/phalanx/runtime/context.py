@@ -12,6 +12,8 @@ import datetime
 import gc
 import logging
 import os
+import sys
+import types
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -155,8 +157,10 @@ def shutdown() -> None:
     interpreter exit, so a script that never calls it still exits cleanly.
 
       Phase 1 (teardowns): Engines wait for their pending exchanges and stop their threads.
-      Phase 2 (groups): every process group is destroyed and the Context lets go of its group,
-        so the backend's worker threads are joined while the interpreter is fully alive.
+      Phase 2 (groups): every process group is destroyed and the Context lets go of its group;
+        default arguments that captured a group (torch.distributed.nn.functional does, when it
+        is imported after init) let go too, so the backend's worker threads are joined now,
+        while the interpreter is fully alive, not during its finalization.
       Phase 3 (held works): released once no group that ran them is left (else kept for the
         life of the process: a worker thread must never drop the last reference)."""
     global _CONTEXT
@@ -173,6 +177,7 @@ def shutdown() -> None:
     _CONTEXT = None
     if dist.is_initialized():
         dist.destroy_process_group()
+    _forget_captured_groups(groups)
     # Phase 3: held works
     _release_held_works(groups)
 
@@ -186,15 +191,45 @@ def _live_groups() -> list[weakref.ref]:
     return [weakref.ref(pg) for pg in list(distributed_c10d._world.pg_map)]
 
 
+def _alive(groups: list[weakref.ref]) -> list[Any]:
+    return [group for ref in groups if (group := ref()) is not None]
+
+
+def _forget_captured_groups(groups: list[weakref.ref]) -> None:
+    """Replace destroyed groups captured as default arguments of module-level functions.
+
+    Why: ``def f(group=dist.group.WORLD)`` evaluated after init keeps the world group for the
+    life of the process (torch.distributed.nn.functional does this when torch._dynamo first
+    imports it, e.g. at the first optimizer step). Its Gloo worker threads then live into
+    interpreter finalization, where one that drops the last reference to a finished collective
+    (its tensors need the GIL) aborts the process. A destroyed group cannot run anything, so
+    ``None`` (the default group) loses nothing. No gc referrer search finds these: a defaults
+    tuple that holds only a group is not tracked by the collector."""
+    gc.collect()  # groups held only by reference cycles (closed Engines) go now
+    alive = _alive(groups)
+    if not alive:
+        return
+    dead = {id(group) for group in alive}
+    del alive  # only ids from here: the last references may go in the loop below
+    for module in list(sys.modules.values()):
+        for value in list(getattr(module, "__dict__", {}).values()):
+            if type(value) is not types.FunctionType:  # (isinstance would ask proxies)
+                continue
+            if value.__defaults__ and any(id(d) in dead for d in value.__defaults__):
+                value.__defaults__ = tuple(None if id(d) in dead else d for d in value.__defaults__)
+            named = value.__kwdefaults__
+            if named and any(id(d) in dead for d in named.values()):
+                value.__kwdefaults__ = {k: None if id(d) in dead else d for k, d in named.items()}
+    if left := len(_alive(groups)):
+        logger.debug("phalanx: %d process group(s) outlive shutdown", left)
+
+
 def _release_held_works(groups: list[weakref.ref]) -> None:
     if not _HELD_WORKS:
         return
-    gc.collect()  # groups held only by reference cycles (closed Engines) go now
-    alive = [ref() for ref in groups if ref() is not None]
-    if alive:
+    if _alive(groups):
         # Someone still holds a group, so its worker threads run until the interpreter
         # clears it: keep the works past that point rather than risk the last release there.
-        logger.debug("phalanx: %d process group(s) outlive shutdown", len(alive))
         for work in _HELD_WORKS:
             ctypes.pythonapi.Py_IncRef(ctypes.py_object(work))
     _HELD_WORKS.clear()
