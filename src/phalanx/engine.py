@@ -225,6 +225,7 @@ class Engine:
         self._loss_sum = torch.zeros(2, dtype=torch.float64, device=self.ctx.device)
         self._loss_work: Any = None
         self._loss_started = False
+        self._loss_rides = False  # this step's loss sums ride in the strategy's verdict
 
     def _check_rescaling(self, max_grad_norm: float | None) -> None:
         problem = rescaling_problem(
@@ -320,16 +321,30 @@ class Engine:
         return total_loss
 
     def _start_global_loss(self, loss: torch.Tensor) -> None:
+        """Phase 2: this rank's (loss sum, count) leave for the global mean: in the strategy's
+        verdict all-reduce where it makes one over every rank (partitioned), else in an
+        all-reduce of their own that travels while backward runs."""
         reports = float(self.reports_loss)
         self._loss_sum[0] = loss.detach().to(torch.float64) * reports
         self._loss_sum[1] = reports
         self._loss_started = True
-        if self.world.world_size > 1:
+        self._loss_rides = self._verdict_carries_loss()
+        if self.world.world_size > 1 and not self._loss_rides:
             self._loss_work = dist.all_reduce(self._loss_sum, group=self.world.group, async_op=True)
+
+    def _verdict_carries_loss(self) -> bool:
+        """Whether this step's ``_inspect_gradients`` all-reduces over every rank."""
+        inspects = self.nonfinite is not None or self.max_grad_norm is not None
+        inspects = inspects or self.precision.scaled
+        one_group = self.pipeline is None and self.world.world_size == self.ctx.world_size
+        return self.strategy.verdict_all_reduces and inspects and one_group
 
     def _finish_global_loss(self) -> float:
         """The mean loss over every rank that computes one (``stats.loss``)."""
         self._loss_started = False
+        if self._loss_rides:  # the step was skipped before its verdict: the sums go alone
+            dist.all_reduce(self._loss_sum, group=self.world.group)
+            self._loss_rides = False
         if self._loss_work is not None:
             self._loss_work.wait()
             # kept until the next step, then by the teardown: a worker never drops the last
@@ -506,7 +521,9 @@ class Engine:
         scaled = self.precision.scaled
         if self.nonfinite is None and not want_norm and not scaled:
             return False
-        bad, norm = self.strategy.inspect_gradients(want_norm)
+        riders = self._loss_sum if self._loss_rides else None
+        bad, norm = self.strategy.inspect_gradients(want_norm, riders)
+        self._loss_rides = False  # summed
         if self.pipeline is not None:
             bad, norm = self._combine_over_stages(bad, norm)
         factor = 1.0 / self.precision.scale  # fp16: unscale (1 otherwise)

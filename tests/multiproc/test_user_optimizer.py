@@ -6,8 +6,13 @@ output called with keyword batches) -- every strategy at worlds 2 and 3."""
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 import torch
+import torch.distributed as dist
 
 import phalanx as px
 from tests.helpers.spawn import run_ranks
@@ -20,7 +25,7 @@ CLIP = 0.05  # below the gradients' norm (about 0.1-0.3 here): clipping acts on 
 
 
 def _gpt_run(
-    world_size: int, rank: int, strategy: str | None, clip: bool = True
+    world_size: int, rank: int, strategy: str | None, clip: bool = True, **engine_options: Any
 ) -> dict[str, torch.Tensor]:
     """The user's loop; ``strategy`` None: the plain one-process loop on the global batch.
     Returns the state dict and, as "global losses", each step's loss over the global batch
@@ -32,7 +37,7 @@ def _gpt_run(
     engine = None
     if strategy is not None:
         engine = px.Engine(model, optimizer=optimizer, exchange=strategy, bucket_mb=0.002,
-                           max_grad_norm=CLIP if clip else None)  # fmt: skip
+                           max_grad_norm=CLIP if clip else None, **engine_options)  # fmt: skip
     per = GLOBAL_BATCH // world_size
     losses = []
     for step in range(STEPS):
@@ -76,11 +81,32 @@ def _hf_run(world_size: int, rank: int, strategy: str | None) -> dict[str, torch
     return {k: v.clone() for k, v in model.state_dict().items()}
 
 
+def _count_all_reduces(fn: Callable[[], Any]) -> tuple[Any, int]:
+    """``fn()`` and how many ``torch.distributed.all_reduce`` calls it made."""
+    calls, original = [], dist.all_reduce
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    dist.all_reduce = counted
+    try:
+        return fn(), len(calls)
+    finally:
+        dist.all_reduce = original
+
+
 def _all(ctx: px.Context) -> dict[str, dict[str, torch.Tensor]]:
     out = {}
     for strategy in STRATEGIES:
-        out[f"gpt {strategy}"] = _gpt_run(ctx.world_size, ctx.rank, strategy)
+        run = functools.partial(_gpt_run, ctx.world_size, ctx.rank, strategy)
+        out[f"gpt {strategy}"], calls = _count_all_reduces(run)
+        out[f"gpt {strategy}"]["all-reduces"] = torch.tensor(calls)
         out[f"hf {strategy}"] = _hf_run(ctx.world_size, ctx.rank, strategy)
+    # No verdict all-reduce to ride in (no guard, no clipping): the loss travels alone.
+    out["gpt partitioned unguarded"] = _gpt_run(
+        ctx.world_size, ctx.rank, "partitioned", clip=False, nonfinite=None
+    )
     return out
 
 
@@ -90,9 +116,14 @@ def test_users_optimizer_groups_and_own_loss_equal_one_process(world_size: int) 
     results = run_ranks(_all, world_size, timeout=240)
     expected = {"gpt": _gpt_run(world_size, 0, None), "hf": _hf_run(world_size, 0, None)}
     unclipped = _gpt_run(world_size, 0, None, clip=False)  # what ps (no clipping) matches
+    # The global loss rides in partitioned's verdict all-reduce (one per step, as without the
+    # loss); allreduce has no per-step all-reduce of its own besides the buckets and the loss.
+    assert results[0]["gpt partitioned"].pop("all-reduces") == STEPS
     for rank, result in enumerate(results):
         for case, state in result.items():
-            reference = unclipped if case == "gpt ps" else expected[case.split()[0]]
+            state.pop("all-reduces", None)
+            unclipped_case = case in ("gpt ps", "gpt partitioned unguarded")
+            reference = unclipped if unclipped_case else expected[case.split()[0]]
             assert state.keys() == reference.keys(), case  # the model's own key names (+ losses)
             for name, value in reference.items():
                 torch.testing.assert_close(

@@ -126,6 +126,9 @@ class Strategy(ABC):
     # True where the optimizer steps tensors of the bucket layout (owners' shards), so a
     # rebuild moves its state; False where it steps the parameters, which a rebuild keeps.
     optimizer_follows_layout: bool = False
+    # True where ``inspect_gradients`` all-reduces over the data group (no rank holds the
+    # whole gradient): the Engine's global loss then rides in that message ("riders").
+    verdict_all_reduces: bool = False
 
     def __init__(self) -> None:
         self.ctx: Context | None = None
@@ -164,11 +167,17 @@ class Strategy(ABC):
         return True
 
     # -- the non-finite guard (the Engine skips a step whose loss or gradients hold inf/NaN) --
-    def inspect_gradients(self, want_norm: bool) -> tuple[bool, float | None]:
+    def inspect_gradients(
+        self, want_norm: bool, riders: torch.Tensor | None = None
+    ) -> tuple[bool, float | None]:
         """After ``finish()``: (whether the exchanged gradients hold inf/NaN, their global L2
         norm if ``want_norm``), the same on every rank. Here every rank holds the whole mean
         gradient, and a rank whose loss was bad wrote NaN into its usage flags
-        (``buckets.poison``), so local checks agree with no extra message."""
+        (``buckets.poison``), so local checks agree with no extra message.
+
+        ``riders`` (1-D float64, on the device; only where ``verdict_all_reduces``): values
+        summed over the data group in the same all-reduce, in place."""
+        assert riders is None, "riders go only to a strategy whose verdict all-reduces"
         bad = holds_nonfinite([b.flat for b in self.buckets])
         if not want_norm:
             return bad, None

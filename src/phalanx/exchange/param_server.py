@@ -128,10 +128,13 @@ class ParameterServer(OwnerUpdateStrategy):
         return self.optimizer
 
     # -- the non-finite guard ------------------------------------------------------------------
-    def inspect_gradients(self, want_norm: bool) -> tuple[bool, float | None]:
+    def inspect_gradients(
+        self, want_norm: bool, riders: torch.Tensor | None = None
+    ) -> tuple[bool, float | None]:
         """A bad loss was agreed before the exchange; gradients that turn inf/NaN under a finite
         loss are caught by each server on its own partitions (see ``_update``)."""
         assert not want_norm, "updates_during_exchange: the Engine refuses max_grad_norm"
+        assert riders is None, "no all-reduce here to ride in"
         return False, None
 
     # -- the per-bucket job -------------------------------------------------------------------

@@ -189,6 +189,7 @@ class Partitioned(OwnerUpdateStrategy):
     """Owner-update exchange over partitions of every bucket (see the module docstring)."""
 
     Config = PartitionedConfig
+    verdict_all_reduces = True
 
     def __init__(self, **options: Any) -> None:
         super().__init__()
@@ -235,12 +236,18 @@ class Partitioned(OwnerUpdateStrategy):
             b: self._pending_reduce.pop(b).result() for b in sorted(self._pending_reduce)
         }
 
-    def inspect_gradients(self, want_norm: bool) -> tuple[bool, float | None]:
+    def inspect_gradients(
+        self, want_norm: bool, riders: torch.Tensor | None = None
+    ) -> tuple[bool, float | None]:
         """Each owner checks the partitions it reduced (a bad loss elsewhere arrives as NaN
         usage flags in the last partition) and sums the squares of its shards' gradients; one
-        2-element all-reduce makes both global, since no rank holds the whole gradient."""
+        small all-reduce makes both global, since no rank holds the whole gradient. The
+        Engine's ``riders`` (its global loss) travel in the same message."""
         assert self.ctx is not None and self.sharded is not None
-        local = torch.zeros(2, dtype=torch.float64, device=self.ctx.device)
+        num_riders = 0 if riders is None else riders.numel()
+        local = torch.zeros(2 + num_riders, dtype=torch.float64, device=self.ctx.device)
+        if riders is not None:
+            local[2:] = riders
         for b, (buffer, offset) in self._reduced.items():
             layout = self.layouts[b]
             for (lo, hi), owner in zip(layout.ranges, layout.owners):
@@ -250,6 +257,8 @@ class Partitioned(OwnerUpdateStrategy):
             for grad in self._owned_grads():
                 local[1] += grad.double().square().sum()
         dist.all_reduce(local, group=self.ctx.group)
+        if riders is not None:
+            riders.copy_(local[2:])
         return bool(local[0].item() > 0), (float(local[1].sqrt()) if want_norm else None)
 
     def scale_gradients(self, factor: float) -> None:
