@@ -259,7 +259,16 @@ def _step_name(step: int, suffix: str = "") -> str:
 
 def _states(state: Mapping[str, Any]) -> dict[str, Any]:
     """What DCP saves: each Stateful's ``state_dict()``, other values as they are."""
+    _check_state_argument(state)
     return {k: v.state_dict() if _is_stateful(v) else v for k, v in state.items()}
+
+
+def _check_state_argument(state: Any) -> None:
+    if not isinstance(state, Mapping):
+        raise CheckpointError(
+            "state: pass a dict of name -> object with state_dict() and load_state_dict() (e.g. "
+            f"{{'engine': engine}}); got {type(state).__name__}"
+        )
 
 
 def _is_stateful(value: Any) -> bool:
@@ -700,6 +709,7 @@ def restore(
     values are replaced), on every rank of ``group``: rank 0 chooses (warning once if it
     falls back) and tells the others, then each rank reads what it needs. A legacy ``.pt``
     checkpoint's payload goes to ``legacy``. CheckpointError (one line) when none is good."""
+    _check_state_argument(state)
     directory = Path(directory)
     distributed, group, rank = _distributed(group)
     found: Found | None = None

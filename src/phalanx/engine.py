@@ -124,6 +124,13 @@ class Engine:
             raise ConfigError(f"nonfinite: got {nonfinite!r}; allowed: 'skip', 'abort' or None")
         if max_nonfinite < 0:
             raise ConfigError(f"max_nonfinite: must be >= 0, got {max_nonfinite}")
+        _check_kinds(
+            max_grad_norm=(max_grad_norm, (int, float), "a number > 0 or None"),
+            memory=(memory, MemoryManager, "a phalanx.memory.manager.MemoryManager or None"),
+            trace=(trace, TraceConfig, "a phalanx.tracing.TraceConfig or None"),
+            parallel=(parallel, ParallelConfig, "a phalanx.parallel.layout.ParallelConfig or None"),
+            context=(context, Context, "the Context of phalanx.init() or None"),
+        )
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ConfigError(f"max_grad_norm: must be > 0 or None, got {max_grad_norm}")
         self.nonfinite, self.max_nonfinite = nonfinite, max_nonfinite
@@ -247,6 +254,11 @@ class Engine:
         (``step(idx, targets)``, ``step(**batch)``) and the model's output is the loss: a
         0-dim tensor, an object or dict with a ``loss`` (Hugging Face), or a tuple holding one
         0-dim tensor (``(logits, loss)``)."""
+        if self._closed:
+            raise ConfigError(
+                "step: this Engine is closed (by close(), phalanx.shutdown() or the end of its "
+                "with block); build a new Engine to train again"
+            )
         timer = self._timer
         timer.start()
         tracing = self.tracer is not None and self.tracer.begin(self.num_steps + 1)
@@ -792,10 +804,23 @@ class Engine:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Load what ``state_dict`` describes (also the gathered form of earlier versions)."""
+        from phalanx.errors import CheckpointError
+
+        if not isinstance(state, dict) or not {"model", "optimizer"} <= set(state):
+            got = sorted(state) if isinstance(state, dict) else type(state).__name__
+            raise CheckpointError(
+                f"load_state_dict: pass what Engine.state_dict() returned (keys 'model', "
+                f"'optimizer', ...); got {got}"
+            )
         self.strategy.sync()
+        targets = {
+            name: t.data if isinstance(t, torch.nn.Parameter) else t
+            for name, t in self._module.state_dict(keep_vars=True).items()
+        }
+        _check_model_state(state["model"], targets)
         with torch.no_grad():  # in place: parameters may be views of strategy buffers
             for name, value in state["model"].items():
-                target = self._state_tensor(name)
+                target = targets[name]
                 if target.data_ptr() != value.data_ptr() or target.shape != value.shape:
                     target.copy_(value)
         with self._optimizer_resident():
@@ -816,14 +841,6 @@ class Engine:
             names = [named[id(p)] for p in self.trainable]
             shards, groups = checkpoint.optimizer_from_dcp(optimizer, self.trainable, names)
             self.strategy.load_optimizer_shards(self.optimizer, self.trainable, shards, groups)
-
-    def _state_tensor(self, name: str) -> torch.Tensor:
-        tensors = dict(self._module.state_dict(keep_vars=True))
-        if name not in tensors:
-            raise KeyError(f"checkpoint has {name!r}, which the model does not")
-        return (
-            tensors[name].data if isinstance(tensors[name], torch.nn.Parameter) else tensors[name]
-        )
 
     def sync(self) -> None:
         """Wait until every parameter holds its updated value. Forward waits by itself (layer
@@ -864,6 +881,35 @@ class Engine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _check_model_state(state: dict[str, Any], targets: dict[str, torch.Tensor]) -> None:
+    """The model part of a state must name exactly the model's tensors, in their shapes."""
+    from phalanx.errors import CheckpointError
+
+    extra, missing = sorted(set(state) - set(targets)), sorted(set(targets) - set(state))
+    if extra or missing:
+        which = f"has {extra[0]!r}, which the model does not" if extra else f"lacks {missing[0]!r}"
+        raise CheckpointError(
+            f"load_state_dict: the state {which} ({len(extra)} unknown, {len(missing)} missing "
+            "tensor(s)); it is from another model"
+        )
+    for name, value in state.items():
+        if not isinstance(value, torch.Tensor) or not isinstance(targets[name], torch.Tensor):
+            continue  # a module's extra state: loaded as it is
+        if tuple(value.shape) != tuple(targets[name].shape):
+            raise CheckpointError(
+                f"load_state_dict: {name!r} has shape {tuple(value.shape)} in the state and "
+                f"{tuple(targets[name].shape)} in the model; it is from another model"
+            )
+
+
+def _check_kinds(**arguments: tuple[Any, type | tuple[type, ...], str]) -> None:
+    """One line per wrong argument type: ``name=(value, allowed types, what to pass)``; None
+    always passes (every argument checked here is optional)."""
+    for name, (value, kinds, wanted) in arguments.items():
+        if value is not None and (isinstance(value, bool) or not isinstance(value, kinds)):
+            raise ConfigError(f"{name}: pass {wanted}; got {type(value).__name__} {value!r:.60}")
 
 
 def rescaling_problem(

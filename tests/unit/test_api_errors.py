@@ -1,0 +1,122 @@
+"""Misuse of the Python API ends in one phalanx error line that names the argument and the fix,
+as CLI mistakes do (issue 24, deliverable 5); nothing is silently ignored."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import phalanx as px
+from phalanx import checkpoint
+from phalanx.errors import PhalanxError
+
+SGD = functools.partial(torch.optim.SGD, lr=0.1)
+CE = nn.functional.cross_entropy
+
+
+def _engine(**options: Any) -> px.Engine:
+    model = options.pop("model", None) or nn.Linear(3, 2)
+    return px.Engine(model, options.pop("loss_fn", CE), options.pop("optimizer", SGD), **options)
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(4, 3), torch.randint(0, 2, (4,))
+
+
+CONSTRUCTION = {
+    "model": (dict(model=lambda x: x), "model: pass a torch.nn.Module"),
+    "optimizer kind": (dict(optimizer="adam"), "optimizer: pass a torch.optim.Optimizer"),
+    "loss_fn": (dict(loss_fn=3), "loss_fn: pass a function"),
+    "exchange": (dict(exchange="allredcue"), "unknown exchange strategy 'allredcue'"),
+    "compress": (dict(compress="fp61"), "unknown compression 'fp61'"),
+    "bucket_mb": (dict(bucket_mb="big"), "bucket_mb: got 'big'"),
+    "precision": (dict(precision="fp17"), "precision: got 'fp17'"),
+    "accumulate_steps": (dict(accumulate_steps=0), "accumulate_steps: must be >= 1"),
+    "max_grad_norm kind": (dict(max_grad_norm="1"), "max_grad_norm: pass a number > 0"),
+    "max_grad_norm value": (dict(max_grad_norm=0.0), "max_grad_norm: must be > 0"),
+    "memory": (dict(memory="16GB"), "memory: pass a phalanx.memory.manager.MemoryManager"),
+    "trace": (dict(trace=True), "trace: pass a phalanx.tracing.TraceConfig"),
+    "parallel": (dict(parallel={"pipeline": 2}), "parallel: pass a phalanx.parallel.layout"),
+    "context": (dict(context="world"), "context: pass the Context of phalanx.init()"),
+}
+
+
+def _one_line(error: BaseException, expected: str) -> None:
+    message = str(error)
+    assert isinstance(error, PhalanxError), f"{type(error).__name__}: {message}"
+    assert "\n" not in message and expected in message, message
+
+
+@pytest.mark.parametrize("case", sorted(CONSTRUCTION))
+def test_wrong_engine_arguments_are_one_line(case: str) -> None:
+    options, expected = CONSTRUCTION[case]
+    with pytest.raises(PhalanxError) as raised:
+        _engine(**options)
+    _one_line(raised.value, expected)
+
+
+def _other_model_state() -> dict[str, Any]:
+    with _engine(model=nn.Linear(4, 2)) as other:
+        return other.state_dict()
+
+
+def _misuse_cases(tmp_path: Path) -> dict[str, tuple[Callable[[px.Engine], Any], str]]:
+    return {
+        "step without targets": (lambda e: e.step(torch.randn(4, 3)), "call step(inputs, targets)"),
+        "step after close": (lambda e: (e.close(), e.step(*_batch())), "this Engine is closed"),
+        "uneven accumulation": (
+            lambda e: _engine(accumulate_steps=3).step(*_batch()),
+            "does not split into accumulate_steps=3",
+        ),
+        "state of another kind": (lambda e: e.load_state_dict({"foo": 1}), "got ['foo']"),
+        "state of another model": (
+            lambda e: e.load_state_dict(_other_model_state()),
+            "'weight' has shape (2, 4) in the state and (2, 3) in the model",
+        ),
+        "state missing a tensor": (
+            lambda e: e.load_state_dict({**e.state_dict(), "model": {}}),
+            "lacks 'bias'",
+        ),
+        "checkpoint of an Engine, not a dict": (
+            lambda e: checkpoint.save(tmp_path, 1, e),
+            "state: pass a dict of name -> object",
+        ),
+        "restore into a list": (
+            lambda e: checkpoint.restore(tmp_path, [e]),
+            "state: pass a dict of name -> object",
+        ),
+        "model that returns logits": (
+            lambda e: _engine(loss_fn=None).step(torch.randn(4, 3)),
+            "loss_fn is None, so the model's output must be its loss",
+        ),
+    }
+
+
+def test_misusing_an_engine_is_one_line(tmp_path: Path) -> None:
+    for case, (misuse, expected) in _misuse_cases(tmp_path).items():
+        engine = _engine()
+        try:
+            with pytest.raises(PhalanxError) as raised:
+                misuse(engine)
+            _one_line(raised.value, expected)
+        except AssertionError as e:
+            raise AssertionError(f"{case}: {e}") from None
+        finally:
+            engine.close()
+
+
+def test_a_state_from_the_same_model_still_loads() -> None:
+    """The checks refuse only what is wrong: a state of the same model loads, in place."""
+    source, target = _engine(), _engine()
+    source.step(*_batch())
+    target.load_state_dict(source.state_dict())
+    for a, b in zip(source.module.parameters(), target.module.parameters()):
+        torch.testing.assert_close(a, b)
+    source.close()
+    target.close()
