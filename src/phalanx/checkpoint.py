@@ -41,7 +41,6 @@ import math
 import os
 import re
 import shutil
-import tempfile
 import threading
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -54,6 +53,7 @@ import torch.distributed as dist
 
 from phalanx.errors import CheckpointError
 from phalanx.fields import option, require
+from phalanx.fileio import atomic_write_text, fsync_dir
 
 LATEST = "latest.json"
 METADATA = ".metadata"  # DCP's index of the directory, written by rank 0 last
@@ -92,54 +92,6 @@ class CheckpointConfig:
     def __post_init__(self) -> None:
         require(self.every >= 0, "every", f"must be >= 0, got {self.every}")
         require(self.keep >= 1, "keep", f"must be >= 1, got {self.keep}")
-
-
-# -- atomic files ---------------------------------------------------------------------------------
-
-
-def atomic_write_bytes(path: Path, data: bytes, midway: Callable[[], object] | None = None) -> None:
-    """Write ``data`` to ``path`` so that readers see the old file or the new one, never a mix:
-    a temporary file in the same directory, fsynced, renamed into place, then the directory
-    fsynced so that the rename itself survives a power cut. ``midway`` runs when half the
-    bytes are written (the fault suite kills the process there)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            view, half = memoryview(data), len(data) // 2  # slices of a view copy nothing
-            if midway is not None:
-                f.write(view[:half])
-                f.flush()
-                midway()
-                view = view[half:]
-            f.write(view)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """``atomic_write_bytes`` for UTF-8 text."""
-    atomic_write_bytes(path, text.encode("utf-8"))
-
-
-def _fsync_dir(directory: Path) -> None:
-    """Flush ``directory``'s entries (a rename lives there, not in the file). Best effort: some
-    platforms and file systems cannot open or fsync a directory, and the data is already safe."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 # -- pieces of a tensor several ranks share -------------------------------------------------------
@@ -328,7 +280,7 @@ def _complete(directory: Path, step: int, files: dict[str, dict[str, Any]], keep
         sidecar.unlink(missing_ok=True)
         shutil.rmtree(final)
     os.replace(tmp, final)
-    _fsync_dir(directory)
+    fsync_dir(directory)
     text = json.dumps(record, indent=2) + "\n"
     atomic_write_text(sidecar, text)
     atomic_write_text(directory / LATEST, text)

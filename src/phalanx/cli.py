@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from phalanx.errors import Interrupted, PhalanxError, WorkerError
+from phalanx.fileio import atomic_write_text
 
 PROG = "phalanx"
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for Ctrl-C
@@ -91,8 +92,6 @@ def _record_for_launcher(error: BaseException) -> None:
     while it writes must not leave half a file, which the agent fails to parse (the launcher
     then died with a JSONDecodeError instead of naming the rank)."""
     import traceback
-
-    from phalanx.checkpoint import atomic_write_text
 
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:

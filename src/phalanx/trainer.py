@@ -30,6 +30,7 @@ from phalanx.engine import Engine
 from phalanx.errors import ConfigError
 from phalanx.exchange.base import make_strategy
 from phalanx.fields import option, require
+from phalanx.fileio import atomic_write_text
 from phalanx.memory.manager import MemoryManager
 from phalanx.metrics import JsonlWriter, Progress
 from phalanx.models.layers import build_model
@@ -186,7 +187,7 @@ class Trainer:
         elif self.ctx.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / PREEMPTED).unlink(missing_ok=True)
-            checkpoint.atomic_write_text(
+            atomic_write_text(
                 self.run_dir / "config.json", json.dumps(config.to_dict(), indent=2) + "\n"
             )
             (self.run_dir / "metrics.jsonl").unlink(missing_ok=True)
@@ -271,9 +272,7 @@ class Trainer:
             "nonfinite_steps": self.engine.num_nonfinite_steps,
         }
         if is_main:
-            checkpoint.atomic_write_text(
-                self.run_dir / "summary.json", json.dumps(summary, indent=2) + "\n"
-            )
+            atomic_write_text(self.run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
         return summary
 
     def _evaluate(self) -> dict[str, float]:
@@ -292,9 +291,7 @@ class Trainer:
             self.engine.link.save(self.run_dir)
             record = {**choice.to_dict(), "measured": self.engine.threshold_trials}
             record["kept_bucket_bytes"] = self.engine.buckets.bucket_bytes
-            checkpoint.atomic_write_text(
-                self.run_dir / "threshold.json", json.dumps(record, indent=2) + "\n"
-            )
+            atomic_write_text(self.run_dir / "threshold.json", json.dumps(record, indent=2) + "\n")
         return True
 
     def _due(self, every: int) -> bool:
@@ -334,9 +331,7 @@ class Trainer:
             "steps_run": self.step - start_step,
         }
         if self.ctx.is_main:
-            checkpoint.atomic_write_text(
-                self.run_dir / PREEMPTED, json.dumps(summary, indent=2) + "\n"
-            )
+            atomic_write_text(self.run_dir / PREEMPTED, json.dumps(summary, indent=2) + "\n")
         return summary
 
     def _stats(self) -> dict[str, Any]:
@@ -498,7 +493,7 @@ def _truncate_metrics(path: Path, step: int) -> None:
         for line in path.read_text(encoding="utf-8").splitlines()
         if line.strip() and json.loads(line).get("step", 0) <= step
     ]
-    checkpoint.atomic_write_text(path, "".join(f"{line}\n" for line in kept))
+    atomic_write_text(path, "".join(f"{line}\n" for line in kept))
 
 
 def _agree(value: str, ctx: Context) -> str:

@@ -17,8 +17,9 @@ import pytest
 import torch
 
 from phalanx import checkpoint
-from phalanx.checkpoint import LATEST, Slices, _boxes, atomic_write_bytes, atomic_write_text
+from phalanx.checkpoint import LATEST, Slices, _boxes
 from phalanx.errors import CheckpointError, ConfigError
+from phalanx.fileio import atomic_write_bytes, atomic_write_text
 
 SHARD = "__0_0.distcp"  # the shard file of rank 0 (the only rank here)
 

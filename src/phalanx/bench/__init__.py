@@ -9,6 +9,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from phalanx.fileio import atomic_write_text
+
 
 def run_and_report(
     cfg: Any,
@@ -20,8 +22,6 @@ def run_and_report(
     """The shared tail of every bench command: validate, warn when the processes outnumber
     the cores, run, check the numbers, print the table and wall time, write --json atomically.
     ``cfg`` has ``validate()`` and ``nproc``; the result has ``meta.wall_s``."""
-    from phalanx.checkpoint import atomic_write_text
-
     cfg.validate()
     cpus = os.cpu_count() or 1
     if cfg.nproc > cpus:

@@ -58,6 +58,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from phalanx.errors import ConfigError
+from phalanx.fileio import atomic_write_text
 
 MEAN = np.array([0.2, 0.3, 0.4], dtype=np.float32)[:, None, None]  # per-channel, (3, 1, 1)
 STD = np.array([0.3, 0.3, 0.3], dtype=np.float32)[:, None, None]
@@ -507,7 +508,5 @@ def cmd_data(args: argparse.Namespace) -> int:
     print(format_report(result))
     print(f"wall time {result['meta']['wall_s']:.1f} s", file=sys.stderr)
     if args.json:
-        from phalanx.checkpoint import atomic_write_text
-
         atomic_write_text(Path(args.json), json.dumps(result, indent=2) + "\n")
     return 0

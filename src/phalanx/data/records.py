@@ -36,8 +36,8 @@ from typing import Any
 
 import numpy as np
 
-from phalanx.checkpoint import atomic_write_bytes, atomic_write_text
 from phalanx.errors import DataError
+from phalanx.fileio import atomic_write_bytes, atomic_write_text
 
 FORMAT = "phalanx-records"
 VERSION = 1

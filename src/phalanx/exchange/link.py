@@ -32,6 +32,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from phalanx.fileio import atomic_write_text
+
 # 4 KiB .. 16 MiB, powers of 4. The 16 MiB point matters: up to 4 MiB a message stays in the CPU
 # caches; at the 16-64 MiB of big buckets loopback Gloo cost up to 1.4x more per byte here.
 DEFAULT_SIZES = tuple(4**k for k in range(6, 13))
@@ -164,8 +166,6 @@ class LinkModel:
 
     def save(self, run_dir: Path | str) -> Path:
         """Write ``run_dir/link.json`` atomically; returns its path."""
-        from phalanx.checkpoint import atomic_write_text
-
         path = Path(run_dir) / LINK_FILE
         atomic_write_text(path, json.dumps(self.to_dict(), indent=2) + "\n")
         return path

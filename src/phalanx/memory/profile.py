@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from phalanx.errors import ConfigError, DataError, PhalanxError
+from phalanx.fileio import atomic_write_text
 from phalanx.memory import measure
 
 if TYPE_CHECKING:
@@ -193,8 +194,6 @@ class MemoryProfile:
 
     def save(self, path: Path) -> None:
         """Write as JSON, atomically (a reader never sees half a file)."""
-        from phalanx.checkpoint import atomic_write_text
-
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(path, json.dumps(self.to_dict(), indent=1) + "\n")
 

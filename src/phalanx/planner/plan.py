@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from phalanx.errors import ConfigError
+from phalanx.fileio import atomic_write_text
 from phalanx.planner.cluster import ClusterConfig
 from phalanx.planner.sim import (
     DEFAULT_BUCKET_BYTES,
@@ -478,8 +479,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
     plan = make_plan(profile, cluster, devices, strategies, thresholds, compressions)
     print(format_plan(plan))
     if args.json:
-        from phalanx.checkpoint import atomic_write_text
-
         atomic_write_text(Path(args.json), json.dumps(plan.to_dict(), indent=1) + "\n")
         print(f"wrote {args.json}")
     if args.plot:

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from phalanx.errors import ConfigError
+from phalanx.fileio import atomic_write_text
 
 FORMAT = "phalanx.step/1"
 BYTES_PER_PARAM = 4  # float32 gradients
@@ -302,8 +303,6 @@ class StepProfile:
 
     def save(self, path: Path | str) -> Path:
         """Write as JSON atomically; returns the path."""
-        from phalanx.checkpoint import atomic_write_text
-
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(path, json.dumps(self.to_dict(), indent=1) + "\n")

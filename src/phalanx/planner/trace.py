@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from phalanx.errors import DataError
+from phalanx.fileio import atomic_write_text
 
 LANE_COMPUTE = "compute"
 LANE_EXCHANGE = "exchange"
@@ -126,8 +127,6 @@ def chrome_trace(events: Iterable[TraceEvent], **metadata: Any) -> dict[str, Any
 
 def write_trace(path: Path | str, events: Iterable[TraceEvent], **metadata: Any) -> Path:
     """Write ``events`` as a Chrome trace JSON file, atomically; returns the path."""
-    from phalanx.checkpoint import atomic_write_text
-
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, json.dumps(chrome_trace(events, **metadata)) + "\n")

@@ -1,0 +1,56 @@
+"""Files written atomically: readers see the old file or the new one, never a mix.
+
+Every file phalanx writes for later reading (checkpoints, run records, plans, bench results,
+record stores) goes through here."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+
+def atomic_write_bytes(path: Path, data: bytes, midway: Callable[[], object] | None = None) -> None:
+    """Write ``data`` to ``path`` so that readers see the old file or the new one, never a mix:
+    a temporary file in the same directory, fsynced, renamed into place, then the directory
+    fsynced so that the rename itself survives a power cut. ``midway`` runs when half the
+    bytes are written (the fault suite kills the process there)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            view, half = memoryview(data), len(data) // 2  # slices of a view copy nothing
+            if midway is not None:
+                f.write(view[:half])
+                f.flush()
+                midway()
+                view = view[half:]
+            f.write(view)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """``atomic_write_bytes`` for UTF-8 text."""
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def fsync_dir(directory: Path) -> None:
+    """Flush ``directory``'s entries (a rename lives there, not in the file). Best effort: some
+    platforms and file systems cannot open or fsync a directory, and the data is already safe."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
