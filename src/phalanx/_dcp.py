@@ -1,5 +1,5 @@
 """torch.distributed.checkpoint and what phalanx adds to it: planners that save and load
-``phalanx.checkpoint.Slices`` (pieces of a tensor that several ranks hold parts of) and unpickle
+``phalanx.slices.Slices`` (pieces of a tensor that several ranks hold parts of) and unpickle
 non-tensor values with ``weights_only=True``, and a file writer with the fault point
 ``checkpoint``. Imported on first use by phalanx.checkpoint (importing DCP is slow)."""
 
@@ -29,8 +29,8 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from phalanx.checkpoint import Slices
 from phalanx.faults import fault_at
+from phalanx.slices import Slices
 
 __all__ = [
     "CheckpointException",
@@ -70,7 +70,7 @@ class SavePlanner(DefaultSavePlanner):
             plan = super().create_local_plan()
         finally:
             self.state_dict = full
-        items = [item for fqn, value in slices.items() for item in value.write_items(fqn)]
+        items = [item for fqn, value in slices.items() for item in write_items(value, fqn)]
         self.plan = dataclasses.replace(plan, items=[*plan.items, *items])
         return self.plan
 
@@ -104,7 +104,7 @@ class LoadPlanner(DefaultLoadPlanner):
             stored = self.metadata.state_dict_metadata.get(fqn)
             if not isinstance(stored, TensorStorageMetadata) or stored.size != value.shape:
                 raise ValueError(f"{fqn}: the checkpoint has no tensor of shape {value.shape}")
-            items += create_read_items_for_chunk_list(fqn, stored, value.chunks())
+            items += create_read_items_for_chunk_list(fqn, stored, chunks(value))
         return dataclasses.replace(plan, items=[*plan.items, *items])
 
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:

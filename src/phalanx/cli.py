@@ -228,13 +228,14 @@ def _add_profile(commands: argparse._SubParsersAction) -> None:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
+    from phalanx import build
     from phalanx.config import load_config
     from phalanx.memory import profile as memory
 
     config = load_config(args.config, args.set)
     if args.plot:
         memory.require_matplotlib()  # fail before the run, not after it
-    profile = memory.profile_config(config, steps=args.steps, device=args.device)
+    profile = build.profile_run(config, steps=args.steps, device=args.device)
     print(memory.format_profile(profile))
     if args.json:
         profile.save(Path(args.json))

@@ -13,22 +13,20 @@ if TYPE_CHECKING:
 
 def describe_run(config: RunConfig, world_size: int, run_dir: str) -> str:
     """Lines a user reads before starting a run (builds the model and opens the data)."""
+    from phalanx import build
     from phalanx.data.readers import training_reader
-    from phalanx.data.sources import load_source
-    from phalanx.exchange.base import make_strategy
-    from phalanx.models.layers import build_model
 
-    model = build_model(config.model)
+    model = build.model(config)
     shown, pipeline_lines = model, []
     if config.parallel.enabled:
         shown, pipeline_lines = _pipeline(config, model, world_size)
     total = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    strategy = make_strategy(config.exchange.strategy, config.exchange.options)
+    strategy = build.strategy(config)
     servers = int(getattr(getattr(strategy, "config", None), "servers", 0) or 0)
     data_ranks = world_size // config.parallel.pipeline - servers
     global_batch = config.data.batch_size * data_ranks
-    num_samples = len(training_reader(config.data.path, load_source(config.data)))
+    num_samples = len(training_reader(config.data.path, build.data(config)))
     steps_per_epoch = num_samples // global_batch
     steps = config.train.steps or config.train.epochs * steps_per_epoch
     exchange = config.exchange
@@ -64,7 +62,7 @@ def _pipeline(config: RunConfig, model: Any, world_size: int) -> tuple[Any, list
     """The model with its transfer layers, and the layout lines of a pipelined run."""
     import torch
 
-    from phalanx.data.sources import load_source
+    from phalanx import build
     from phalanx.parallel.pipeline import (
         describe_stages,
         pipelined_view,
@@ -72,13 +70,12 @@ def _pipeline(config: RunConfig, model: Any, world_size: int) -> tuple[Any, list
         trace_boundaries,
     )
     from phalanx.parallel.schedules import schedule_kind
-    from phalanx.trainer import _sample_microbatch
 
     parallel = config.parallel
     if config.runtime.threads > 0:  # time layers for split = "auto" as a worker would
         torch.set_num_threads(config.runtime.threads)
     layers = list(model.children())
-    sample = _sample_microbatch(config, load_source(config.data))
+    sample = build.sample_microbatch(config, build.data(config))
     given = config.stage_of_layers()
     stage_of, measured = (given, "") if given else split_here(layers, parallel, sample)
     boundaries = trace_boundaries(layers, stage_of, sample)

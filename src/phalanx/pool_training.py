@@ -23,8 +23,8 @@ import torch.nn.functional as F
 
 from phalanx.exchange.base import OptimizerFactory
 from phalanx.fields import option, require
+from phalanx.losses import loss_fn as sequence_loss
 from phalanx.runtime.pool import WorkerPool, current_worker
-from phalanx.trainer import loss_fn as sequence_loss
 
 ModelFactory = Callable[[], torch.nn.Module]
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]

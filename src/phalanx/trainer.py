@@ -14,27 +14,20 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from phalanx import checkpoint
+from phalanx import build, checkpoint
+from phalanx.config import TrainConfig  # noqa: F401 (its home was here)
 from phalanx.data.pipeline import Pipeline
-from phalanx.data.readers import training_reader
-from phalanx.data.sources import Dataset, load_source
-from phalanx.engine import Engine
-from phalanx.errors import ConfigError
-from phalanx.exchange.base import make_strategy
-from phalanx.fields import option, require
+from phalanx.data.sources import Dataset
 from phalanx.fileio import atomic_write_text
-from phalanx.memory.manager import MemoryManager
+from phalanx.losses import loss_fn  # noqa: F401 (its home was here)
 from phalanx.metrics import JsonlWriter, Progress
-from phalanx.models.layers import build_model
-from phalanx.optim.factory import make_optimizer_factory
 from phalanx.optim.schedule import build_scheduler
 from phalanx.runtime.context import Context, init
 from phalanx.viz import MetricsWriter
@@ -44,47 +37,6 @@ if TYPE_CHECKING:
 
 
 PREEMPTED = "preempted.json"  # written when a SIGTERM stopped the run after a checkpoint
-
-
-@dataclass(kw_only=True)
-class TrainConfig:
-    """The loop: how long, how often to validate, log and where the run directory is."""
-
-    steps: int = option(0, "optimizer steps to run (0: use epochs)")
-    epochs: int = option(10, "epochs to run when steps = 0")
-    accumulate_steps: int = option(1, "micro-batches per step; exchange only after the last")
-    val_every: int = option(0, "validate every this many steps (0: only at the end)")
-    seed: int = option(0, "model initialisation and dropout seed")
-    run_dir: str = option("", "run directory (default: runs/<config name>-<time>)")
-    progress: bool = option(True, "show a progress bar on rank 0")
-    nonfinite: Literal["skip", "abort"] = option(
-        "skip", "a step with inf/NaN loss or gradients: skip its update on every rank, or stop"
-    )
-    max_nonfinite: int = option(10, "stop after this many consecutive skipped steps")
-    max_grad_norm: float = option(
-        0.0, "clip the global gradient norm over all ranks to this (0: no clipping)"
-    )
-    precision: Literal["fp32", "bf16", "fp16"] = option(
-        "fp32", "forward under torch.autocast: bf16, or fp16 with a dynamic loss scale"
-    )
-
-    def __post_init__(self) -> None:
-        require(self.steps >= 0, "steps", f"must be >= 0, got {self.steps}")
-        require(self.epochs >= 0, "epochs", f"must be >= 0, got {self.epochs}")
-        require(self.steps > 0 or self.epochs > 0, "steps", "set train.steps or train.epochs > 0")
-        require(
-            self.accumulate_steps >= 1,
-            "accumulate_steps",
-            f"must be >= 1, got {self.accumulate_steps}",
-        )
-        require(self.val_every >= 0, "val_every", f"must be >= 0, got {self.val_every}")
-        require(self.max_nonfinite >= 0, "max_nonfinite", f"must be >= 0, got {self.max_nonfinite}")
-        require(self.max_grad_norm >= 0, "max_grad_norm", f"must be >= 0, got {self.max_grad_norm}")
-
-
-def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Cross entropy over the last dim; sequence outputs (B, T, C) are flattened."""
-    return F.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1))
 
 
 @torch.no_grad()
@@ -145,36 +97,13 @@ class Trainer:
         self.ctx = init(config.runtime)
         torch.manual_seed(config.train.seed)
         self.run_dir = Path(_agree(str(run_dir), self.ctx))
-        self.data = load_source(config.data)
-        model = build_model(config.model)
-        self.memory = _memory_manager(config, model, self.data, self.ctx.device)
-        self.engine = Engine(
-            model,
-            loss_fn,
-            make_optimizer_factory(config.optimizer),
-            exchange=make_strategy(config.exchange.strategy, config.exchange.options),
-            bucket_mb=config.exchange.bucket_mb,
-            compress=config.exchange.compress,
-            accumulate_steps=config.train.accumulate_steps,
-            nonfinite=config.train.nonfinite,
-            max_nonfinite=config.train.max_nonfinite,
-            max_grad_norm=config.train.max_grad_norm or None,
-            precision=config.train.precision,
-            context=self.ctx,
-            parallel=config.parallel,
-            stages=config.stage_of_layers(),
-            sample_input=_sample_microbatch(config, self.data),
-            memory=self.memory,
-            trace=config.trace,
-        )
+        self.data = build.data(config)
+        model = build.model(config)
+        self.memory = build.memory_manager(config, model, self.data, self.ctx.device)
+        self.engine = build.engine(config, self.ctx, model, self.data, self.memory)
         # Data is sharded over the ranks that train (dedicated parameter servers don't).
         self.shard = (self.engine.data_rank, self.engine.data_world_size)
-        d = config.data
-        self.loader = Pipeline(
-            training_reader(d.path, self.data), d.batch_size, io_threads=d.io_threads,
-            workers=d.workers, buffers=d.buffers, shuffle=d.shuffle, seed=d.seed,
-            device=self.ctx.device, rank=self.shard[0], world_size=self.shard[1],
-        )  # fmt: skip
+        self.loader = build.loader(config, self.data, self.engine, self.ctx.device)
         self.total_steps = config.train.steps or config.train.epochs * self.loader.steps_per_epoch
         self.scheduler = build_scheduler(
             config.scheduler, self.engine.optimizer, self.total_steps
@@ -433,36 +362,6 @@ def _from_single_file(payload: dict[str, Any]) -> dict[str, Any]:
         "scheduler": (payload.get("scheduler"),),
         "rng": {str(r): state for r, state in enumerate(streams)},
     }
-
-
-def _memory_manager(
-    config: RunConfig, model: torch.nn.Module, data: Dataset, device: torch.device
-) -> MemoryManager | None:
-    """``[memory]``'s plan applied to the model (profiled on a copy with one micro-batch)."""
-    if not config.memory.enabled:
-        return None
-    if not isinstance(model, torch.nn.Sequential):
-        if config.memory.plans_layers:
-            raise ConfigError("memory: the memory manager plans per layer of an nn.Sequential")
-        model = torch.nn.Sequential()  # optimizer = "host" alone needs no layers
-    size = config.data.batch_size // config.train.accumulate_steps
-    sample = (data.x_train[:size], data.y_train[:size])
-    return MemoryManager.build(
-        list(model.children()),
-        config.memory,
-        device,
-        sample,
-        loss_fn,
-        make_optimizer_factory(config.optimizer),
-    )
-
-
-def _sample_microbatch(config: RunConfig, data: Dataset) -> torch.Tensor | None:
-    """One pipeline micro-batch of training inputs, for tracing the stage boundaries."""
-    if not config.parallel.enabled:
-        return None
-    size = config.data.batch_size // config.train.accumulate_steps
-    return data.x_train[: size // config.parallel.num_microbatches]
 
 
 def _input_text(loader: Pipeline) -> str:

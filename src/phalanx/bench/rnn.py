@@ -98,9 +98,9 @@ def _setup(block: tuple[torch.Tensor, torch.Tensor], cfg: RnnBenchConfig, vocab:
     from torch.nn.parallel import DistributedDataParallel
 
     from phalanx.engine import Engine
+    from phalanx.losses import loss_fn
     from phalanx.pool_training import BlockBatches, PoolTrainConfig
     from phalanx.runtime.pool import current_worker
-    from phalanx.trainer import loss_fn
 
     worker = current_worker()
     layers = cfg.layers(vocab)
@@ -172,9 +172,9 @@ def _teardown() -> None:
 def run_benchmark(cfg: RnnBenchConfig) -> dict[str, Any]:
     """Start the pool, run warm-up and the alternating rounds, return every number."""
     from phalanx.data import DataConfig, load_source
+    from phalanx.losses import loss_fn
     from phalanx.pool_training import PoolTrainConfig, PoolTrainer, split_blocks
     from phalanx.runtime.pool import WorkerPool
-    from phalanx.trainer import loss_fn
 
     cfg.validate()
     started = time.perf_counter()

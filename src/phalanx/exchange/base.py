@@ -45,8 +45,8 @@ class ExchangeConfig:
     compress: str = option("none", "gradient messages: none, fp16 or bf16 (scaled, F13)")
 
     def __post_init__(self) -> None:
-        import phalanx.exchange  # noqa: F401  (registers the built-in strategies)
-
+        # (Any import of this module first runs phalanx/exchange/__init__.py, which registers
+        # the built-in strategies.)
         require(
             self.strategy in STRATEGIES,
             "strategy",

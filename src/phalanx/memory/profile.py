@@ -35,7 +35,6 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -44,7 +43,6 @@ from phalanx.fileio import atomic_write_text
 from phalanx.memory import measure
 
 if TYPE_CHECKING:
-    from phalanx.config import RunConfig
     from phalanx.parallel.split import LayerCost
 
 FORMAT_VERSION = 1
@@ -571,50 +569,6 @@ def pick_device(name: str = "auto") -> torch.device:
         return torch.device(name)
     except RuntimeError:
         raise ConfigError(f"--device: unknown device {name!r}; use auto, cpu or cuda") from None
-
-
-def profile_config(config: RunConfig, steps: int = 3, device: str = "auto") -> MemoryProfile:
-    """Profile a run's model, data, optimizer and precision on this process (first ``steps``
-    batches of ``data.batch_size`` from the training split, in order; the first is the
-    warm-up). The model must be a layer sequence (``[model] layers``, or a zoo model that is an
-    nn.Sequential); any other module is profiled as one layer."""
-    from phalanx.data.readers import training_reader
-    from phalanx.data.sources import load_source
-    from phalanx.models.layers import build_model
-    from phalanx.optim.factory import make_optimizer_factory
-    from phalanx.precision import Precision
-    from phalanx.trainer import loss_fn
-
-    if steps < 1:
-        raise ConfigError(f"--steps: must be >= 1, got {steps}")
-    where = pick_device(device)
-    if where.type == "cpu" and config.runtime.threads > 0:
-        torch.set_num_threads(config.runtime.threads)  # as a training worker runs
-    torch.manual_seed(config.train.seed)
-    model = build_model(config.model)
-    if isinstance(model, nn.Sequential):
-        layers, names = list(model), [name for name, _ in model.named_children()]
-    else:
-        layers, names = [model], [type(model).__name__]
-    reader = training_reader(config.data.path, load_source(config.data))
-    size = config.data.batch_size
-    if len(reader) == 0:
-        raise DataError(f"data: {reader.name} has no training samples")
-    batches = []
-    for s in range(steps):
-        indices = np.arange(s * size, (s + 1) * size) % len(reader)
-        x, y = reader.read(indices)[:2]
-        batches.append((x, y))
-    precision = Precision(config.train.precision, where)
-    return profile_model(
-        layers,
-        loss_fn,
-        make_optimizer_factory(config.optimizer),
-        batches,
-        where,
-        names=names,
-        autocast=precision.autocast,
-    )
 
 
 # -- reporting ----------------------------------------------------------------------------------

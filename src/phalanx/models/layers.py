@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from phalanx.fields import ConfigValueError, option, require
+from phalanx.fields import ConfigValueError, require
 from phalanx.registry import Registry
 
 LAYERS: Registry[nn.Module] = Registry("layer type")
@@ -80,34 +79,6 @@ for _name, _cls in {
     LAYERS.register(_name)(_cls)
 
 
-@dataclass(kw_only=True)
-class ModelConfig:
-    """The network: a built-in model by ``name`` (with ``options``), or a list of ``layers``."""
-
-    name: str = option("", "built-in model (see phalanx.models.MODELS); empty when layers given")
-    options: dict = option(factory=dict, doc="keyword arguments of the built-in model")
-    layers: list[dict] = option(factory=list, doc="layer tables: type + constructor arguments")
-
-    def __post_init__(self) -> None:
-        from phalanx.models.zoo import MODELS
-
-        require(
-            bool(self.name) != bool(self.layers),
-            "name",
-            "give exactly one of model.name or model.layers",
-        )
-        if self.name:
-            require(
-                self.name in MODELS,
-                "name",
-                f"unknown model {self.name!r}; known: {', '.join(MODELS.names())}",
-            )
-            _check_arguments(MODELS.get(self.name), self.options, "options")
-        require(not (self.layers and self.options), "options", "only used with model.name")
-        for i, spec in enumerate(self.layers):
-            _check_layer(spec, f"layers[{i}]")
-
-
 def _check_layer(spec: dict, key: str) -> None:
     layer_type = spec.get("type")
     require(isinstance(layer_type, str), f"{key}.type", "missing layer type")
@@ -163,12 +134,3 @@ def build_layers(layers: list[dict]) -> nn.Sequential:
     """An ``nn.Sequential`` of the configured layers, in order."""
     modules = [LAYERS.get(spec["type"])(**layer_arguments(spec)) for spec in layers]
     return nn.Sequential(*modules)
-
-
-def build_model(config: ModelConfig) -> nn.Module:
-    """The nn.Module a ModelConfig describes."""
-    if config.layers:
-        return build_layers(config.layers)
-    from phalanx.models.zoo import MODELS
-
-    return MODELS.get(config.name)(**config.options)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from phalanx.models.layers import build_layers
 from phalanx.registry import Registry
 
 MODELS: Registry[nn.Module] = Registry("model")
@@ -30,8 +31,6 @@ def digits_cnn_layers(channels: int = 32, hidden: int = 128, dropout: float = 0.
 @MODELS.register("digits_cnn")
 def digits_cnn(channels: int = 32, hidden: int = 128, dropout: float = 0.1) -> nn.Module:
     """Small CNN for 8x8 digits: (B, 1, 8, 8) float32 -> (B, 10) logits."""
-    from phalanx.models.layers import build_layers
-
     return build_layers(digits_cnn_layers(channels, hidden, dropout))
 
 

@@ -346,6 +346,6 @@ def load_step_profile(path: Path | str, forward_s: float | None = None) -> StepP
 def measure_step_profile(config: Any, steps: int = 4, device: str = "auto") -> StepProfile:
     """Measure a run config's step on this process with ``phalanx profile``'s per-layer timer
     (memory/profile.py: the first step is a warm-up, times are medians)."""
-    from phalanx.memory.profile import profile_config
+    from phalanx.build import profile_run
 
-    return StepProfile.from_memory_profile(profile_config(config, steps=steps, device=device))
+    return StepProfile.from_memory_profile(profile_run(config, steps=steps, device=device))

@@ -43,9 +43,11 @@ import types
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import IO, Any
 
 from phalanx.errors import PhalanxError, WorkerError
+from phalanx.runtime.context import RuntimeConfig, init, shutdown
 
 POLL_S = 0.2  # how often a waiting controller checks exit codes (a death is seen this fast)
 _HEADER = struct.Struct("<Q")
@@ -173,22 +175,18 @@ def _worker_main(spec_json: str) -> None:
     try:
         _serve(inbox, outbox)
     finally:
-        import phalanx
-
-        phalanx.shutdown()
+        shutdown()
 
 
 def _join(spec: dict[str, Any]) -> PoolWorker:
     """Bind the device and join the process group (phalanx.init), so the Engine works here."""
     global _WORKER
-    import phalanx
-    from phalanx.runtime.context import RuntimeConfig
 
     kind = spec["device"].split(":")[0]
     config = RuntimeConfig(
         backend=spec["backend"], device=kind, threads=spec["threads"], timeout_s=spec["timeout_s"]
     )
-    ctx = phalanx.init(
+    ctx = init(
         config, init_method=spec["init_method"], rank=spec["rank"], world_size=spec["world_size"]
     )
     _WORKER = PoolWorker(ctx.rank, ctx.world_size, ctx.device, ctx)
@@ -625,14 +623,12 @@ def _start_worker(rank: int, device: str, spec: dict[str, Any]) -> _Handle:
 
 def _worker_env(rank: int, device: str, threads: int) -> dict[str, str]:
     """The controller's environment minus launcher variables, plus the worker's own."""
-    import phalanx
-
     env = {
         k: v
         for k, v in os.environ.items()
         if k not in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
     }
-    package_root = os.path.dirname(os.path.dirname(os.path.abspath(phalanx.__file__)))
+    package_root = str(Path(__file__).resolve().parents[2])  # the directory holding phalanx/
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
     index = device.split(":")[1] if ":" in device else str(rank)
     env["LOCAL_RANK"] = index  # phalanx.init binds cuda:LOCAL_RANK

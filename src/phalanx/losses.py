@@ -1,0 +1,14 @@
+"""The loss of runs built from a config (``phalanx train``, ``profile``, ``plan``, the pool)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Cross entropy over the last dim; sequence outputs (B, T, C) are flattened.
+
+    ``output``: logits (B, C) or (B, T, C), any float dtype; ``target``: class indices (B,) or
+    (B, T), int64, on the same device. Returns a 0-dim mean."""
+    return F.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1))
