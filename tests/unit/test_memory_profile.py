@@ -14,8 +14,8 @@ from torch import nn
 
 from phalanx.cli import main
 from phalanx.errors import DataError, PhalanxError
-from phalanx.memory.profile import MemoryProfile, profile_model
 from phalanx.losses import loss_fn
+from phalanx.memory.profile import MemoryProfile, profile_model
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = str(ROOT / "configs" / "digits_cnn.toml")
