@@ -22,6 +22,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check src tests examples tools
 	$(BIN)/ruff format --check src tests examples tools
+	$(BIN)/mypy
 	$(BIN)/python -m pytest -q tests
 
 test-fast: $(STAMP)
@@ -34,6 +35,7 @@ test-integration: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check src tests examples tools
 	$(BIN)/ruff format --check src tests examples tools
+	$(BIN)/mypy
 
 format: $(STAMP)
 	$(BIN)/ruff format src tests examples tools
@@ -49,4 +51,4 @@ drill-exit: $(STAMP)
 	$(BIN)/python tools/exit_drill.py --jobs 50 --concurrent 2
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache .ruff_cache
+	rm -rf $(VENV) runs .pytest_cache .ruff_cache .mypy_cache

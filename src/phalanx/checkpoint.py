@@ -577,7 +577,7 @@ def restore(
         except CheckpointError as e:
             error = str(e)
     if distributed:
-        box = [found, error]
+        box: list[Any] = [found, error]
         dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
         found, error = box
     if error is not None:

@@ -14,7 +14,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from phalanx.errors import Interrupted, PhalanxError, WorkerError
 from phalanx.fileio import atomic_write_text
@@ -348,11 +348,11 @@ def _check_rescaling(config: Any) -> None:
     """Clipping and fp16 need a strategy that sees the whole gradient (one-line error before
     any worker starts; the Engine applies the same rule)."""
     from phalanx.engine import rescaling_problem
-    from phalanx.exchange.base import STRATEGIES
+    from phalanx.exchange.base import STRATEGIES, Strategy
 
     name = config.exchange.strategy
     problem = rescaling_problem(
-        STRATEGIES.get(name).updates_during_exchange,
+        cast("type[Strategy]", STRATEGIES.get(name)).updates_during_exchange,  # a class
         f"exchange.strategy {name!r}",
         max_grad_norm=config.train.max_grad_norm,
         precision=config.train.precision,

@@ -17,6 +17,7 @@ def describe_run(config: RunConfig, world_size: int, run_dir: str) -> str:
     from phalanx.data.readers import training_reader
 
     model = build.model(config)
+    pipeline_lines: list[str]
     shown, pipeline_lines = model, []
     if config.parallel.enabled:
         shown, pipeline_lines = _pipeline(config, model, world_size)
@@ -76,6 +77,7 @@ def _pipeline(config: RunConfig, model: Any, world_size: int) -> tuple[Any, list
         torch.set_num_threads(config.runtime.threads)
     layers = list(model.children())
     sample = build.sample_microbatch(config, build.data(config))
+    assert sample is not None  # [parallel] is enabled here
     given = config.stage_of_layers()
     stage_of, measured = (given, "") if given else split_here(layers, parallel, sample)
     boundaries = trace_boundaries(layers, stage_of, sample)

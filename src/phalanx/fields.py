@@ -6,7 +6,7 @@ import dataclasses
 import types
 import typing
 from dataclasses import MISSING, field
-from typing import Any, Literal, Union
+from typing import Any, Literal, Union, cast
 
 from phalanx.errors import ConfigError
 
@@ -62,7 +62,7 @@ def from_dict(cls: type, data: Any, path: str) -> Any:
 def _convert(hint: Any, value: Any, key: str) -> Any:
     origin = typing.get_origin(hint)
     if dataclasses.is_dataclass(hint):
-        return from_dict(hint, value, key)
+        return from_dict(cast(type, hint), value, key)  # a dataclass type, never an instance
     if origin is Literal:
         allowed = typing.get_args(hint)
         if value not in allowed:
@@ -104,7 +104,8 @@ def _convert_scalar(hint: Any, value: Any, key: str) -> Any:
 
 
 def _type_name(value: Any) -> str:
-    return {dict: "table", list: "list", str: "string"}.get(type(value), type(value).__name__)
+    names: dict[type, str] = {dict: "table", list: "list", str: "string"}
+    return names.get(type(value), type(value).__name__)
 
 
 def join_key(path: str, key: str) -> str:

@@ -160,6 +160,7 @@ class Trainer:
                 record = {"step": self.step, "loss": loss, "time_s": elapsed, **self._stats()}
                 record["lr"] = lr
                 if self._threshold_chosen_now() and is_main:
+                    assert self.engine.threshold is not None  # _threshold_chosen_now checked it
                     progress.write(f"step {self.step}: {self.engine.threshold.describe()}")
                     progress.write(f"step {self.step}: {self.engine.threshold_trials}")
                 if self._due(train.val_every):

@@ -190,8 +190,8 @@ def upscaled_digits(size: int) -> tuple[np.ndarray, np.ndarray]:
     bunch = load_digits()
     x = torch.from_numpy(bunch.images.astype(np.float32) / 16.0)[:, None]
     x = F.interpolate(x, size=(size, size), mode="bilinear", align_corners=False)
-    x = x.numpy() * TINT[None, :, None, None] * 255.0
-    return np.clip(x, 0, 255).astype(np.uint8), bunch.target.astype(np.int64)
+    tinted = x.numpy() * TINT[None, :, None, None] * 255.0
+    return np.clip(tinted, 0, 255).astype(np.uint8), bunch.target.astype(np.int64)
 
 
 def write_image_store(path: Path, size: int) -> None:
@@ -221,7 +221,11 @@ def dataloader_feeder(
 
     generator = torch.Generator().manual_seed(cfg.seed)
     sampler = RandomSampler(dataset, num_samples=total * batch_size, generator=generator)
-    common = {"num_workers": cfg.workers, "persistent_workers": True, "prefetch_factor": 2}
+    common: dict[str, Any] = {
+        "num_workers": cfg.workers,
+        "persistent_workers": True,
+        "prefetch_factor": 2,
+    }
     if batched:
         batches = BatchSampler(sampler, batch_size, drop_last=True)
         loader = torch.utils.data.DataLoader(dataset, batch_size=None, sampler=batches, **common)

@@ -312,9 +312,8 @@ def bench_model(ctx: Context, cfg: BenchConfig, model: BenchModel) -> dict[str, 
     Returns {"model", "params", "steps", "rounds": [{name: {"seconds", "stats"}}]}, where
     "stats" holds the medians over the round's steps of the contender's per-step stats.
     """
-    device_batch = tuple(
-        t.to(ctx.device) for t in synthetic_batch(model, cfg.batch_size, cfg.seed, ctx.rank)
-    )
+    x, y = synthetic_batch(model, cfg.batch_size, cfg.seed, ctx.rank)
+    device_batch = (x.to(ctx.device), y.to(ctx.device))
     contenders = build_contenders(cfg.contenders, lambda: _make_model(model, cfg.seed), ctx)
     steps = cfg.steps_for(model)
     for contender in contenders:

@@ -21,6 +21,7 @@ import math
 import os
 import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -201,9 +202,9 @@ def format_report(result: dict[str, Any]) -> str:
         rows.append((str(i + 1), f"{fit.alpha_s * 1e6:.1f}", _gbps(fit.beta_bytes_per_s),
                      _micros(fit.message_s), _micros(fit.handoff_s),
                      f"{r['seconds']:.3f}"))  # fmt: skip
-    median = LinkModel.from_dict(result["median"])
-    rows.append(("median", f"{median.alpha_s * 1e6:.1f}", _gbps(median.beta_bytes_per_s),
-                 _micros(median.message_s), _micros(median.handoff_s), ""))  # fmt: skip
+    middle = LinkModel.from_dict(result["median"])
+    rows.append(("median", f"{middle.alpha_s * 1e6:.1f}", _gbps(middle.beta_bytes_per_s),
+                 _micros(middle.message_s), _micros(middle.handoff_s), ""))  # fmt: skip
     lines += _table(rows)
     lines.append(
         "message us: mean one-way time of a 4 KiB point-to-point message sent from a thread "
@@ -231,7 +232,7 @@ def _gbps(beta: float) -> str:
     return format_rate(beta).removesuffix(" GB/s")
 
 
-def _table(rows: list[tuple[str, ...]]) -> list[str]:
+def _table(rows: Sequence[tuple[str, ...]]) -> list[str]:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return ["  " + "  ".join(cell.rjust(w) for cell, w in zip(r, widths)) for r in rows]
 

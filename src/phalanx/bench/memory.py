@@ -508,7 +508,7 @@ def _count_choices(choices: dict[str, str]) -> dict[str, int]:
 
 def _targets(summary: dict[str, Any], cfg: MemoryBenchConfig) -> list[dict[str, Any]]:
     """The issue's two targets as PASS/MISS lines with their numbers."""
-    out = []
+    out: list[dict[str, Any]] = []
     half = summary.get(phalanx_name(0.5))
     if half is None:
         out.append({

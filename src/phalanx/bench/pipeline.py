@@ -139,16 +139,20 @@ def _measure(
             busy += pipeline.busy_s
         our_busy.append(busy)
 
+    def their_block() -> None:
+        for _ in range(cfg.steps):
+            baseline.step(x, y)
+
     our_busy: list[float] = []
     for i in range(cfg.rounds):  # blocks of consecutive steps, alternating which side goes
         first_ours = i % 2 == 0  # first, so drifts in the machine's speed hit both alike
         if not first_ours:
-            theirs.append(_timed(ctx, lambda: [baseline.step(x, y) for _ in range(cfg.steps)]))
+            theirs.append(_timed(ctx, their_block))
         elapsed = _timed(ctx, our_block)
         ours.append(elapsed / cfg.steps)
         bubbles.append(_mean_over_ranks(ctx, 1.0 - our_busy[-1] / elapsed))
         if first_ours:
-            theirs.append(_timed(ctx, lambda: [baseline.step(x, y) for _ in range(cfg.steps)]))
+            theirs.append(_timed(ctx, their_block))
     theirs = [t / cfg.steps for t in theirs]
     local = sum(p.numel() * p.element_size() for p in pipeline.local.parameters())
     total = sum(p.numel() * p.element_size() for layer in layers for p in layer.parameters())

@@ -302,13 +302,17 @@ def _profiles(
     every = read_trace(Path(trace.directory) / TRACE_FILE)
     steps = sorted({e["args"]["step"] for e in every})
     ranks = sorted({e["pid"] for e in every})
-    by = {(r, s): [] for r in ranks for s in steps}
+    by: dict[tuple[Any, Any], list[dict[str, Any]]] = {(r, s): [] for r in ranks for s in steps}
     for e in every:
         by[(e["pid"], e["args"]["step"])].append(e)
     grad_bytes = sum(p.numel() * p.element_size() for b in engine.buckets.buckets for p in b.params)
     profiles, stragglers = [], []
     for k, s in enumerate(steps):
-        slow = max(ranks, key=lambda r, s=s: _compute_s(by[(r, s)]))
+
+        def compute_s(r: Any, s: Any = s) -> float:
+            return _compute_s(by[(r, s)])
+
+        slow = max(ranks, key=compute_s)
         stragglers.append(slow)
         per_byte = max(  # Adam: two state bytes per gradient byte it updates
             _optimizer_s(by[(r, s)]) / min(grad_bytes, state_bytes[r] / 2)

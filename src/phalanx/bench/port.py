@@ -95,7 +95,7 @@ def _lr(step: int) -> float:
 class _Contender:
     """One way of training the user's model; ``step(i, idx, targets)`` runs step i."""
 
-    def __init__(self, kind: str, model: nn.Module, ctx: Any) -> None:
+    def __init__(self, kind: str, model: GPT, ctx: Any) -> None:
         import phalanx as px
 
         self.kind, self.model = kind, model

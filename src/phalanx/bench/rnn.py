@@ -87,7 +87,7 @@ def _make_model(layers: list[dict[str, Any]], seed: int) -> nn.Module:
 class _Bench:
     """A worker's contenders: name -> step function; batches come from this worker's block."""
 
-    steps: dict[str, Callable[[], None]]
+    steps: dict[str, Callable[[], object]]  # what a step returns is not used
     exchange_s: dict[str, Callable[[], float]]  # the last step's exposed exchange, if known
     engine: Any  # the phalanx contender's Engine
     device: torch.device
@@ -123,7 +123,7 @@ def _setup(block: tuple[torch.Tensor, torch.Tensor], cfg: RnnBenchConfig, vocab:
         _make_model(layers, cfg.seed).to(worker.device), device_ids=device_ids
     )
     engine = Engine(_make_model(layers, cfg.seed), loss_fn, _sgd, context=worker.context)
-    steps = {
+    steps: dict[str, Callable[[], object]] = {
         "single": local(_make_model(layers, cfg.seed).to(worker.device)),
         "ddp": local(ddp),
         "phalanx": lambda: engine.step(*batches.next()),

@@ -302,8 +302,10 @@ class Pipeline:
         epoch, step = self.position.epoch, self.position.step
         base = epoch * self.steps_per_epoch + step  # global step of sequence number 0
         self._buffers = buffers = BatchBuffers(self.num_buffers)
-        self._work = work = queue.SimpleQueue()
+        work: queue.SimpleQueue[Slot | None] = queue.SimpleQueue()
+        self._work = work
         self._next_seq, self._failure = 0, None
+        targets: list[tuple[str, Callable[..., None], tuple[Any, ...]]]
         targets = [(f"phalanx-io-{i}", self._io_loop, (buffers, work, base))
                    for i in range(self.num_io_threads)]  # fmt: skip
         targets += [(f"phalanx-worker-{i}", self._work_loop, (buffers, work))

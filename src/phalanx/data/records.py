@@ -78,7 +78,7 @@ class Field:
         dims = [d for d, want in zip(array.shape, self.shape) if want == VARIABLE]
         return np.asarray(dims, dtype="<u4").tobytes() + array.tobytes()
 
-    def decode(self, buffer: bytes | memoryview, offset: int) -> tuple[np.ndarray, int]:
+    def decode(self, buffer: bytes | bytearray | memoryview, offset: int) -> tuple[np.ndarray, int]:
         """The array stored at ``offset`` and the offset after it."""
         shape = list(self.shape)
         variable = [i for i, d in enumerate(shape) if d == VARIABLE]
@@ -256,7 +256,7 @@ class RecordStore:
     use ``os.pread``) and to pickle into worker processes (files are reopened there).
     """
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
         index = _read_index(self.path)
         self.fields: tuple[Field, ...] = tuple(
@@ -329,10 +329,10 @@ class RecordStore:
         raise DataError(f"{shard.where(local)}: checksum mismatch (corrupted data)")
 
     def _decode(self, data: bytes) -> Record:
-        data = bytearray(data)  # writable arrays: callers may modify what they get
+        buffer = bytearray(data)  # writable arrays: callers may modify what they get
         out, offset = [], 0
         for f in self.fields:
-            array, offset = f.decode(data, offset)
+            array, offset = f.decode(buffer, offset)
             out.append(array)
         return tuple(out)
 
@@ -363,7 +363,9 @@ class RecordStore:
             raise DataError(f"{shard.path}: SHA-256 differs from {INDEX} (header corrupted)")
 
     def summary(self) -> dict[str, Any]:
-        sizes = np.concatenate([np.diff(s.offsets) for s in self.shards]) if self.shards else []
+        sizes: np.ndarray | list[int] = (
+            np.concatenate([np.diff(s.offsets) for s in self.shards]) if self.shards else []
+        )
         return {
             "path": str(self.path),
             "num_records": self.num_records,

@@ -55,7 +55,7 @@ class Bucket:
 
 
 def plan_buckets(
-    params: Sequence[torch.nn.Parameter], bucket_bytes: int, first_bucket_bytes: int
+    params: Sequence[torch.Tensor], bucket_bytes: int, first_bucket_bytes: int
 ) -> list[list[int]]:
     """Split parameters (given in expected backward order) into buckets of about bucket_bytes.
 
@@ -189,6 +189,7 @@ class GradientBuckets:
         view = bucket.views[slot]
         grad = p.grad
         if grad is not view:  # first accumulation after grad was None, or a user reset it
+            assert grad is not None  # autograd has just accumulated it
             if grad.data_ptr() != view.data_ptr():
                 view.copy_(grad)
             p.grad = view

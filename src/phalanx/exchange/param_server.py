@@ -219,6 +219,7 @@ class ParameterServer(OwnerUpdateStrategy):
             for src, view in incoming[m]:
                 works.append(dist.irecv(view, global_rank(group, src), group=group))
         for work in works:
+            assert work is not None  # None only on a rank outside the group
             work.wait()
         summed, received = {}, 0
         for m, messages_in in incoming.items():
@@ -296,6 +297,7 @@ class ParameterServer(OwnerUpdateStrategy):
                 works.append(dist.irecv(piece, global_rank(group, owner), group=group))
                 arrivals.append((piece, lo, hi))
         for work in works:
+            assert work is not None  # None only on a rank outside the group
             work.wait()
         for piece, lo, hi in arrivals:
             if piece.data_ptr() != flat[lo:hi].data_ptr():  # a device bucket: copy it in

@@ -75,9 +75,11 @@ class RingLink:
         sends = [dist.isend(m, global_rank(self.group, nxt), group=self.group) for m in outgoing]
         # Phase 3: fold in what arrives, in order.
         for work, message, (a, b) in zip(receives, incoming, recv_pieces):
+            assert work is not None  # None only on a rank outside the group
             work.wait()
             combine(message, flat[a:b])
         for work in sends:
+            assert work is not None
             work.wait()
         self.sent += sum(m.nbytes for m in outgoing)
         self.received += sum(m.nbytes for m in incoming)

@@ -160,8 +160,8 @@ class ShardedParameters:
         ``params`` (collective: every rank calls it and gets the same result)."""
         local = {}
         for shard in self.shards:
-            state = optimizer.state.get(shard.param, {})
-            local[(shard.bucket, shard.start)] = {k: _cpu(v) for k, v in state.items()}
+            shard_state = optimizer.state.get(shard.param, {})
+            local[(shard.bucket, shard.start)] = {k: _cpu(v) for k, v in shard_state.items()}
         gathered: list[dict] = [None] * dist.get_world_size(group)  # type: ignore[list-item]
         dist.all_gather_object(gathered, local, group=group)
         pieces = {key: value for part in gathered for key, value in part.items()}

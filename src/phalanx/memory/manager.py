@@ -198,7 +198,7 @@ class MemoryManager:
         chunk_bytes = int(config.optimizer_chunk_mb * 2**20)
         if place != "device":
             plan.notes.append(OPTIMIZER_NOTES[place].format(config.optimizer_chunk_mb))
-        optimizer = {"optimizer_place": place, "optimizer_chunk_bytes": chunk_bytes}
+        optimizer: dict[str, Any] = {"optimizer_place": place, "optimizer_chunk_bytes": chunk_bytes}
         if not offloaded and place != "stream":  # nothing uses the tier
             tier.close()
             return cls(plan, offloader, layers, None, **optimizer, device=device)
@@ -301,4 +301,4 @@ def _recompute(layer: nn.Module) -> None:
             return forward(*args, **kwargs)
         return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
-    layer.forward = checkpointed  # type: ignore[method-assign]
+    layer.forward = checkpointed

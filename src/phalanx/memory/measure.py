@@ -113,10 +113,10 @@ class AllocatorPeak:
     def __exit__(self, *exc: object) -> None:
         with _quiet_stderr():
             self._profiler.__exit__(*exc)
-        events = [
-            e for e in self._profiler.profiler.kineto_results.events() if e.name() == "[memory]"
-        ]
+        profiler = self._profiler.profiler
+        assert profiler is not None and profiler.kineto_results is not None  # set by start/stop
+        events = [e for e in profiler.kineto_results.events() if e.name() == "[memory]"]
         live = 0
         for event in sorted(events, key=lambda e: e.start_ns()):
-            live += event.nbytes()
+            live += event.nbytes()  # type: ignore[attr-defined]  # torch's stub omits nbytes()
             self.peak_bytes = max(self.peak_bytes, live)

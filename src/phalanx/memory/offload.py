@@ -159,7 +159,7 @@ class ActivationOffloader:
         # storage data_ptr -> (tensor it was first saved from, record, version then); the tensor
         # reference is weak: once it is gone the address may belong to another storage.
         self._seen: dict[int, tuple[weakref.ref, weakref.ref, int]] = {}
-        self._by_layer: list[list[weakref.ref]] = [[] for _ in self.layers]
+        self._by_layer: list[list[weakref.ref[_Record]]] = [[] for _ in self.layers]
         self._writes: deque[tuple[Future, int]] = deque()  # in flight, oldest first
         self._io_at_start = 0.0
         self._closed = False
@@ -241,7 +241,7 @@ class ActivationOffloader:
             return tensor
         storage = tensor.untyped_storage()
         key = storage.data_ptr()
-        record = None
+        record: _Record | None = None
         seen = self._seen.get(key)
         if seen is not None:
             source, ref, version = seen
@@ -346,6 +346,7 @@ class ActivationOffloader:
             self.stats.demand_reads += 1
             self._request(record)
             self._backward_starts(saved.layer, None)
+        assert record.read is not None  # set by _request
         start = time.perf_counter()
         try:
             loaded = record.read.result()

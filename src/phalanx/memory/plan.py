@@ -188,6 +188,7 @@ def make_plan(
             if prefetch is None:
                 break
     if best is None:
+        assert budget_bytes is not None  # without a budget, the first (None) prefetch fits
         raise ConfigError(
             f"memory.budget_mb: {budget_bytes / 2**20:.1f} MiB cannot be met: the smallest "
             f"predicted peak is {floor / 2**20:.1f} MiB (parameters, gradients, optimizer state, "

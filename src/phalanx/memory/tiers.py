@@ -279,7 +279,8 @@ def _drop_cache(fd: int, offset: int, nbytes: int) -> None:
 
 def _bytes_view(data: torch.Tensor) -> memoryview:
     """A memoryview over a CPU uint8 tensor's memory (no copy)."""
-    return memoryview(data.numpy()).cast("B")
+    # numpy's stubs give ndarray __buffer__ only for Python >= 3.12 (it has the buffer protocol)
+    return memoryview(data.numpy()).cast("B")  # type: ignore[arg-type]
 
 
 class SpillFileTier(Tier):
@@ -388,8 +389,9 @@ class SpillFileTier(Tier):
         try:
             for k, pos in enumerate(range(0, slot.nbytes, half)):
                 lo, n = k % 2 * half, min(half, slot.nbytes - pos)
-                if pending[k % 2] is not None:
-                    pending[k % 2].result()  # that half has been written out: reuse it
+                previous = pending[k % 2]
+                if previous is not None:
+                    previous.result()  # that half has been written out: reuse it
                 self._staging_tensor[lo : lo + n].copy_(data[pos : pos + n])
                 block = self._staging_view[lo : lo + round_up(n)]
                 pending[k % 2] = self._disk.submit(_pwrite_all, self.fd, block, slot.offset + pos)
@@ -524,6 +526,7 @@ class PinnedHostTier(Tier):
     def _reclaim(self, slot: Slot) -> None:
         # Safe on the host right away: any later copy into this buffer is queued on the same
         # side stream, after the copies that used it.
+        assert slot.host is not None  # set by put(), cleared only here, once per slot
         with self._lock:
             self._pool.setdefault(slot.capacity, []).append(slot.host)
         slot.host = None

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -87,7 +87,7 @@ def _check_layer(spec: dict, key: str) -> None:
         f"{key}.type",
         f"unknown layer type {layer_type!r}; known: {', '.join(LAYERS.names())}",
     )
-    _check_arguments(LAYERS.get(layer_type), layer_arguments(spec), key)
+    _check_arguments(LAYERS.get(cast(str, layer_type)), layer_arguments(spec), key)
 
 
 def _check_arguments(factory: Callable[..., Any], args: dict, key: str) -> None:

@@ -37,7 +37,10 @@ class AdaGrad(torch.optim.Optimizer):
         super().__init__(params, defaults)
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor | None:
+    # torch's stubs type the closure as returning float; real closures return the loss tensor
+    def step(  # type: ignore[override]
+        self, closure: Callable[[], torch.Tensor] | None = None
+    ) -> torch.Tensor | None:
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -46,7 +49,7 @@ class AdaGrad(torch.optim.Optimizer):
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
                 continue
-            grads = [p.grad for p in params]
+            grads: list[torch.Tensor] | tuple[torch.Tensor, ...] = [p.grad for p in params]
             sums = [self._sum(p, group["initial_sum"]) for p in params]
             if group["weight_decay"]:
                 grads = torch._foreach_add(grads, params, alpha=group["weight_decay"])

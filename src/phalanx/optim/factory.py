@@ -13,7 +13,7 @@ from phalanx.fields import option, require
 from phalanx.registry import Registry
 
 Factory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
-OPTIMIZERS: Registry[torch.optim.Optimizer] = Registry("optimizer")
+OPTIMIZERS: Registry[Factory] = Registry("optimizer")
 
 
 @dataclass(kw_only=True)

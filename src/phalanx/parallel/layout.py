@@ -14,7 +14,7 @@ P x ``virtual_stages`` stages; stage ``s`` runs on pipeline rank ``s % P``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, cast
 
 from phalanx.fields import ConfigValueError, option, require
 
@@ -103,10 +103,10 @@ def stages_from_layers(layers: list[dict], num_stages: int) -> list[int] | None:
 
     Errors: some layers without a stage, numbers out of order or with gaps, a count that is
     not ``num_stages``, more stages than layers."""
-    keys = [spec.get("stage") for spec in layers]
-    if all(k is None for k in keys):
+    given = [spec.get("stage") for spec in layers]
+    if all(k is None for k in given):
         return None
-    for i, k in enumerate(keys):
+    for i, k in enumerate(given):
         if k is None:
             raise ConfigValueError(
                 f"model.layers[{i}].stage", "missing: give every layer a stage, or none"
@@ -115,6 +115,7 @@ def stages_from_layers(layers: list[dict], num_stages: int) -> list[int] | None:
             raise ConfigValueError(
                 f"model.layers[{i}].stage", f"must be an integer >= 0, got {k!r}"
             )
+    keys = cast("list[int]", given)  # every key checked above
     for i in range(1, len(keys)):
         if keys[i] < keys[i - 1]:
             raise ConfigValueError(

@@ -388,7 +388,7 @@ def _notifying_stage_class() -> type:
         "last_backward" in inspect.signature(PipelineStage.backward_maybe_with_nosync).parameters
     )
 
-    class _NotifyingStage(PipelineStage):  # type: ignore[misc]
+    class _NotifyingStage(PipelineStage):
         """A PipelineStage that tells its PipelineParallel before each backward whether it is
         this stage's last micro-batch (where torch itself prepares DDP's reduction)."""
 

@@ -24,6 +24,7 @@ import argparse
 import json
 import math
 import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -317,7 +318,7 @@ def _options(options: dict[str, Any]) -> str:
     return ",".join(f"{k}={v}" for k, v in sorted(options.items()))
 
 
-def _table(rows: list[tuple[str, ...]]) -> list[str]:
+def _table(rows: Sequence[tuple[str, ...]]) -> list[str]:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     last = len(widths) - 1  # free text (a note): never widens the other columns
     widths[last] = 0

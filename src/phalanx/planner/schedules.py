@@ -33,7 +33,7 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -212,7 +212,7 @@ def _tree_up(ranks: list[int], share: float, b: _Builder) -> None:
     depth = math.ceil(math.log2(n)) if n > 1 else 0
     for s in range(depth):
         b.round(
-            (ranks[i], ranks[tree_parent(i)], share, GRAD)
+            (ranks[i], ranks[cast(int, tree_parent(i))], share, GRAD)  # i >= 1: not the root
             for i in range(1, n)
             if (i & -i) == 1 << s
         )

@@ -139,8 +139,8 @@ def read_trace(path: Path | str) -> list[dict[str, Any]]:
     path = Path(path)
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise DataError(f"{path}: cannot read a trace ({e})") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise DataError(f"{path}: cannot read a trace ({err})") from None
     events = data.get("traceEvents") if isinstance(data, dict) else data
     if not isinstance(events, list):
         raise DataError(f"{path}: not a Chrome trace (no traceEvents list)")

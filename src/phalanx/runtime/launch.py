@@ -97,7 +97,7 @@ def launch(spec: LaunchSpec, python_args: list[str]) -> None:
         raise Interrupted(int(e.sigval)) from None
 
 
-def _grace_option(seconds: int) -> dict[str, int]:
+def _grace_option(seconds: int) -> dict[str, Any]:
     """LaunchConfig's ``shutdown_timeout`` where this torch has it (older releases always
     wait 30 s)."""
     import dataclasses

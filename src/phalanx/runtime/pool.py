@@ -237,8 +237,9 @@ def _execute(name: str, task: bytes, extra: bytes | None) -> bytes:
 
 
 def _error_reply(error: BaseException, doing: str) -> dict[str, Any]:
+    blob: bytes | None
     try:
-        blob: bytes | None = pickle.dumps(error)
+        blob = pickle.dumps(error)
         pickle.loads(blob)
     except Exception:
         blob = None

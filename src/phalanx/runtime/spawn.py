@@ -29,7 +29,7 @@ import time
 import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from phalanx.errors import WorkerError
 from phalanx.runtime.context import RuntimeConfig
@@ -243,7 +243,7 @@ def _failure(procs: list[Any], out_dir: str) -> RankFailed:
     message = cause.message
     seen = [f for f in others if f.info is not None]
     if cause.info is None and seen:  # a rank that died: what a peer saw explains it
-        message += f" (rank {seen[0].rank} saw: {seen[0].info['summary']})"
+        message += f" (rank {seen[0].rank} saw: {cast(dict, seen[0].info)['summary']})"
     elif others:
         message += f" (ranks {[f.rank for f in others]} failed too)"
     info = cause.info or {}
