@@ -57,7 +57,6 @@ reports +24.1% at -58.2% memory); at every budget phalanx is no slower than full
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import ctypes
 import gc
@@ -648,39 +647,3 @@ def parse_budgets(text: str) -> tuple[float, ...]:
         return tuple(float(part) for part in text.split(",") if part.strip())
     except ValueError:
         raise ConfigError(f"--budgets: expected fractions like 0.5,0.3, got {text!r}") from None
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """Flags of ``phalanx bench memory``; sets ``handler``."""
-    defaults = MemoryBenchConfig()
-    p.add_argument("--rounds", type=int, default=defaults.rounds, help="rounds (default 3)")
-    p.add_argument("--steps", type=int, default=defaults.steps, help="timed steps per variant")
-    p.add_argument("--warmup", type=int, default=defaults.warmup, help="untimed steps first")
-    p.add_argument("--batch-size", type=int, default=defaults.batch_size, help="images per step")
-    p.add_argument("--blocks", type=int, default=defaults.blocks, help="residual blocks")
-    p.add_argument(
-        "--peak-steps", type=int, default=defaults.peak_steps, help="steps the peak covers"
-    )
-    p.add_argument(
-        "--budgets", default="0.75,0.5,0.3", help="phalanx budgets, fractions of the unmanaged peak"
-    )
-    p.add_argument("--spill-dir", default="", help="spill file directory (default: temp dir)")
-    p.add_argument("--json", metavar="PATH", help="write every number here")
-    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="tracebacks")
-    p.set_defaults(handler=cmd_memory)
-
-
-def cmd_memory(args: argparse.Namespace) -> int:
-    from phalanx.bench import run_and_report
-
-    cfg = MemoryBenchConfig(
-        batch_size=args.batch_size,
-        blocks=args.blocks,
-        budgets=parse_budgets(args.budgets),
-        rounds=args.rounds,
-        steps=args.steps,
-        warmup=args.warmup,
-        peak_steps=args.peak_steps,
-        spill_dir=args.spill_dir,
-    )
-    return run_and_report(cfg, run_benchmark, _check, format_report, args.json)

@@ -33,7 +33,6 @@ exchange and its overlap, not a prediction of compute speed (docs/planner.md).
 
 from __future__ import annotations
 
-import argparse
 import copy
 import shutil
 import statistics
@@ -442,42 +441,5 @@ def _check(result: dict[str, Any]) -> None:
         raise ConfigError("bench planner: a zero step time was measured or predicted")
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """Flags of ``phalanx bench planner``; sets ``handler``."""
-    p.add_argument(
-        "--nproc", type=int, default=2, help="processes (above the cores: oversubscribed)"
-    )
-    p.add_argument("--models", default=",".join(MODELS), help="comma list")
-    p.add_argument("--strategies", default=",".join(STRATEGIES), help="comma list")
-    p.add_argument("--compress", default="none,fp16", help="comma list: none, fp16")
-    p.add_argument("--thresholds", default="25,auto", help="comma list: MiB or auto")
-    p.add_argument("--steps", type=int, default=12, help="timed (and traced) steps per block")
-    p.add_argument(
-        "--blocks",
-        type=int,
-        default=3,
-        help="timed blocks per cell, alternating over the cells; a cell's error is its median "
-        "block's",
-    )
-    p.add_argument("--json", metavar="PATH", help="write every number here")
-    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="tracebacks")
-    p.set_defaults(handler=cmd_planner)
-
-
 def _names(text: str) -> tuple[str, ...]:
     return tuple(s.strip() for s in text.split(",") if s.strip())
-
-
-def cmd_planner(args: argparse.Namespace) -> int:
-    from phalanx.bench import run_and_report
-
-    cfg = PlannerBenchConfig(
-        nproc=args.nproc,
-        models=_names(args.models),
-        strategies=_names(args.strategies),
-        compress=_names(args.compress),
-        thresholds=_names(args.thresholds),
-        steps=args.steps,
-        blocks=args.blocks,
-    )
-    return run_and_report(cfg, run_benchmark, _check, format_report, args.json)

@@ -18,7 +18,6 @@ per-round ratios (to ``ddp``; to ``plain``).
 
 from __future__ import annotations
 
-import argparse
 import copy
 import statistics
 import time
@@ -212,21 +211,3 @@ def format_table(result: dict[str, Any]) -> str:
         ratio = next((f"{v:.3f}x {k[3:]}" for k, v in row.items() if k.startswith("vs_")), "")
         lines.append(f"{kind:<12} {procs:>9} {row['tokens_per_s']:>10.0f} {ratio:>16}")
     return "\n".join(lines)
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """Flags of ``phalanx bench port``; sets ``handler``."""
-    d = PortBenchConfig()
-    p.add_argument("--json", metavar="PATH", help="write every number (per round too) here")
-    for key, value in asdict(d).items():
-        p.add_argument(f"--{key.replace('_', '-')}", type=int, default=value,
-                       help=f"default {value}")  # fmt: skip
-    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="tracebacks")
-    p.set_defaults(handler=cmd_port)
-
-
-def cmd_port(args: argparse.Namespace) -> int:
-    from phalanx.bench import run_and_report
-
-    cfg = PortBenchConfig(**{k: getattr(args, k) for k in asdict(PortBenchConfig())})
-    return run_and_report(cfg, run_benchmark, _check, format_table, args.json)

@@ -20,8 +20,6 @@ Phases of ``make_plan``:
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import statistics
 from collections.abc import Sequence
@@ -30,7 +28,6 @@ from pathlib import Path
 from typing import Any
 
 from phalanx.errors import ConfigError
-from phalanx.fileio import atomic_write_text
 from phalanx.planner.cluster import ClusterConfig
 from phalanx.planner.sim import (
     DEFAULT_BUCKET_BYTES,
@@ -392,107 +389,6 @@ def write_traces(plan: Plan, directory: Path) -> list[Path]:
     return paths
 
 
-# -- command line -----------------------------------------------------------------------------
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """Flags of ``phalanx plan``; sets ``handler``."""
-    p.add_argument("config", help="the run's TOML config (model, batch, exchange options)")
-    p.add_argument(
-        "--cluster",
-        required=True,
-        metavar="FILE",
-        help="cluster TOML (configs/clusters/), or the link.json of phalanx bench link",
-    )
-    p.add_argument(
-        "--devices",
-        metavar="N,N,...",
-        help="device counts (default 1,2,4,...,1024, as far as the cluster has devices)",
-    )
-    p.add_argument(
-        "--profile",
-        metavar="FILE",
-        help="step profile JSON (plan's own, phalanx profile --json, or a backward "
-        "profile); default: measure the config's model here",
-    )
-    p.add_argument(
-        "--strategies",
-        metavar="A,B",
-        help="strategies to plan (default: every one the planner models)",
-    )
-    p.add_argument(
-        "--thresholds",
-        default=",".join(DEFAULT_THRESHOLDS),
-        metavar="MIB,auto",
-        help="fusion thresholds in MiB, or auto (default 25,auto)",
-    )
-    p.add_argument(
-        "--compress",
-        default=",".join(DEFAULT_COMPRESSIONS),
-        metavar="none,fp16",
-        help="compressions (default none,fp16)",
-    )
-    p.add_argument("--steps", type=int, default=4, help="steps to measure without --profile")
-    p.add_argument("--device", default="auto", help="where to measure: auto, cpu or cuda[:N]")
-    p.add_argument("--json", metavar="FILE", help="write every number here")
-    p.add_argument("--plot", metavar="PNG", help="speed-up against N (viz extra)")
-    p.add_argument("--trace", metavar="DIR", help="a Chrome trace per N of the best setup")
-    p.add_argument(
-        "--compare",
-        metavar="TRACE",
-        help="a measured trace (phalanx train --trace DIR: DIR/trace.json): its step per lane "
-        "next to the config's setup simulated at the trace's number of ranks",
-    )
-    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
-    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="tracebacks")
-    p.set_defaults(handler=cmd_plan)
-
-
-def cmd_plan(args: argparse.Namespace) -> int:
-    from phalanx.config import load_config
-    from phalanx.planner.step import load_step_profile, measure_step_profile
-
-    config = load_config(args.config, args.set)
-    cluster = read_cluster(args.cluster)
-    if args.devices is None:
-        devices = [n for n in DEFAULT_DEVICES if cluster.capacity is None or n <= cluster.capacity]
-    else:
-        devices = _parse_devices(args.devices)
-    for n in devices:
-        cluster.check_devices(n)
-    strategies = _strategies(args.strategies, config.exchange)
-    compressions = _names(args.compress, "--compress")
-    from phalanx.planner.schedules import WIRE_CODECS
-
-    for name in compressions:
-        if name not in WIRE_CODECS:
-            raise ConfigError(f"--compress: unknown {name!r}; known: {', '.join(WIRE_CODECS)}")
-    thresholds = _names(args.thresholds, "--thresholds")
-    for t in thresholds:
-        if t != AUTO:
-            _parse_mib(t)
-    if args.plot:
-        from phalanx.memory.profile import require_matplotlib
-
-        require_matplotlib()  # fail before the work, not after it
-    if args.profile:
-        profile = load_step_profile(args.profile)
-    else:
-        profile = measure_step_profile(config, steps=args.steps, device=args.device)
-    plan = make_plan(profile, cluster, devices, strategies, thresholds, compressions)
-    print(format_plan(plan))
-    if args.json:
-        atomic_write_text(Path(args.json), json.dumps(plan.to_dict(), indent=1) + "\n")
-        print(f"wrote {args.json}")
-    if args.plot:
-        plot_plan(plan, Path(args.plot))
-        print(f"wrote {args.plot}")
-    if args.trace:
-        paths = write_traces(plan, Path(args.trace))
-        print(f"wrote {len(paths)} trace(s) to {args.trace}")
-    if args.compare:
-        print(compare_with_trace(plan, Path(args.compare), config.exchange))
-    return 0
-
-
 def compare_with_trace(plan: Plan, path: Path, exchange: Any) -> str:
     """Seconds per lane of a measured step (rank 0, median over the traced steps) next to
     the simulated step of the config's own setup (strategy, threshold, compression) at the
@@ -545,33 +441,3 @@ def read_cluster(path: str) -> ClusterConfig:
     if Path(path).suffix == ".json" or Path(path).is_dir():
         return from_link(path)
     return load_cluster(path)
-
-
-def _names(text: str, flag: str) -> list[str]:
-    names = [x.strip() for x in text.split(",") if x.strip()]
-    if not names:
-        raise ConfigError(f"{flag}: give at least one value")
-    return list(dict.fromkeys(names))
-
-
-def _parse_devices(text: str) -> list[int]:
-    try:
-        devices = [int(x) for x in _names(text, "--devices")]
-    except ValueError:
-        raise ConfigError(f"--devices: expected counts like 1,2,4,8, got {text!r}") from None
-    if min(devices) < 1:
-        raise ConfigError(f"--devices: counts must be >= 1, got {text!r}")
-    return sorted(set(devices))
-
-
-def _strategies(text: str | None, exchange: Any) -> list[tuple[str, dict[str, Any]]]:
-    """(name, options) per strategy; the config's strategy keeps the config's options."""
-    from phalanx.planner.schedules import SCHEDULES
-
-    names = default_strategies() if text is None else _names(text, "--strategies")
-    for name in names:
-        if name not in SCHEDULES:
-            raise ConfigError(
-                f"--strategies: unknown {name!r}; known: {', '.join(SCHEDULES.names())}"
-            )
-    return [(n, dict(exchange.options) if n == exchange.strategy else {}) for n in names]

@@ -1,4 +1,4 @@
-"""``phalanx data pack SOURCE OUT_DIR`` and ``phalanx data inspect DIR``."""
+"""``phalanx data pack SOURCE OUT_DIR`` and ``phalanx data inspect DIR``: record stores."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ from typing import Any
 import numpy as np
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The ``data`` command's actions; each sets ``handler``."""
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    """``phalanx data`` and its actions; each sets ``handler``."""
+    p = commands.add_parser("data", help="pack and inspect record stores")
     actions = p.add_subparsers(dest="action", metavar="ACTION", required=True)
     pack = actions.add_parser("pack", help="write a source into a record store")
     pack.add_argument("source", help="built-in source name (digits, ...) or a .npy/.npz directory")
