@@ -55,6 +55,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from phalanx.errors import ConfigError
+from phalanx.fields import option
 
 MEAN = np.array([0.2, 0.3, 0.4], dtype=np.float32)[:, None, None]  # per-channel, (3, 1, 1)
 STD = np.array([0.3, 0.3, 0.3], dtype=np.float32)[:, None, None]
@@ -73,20 +74,20 @@ THROUGHPUT = (
 class DataBenchConfig:
     """Everything one ``phalanx bench data`` run uses (recorded in the JSON)."""
 
-    workers: int = 2
-    batch_size: int = 64
-    image_size: int = 64
-    crop: int = 56
-    rounds: int = 5
-    batches: int = 60  # per block (throughput)
-    warmup: int = 5  # batches or steps not timed at the start of each block
-    train_rounds: int = 3
-    train_steps: int = 60  # per block (training, after warm-up)
-    train_batch_size: int = 32
-    settle_s: float = 0.2
-    contenders: tuple[str, ...] = THROUGHPUT
-    train: bool = True
-    seed: int = 0
+    workers: int = option(2, "CPU workers of both sides")
+    batch_size: int = option(64, "throughput batch")
+    image_size: int = option(64, "image side")
+    crop: int = option(56, "crop side")
+    rounds: int = option(5, "alternating throughput rounds")
+    batches: int = option(60, "batches per block")
+    warmup: int = option(5, "untimed batches/steps per block")
+    train_rounds: int = option(3, "training rounds")
+    train_steps: int = option(60, "steps per block")
+    train_batch_size: int = option(32, "training batch")
+    settle_s: float = option(0.2, "seconds to settle between blocks")
+    contenders: tuple[str, ...] = option(THROUGHPUT, "throughput contenders")
+    train: bool = option(True, "the training comparison (--no-train: throughput only)")
+    seed: int = option(0, "data seed")
 
     def validate(self) -> None:
         for key in ("workers", "batch_size", "rounds", "batches", "train_rounds", "train_steps",

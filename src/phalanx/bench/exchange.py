@@ -31,6 +31,7 @@ from torch import nn
 
 from phalanx.bench import machine_meta
 from phalanx.errors import ConfigError, WorkerError
+from phalanx.fields import option
 from phalanx.runtime.context import Context
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -131,15 +132,15 @@ def _phalanx_options(name: str, codec: str, size: str) -> tuple[tuple[str, Any],
 class BenchConfig:
     """Everything one ``phalanx bench exchange`` run needs (picklable: sent to the workers)."""
 
-    nproc: int = 2
-    models: tuple[str, ...] = ("digits_cnn", "mlp")
-    steps: int | None = None  # None: each model's default_steps
-    rounds: int = 5
-    warmup: int = 5
-    batch_size: int = 32  # per process
-    seed: int = 0
+    nproc: int = option(2, "worker processes")
+    models: tuple[str, ...] = option(("digits_cnn", "mlp"), "bench models")
+    steps: int | None = option(None, "steps per round and contender (default: per model)")
+    rounds: int = option(5, "alternating rounds")
+    warmup: int = option(5, "warm-up steps per contender")
+    batch_size: int = option(32, "per-process batch")
+    seed: int = option(0, "seed of weights and synthetic data")
     contenders: tuple[ContenderSpec, ...] = DEFAULT_CONTENDERS
-    timeout_s: float = 120.0  # collective timeout: a stuck rank fails after this
+    timeout_s: float = option(120.0, "collective timeout: a stuck rank fails after this")
     debug: bool = False  # --debug: the CLI shows the error with the rank's traceback
 
     def validate(self) -> None:

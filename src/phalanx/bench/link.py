@@ -38,6 +38,7 @@ from phalanx.exchange.threshold import (
     format_rate,
     predict_exposed,
 )
+from phalanx.fields import option
 
 MIB = 2**20
 COMPARED_BYTES = (MIB, 25 * MIB)  # fixed thresholds shown next to the choice
@@ -47,14 +48,14 @@ COMPARED_BYTES = (MIB, 25 * MIB)  # fixed thresholds shown next to the choice
 class LinkBenchConfig:
     """Everything one ``phalanx bench link`` run needs (picklable: sent to the workers)."""
 
-    nproc: int = 2
-    rounds: int = 5
-    repeats: int = DEFAULT_REPEATS
+    nproc: int = option(2, "worker processes")
+    rounds: int = option(5, "calibrations in a row")
+    repeats: int = option(DEFAULT_REPEATS, "timed allreduces per size")
     sizes: tuple[int, ...] = DEFAULT_SIZES
     models: tuple[str, ...] = ("digits_cnn", "mlp")  # empty: no threshold section
-    profile_steps: int = 5
-    batch_size: int = 32
-    seed: int = 0
+    profile_steps: int = option(5, "profiled backward steps")
+    batch_size: int = option(32, "per-process batch of the profiled models")
+    seed: int = option(0, "weight seed")
 
     def validate(self) -> None:
         from phalanx.bench.exchange import BENCH_MODELS

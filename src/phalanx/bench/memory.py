@@ -73,6 +73,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from phalanx.errors import ConfigError
+from phalanx.fields import option
 
 LR, MOMENTUM, CLASSES = 0.01, 0.9, 10
 BASELINES = ("none", "checkpoint", "save_on_cpu")
@@ -85,20 +86,20 @@ M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
 class MemoryBenchConfig:
     """Everything one ``phalanx bench memory`` run uses (recorded in the JSON)."""
 
-    batch_size: int = 96
-    channels: int = 16
-    image_size: int = 32
-    blocks: int = 8
+    batch_size: int = option(96, "images per step")
+    channels: int = option(16, "channels of the blocks")
+    image_size: int = option(32, "image side")
+    blocks: int = option(8, "residual blocks")
     budgets: tuple[float, ...] = (0.75, 0.5, 0.3)
-    rounds: int = 3
-    steps: int = 3
-    warmup: int = 2  # steps before the timed ones (the first grows the reused heap)
-    peak_steps: int = 1  # after one step (the optimizer state appears in the first)
-    seed: int = 0
-    threads: int = 1
-    spill_dir: str = ""  # '' = the temp directory
+    rounds: int = option(3, "rounds")
+    steps: int = option(3, "timed steps per variant")
+    warmup: int = option(2, "untimed steps first (the first grows the reused heap)")
+    peak_steps: int = option(1, "steps the peak covers")
+    seed: int = option(0, "weight and data seed")
+    threads: int = option(1, "intra-op threads per process")
+    spill_dir: str = option("", "spill file directory (default: the temp directory)")
     fresh_processes: bool = True  # False: every variant in this process (tests; peaks rougher)
-    timeout_s: float = 600.0  # per measuring process
+    timeout_s: float = option(600.0, "seconds per measuring process")
 
     @property
     def nproc(self) -> int:

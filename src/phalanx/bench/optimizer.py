@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from phalanx.errors import ConfigError
+from phalanx.fields import option
 
 VARIANTS = ("device", "host", "mirror")
 
@@ -39,17 +40,17 @@ VARIANTS = ("device", "host", "mirror")
 class OptimizerBenchConfig:
     """One ``phalanx bench optimizer`` run (recorded in the JSON)."""
 
-    width: int = 1536
-    layers: int = 12
-    batch_size: int = 32
-    chunk_mb: float = 16.0
-    rounds: int = 3
-    steps: int = 4
-    warmup: int = 1
-    peak_steps: int = 2
-    threads: int = 1
-    spill_dir: str = ""
-    timeout_s: float = 600.0
+    width: int = option(1536, "features per layer")
+    layers: int = option(12, "square Linear layers")
+    batch_size: int = option(32, "samples per step")
+    chunk_mb: float = option(16.0, "state per streamed chunk, MiB")
+    rounds: int = option(3, "fresh-process rounds per variant")
+    steps: int = option(4, "timed steps per process")
+    warmup: int = option(1, "untimed steps first")
+    peak_steps: int = option(2, "steps the peak covers")
+    threads: int = option(1, "intra-op threads per process")
+    spill_dir: str = option("", "directory of the spill file (default: the temp directory)")
+    timeout_s: float = option(600.0, "seconds per measuring process")
 
     @property
     def nproc(self) -> int:

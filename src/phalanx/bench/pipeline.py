@@ -29,6 +29,7 @@ from torch import nn
 
 from phalanx.errors import ConfigError
 from phalanx.exchange.comm import global_rank
+from phalanx.fields import option
 
 VOCAB = 97
 
@@ -37,18 +38,18 @@ VOCAB = 97
 class PipelineBenchConfig:
     """One ``phalanx bench pipeline`` run (picklable: sent to the workers)."""
 
-    nproc: int = 2
-    schedules: tuple[str, ...] = ("gpipe", "1f1b", "interleaved")
-    microbatches: tuple[int, ...] = (2, 4, 8)
-    batch_size: int = 32
-    seq_len: int = 64
-    dim: int = 128
-    num_blocks: int = 4
-    warmup: int = 2
-    rounds: int = 10
-    steps: int = 4
-    seed: int = 0
-    threads: int = 1
+    nproc: int = option(2, "pipeline ranks")
+    schedules: tuple[str, ...] = option(("gpipe", "1f1b", "interleaved"), "pipeline schedules")
+    microbatches: tuple[int, ...] = option((2, 4, 8), "micro-batch counts M")
+    batch_size: int = option(32, "sequences per step")
+    seq_len: int = option(64, "tokens per sequence")
+    dim: int = option(128, "model width")
+    num_blocks: int = option(4, "transformer blocks")
+    warmup: int = option(2, "untimed steps first")
+    rounds: int = option(10, "timed blocks per side")
+    steps: int = option(4, "consecutive steps per block")
+    seed: int = option(0, "weight seed")
+    threads: int = option(1, "intra-op threads per process")
     extra: dict = field(default_factory=dict)
 
     def validate(self) -> None:

@@ -46,6 +46,7 @@ import torch.distributed as dist
 from torch import nn
 
 from phalanx.errors import ConfigError
+from phalanx.fields import option
 
 MODELS = ("digits_cnn", "mlp", "char_lstm")
 STRATEGIES = ("allreduce", "tree", "partitioned", "ps")
@@ -56,15 +57,17 @@ TARGET = 0.10  # |predicted / measured - 1| at 2 processes (issue 13)
 class PlannerBenchConfig:
     """One ``phalanx bench planner`` run (picklable: sent to the workers)."""
 
-    nproc: int = 2
-    models: tuple[str, ...] = MODELS
-    strategies: tuple[str, ...] = STRATEGIES
-    compress: tuple[str, ...] = ("none", "fp16")
-    thresholds: tuple[str, ...] = ("25", "auto")
-    warmup: int = 3
-    steps: int = 12
-    blocks: int = 3  # timed blocks per cell, alternating over the cells
-    threads: int = 1
+    nproc: int = option(2, "processes (above the cores: oversubscribed)")
+    models: tuple[str, ...] = option(MODELS, "bench models")
+    strategies: tuple[str, ...] = option(STRATEGIES, "exchange strategies")
+    compress: tuple[str, ...] = option(("none", "fp16"), "none, fp16")
+    thresholds: tuple[str, ...] = option(("25", "auto"), "MiB or auto")
+    warmup: int = option(3, "untimed steps per cell first")
+    steps: int = option(12, "timed (and traced) steps per block")
+    blocks: int = option(
+        3, "timed blocks per cell, alternating over the cells; a cell's error is its median block's"
+    )
+    threads: int = option(1, "intra-op threads per process")
 
     def validate(self) -> None:
         if self.nproc < 2:

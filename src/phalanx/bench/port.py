@@ -29,6 +29,7 @@ from torch import nn
 
 from phalanx.bench import machine_meta
 from phalanx.errors import ConfigError
+from phalanx.fields import option
 
 MULTI = ("ddp", "allreduce", "partitioned")
 SINGLE = ("plain", "engine")
@@ -38,15 +39,15 @@ SINGLE = ("plain", "engine")
 class PortBenchConfig:
     """Everything one ``phalanx bench port`` run needs (sent to the ranks)."""
 
-    nproc: int = 2
-    vocab: int = 512
-    width: int = 128
-    num_layers: int = 2
-    seq_len: int = 64
-    batch_size: int = 8  # sequences per process per step
-    steps: int = 20
-    rounds: int = 9
-    warmup: int = 3
+    nproc: int = option(2, "processes")
+    vocab: int = option(512, "vocabulary")
+    width: int = option(128, "model width")
+    num_layers: int = option(2, "transformer layers")
+    seq_len: int = option(64, "tokens per sequence")
+    batch_size: int = option(8, "sequences per process per step")
+    steps: int = option(20, "steps per round and contender")
+    rounds: int = option(9, "alternating rounds")
+    warmup: int = option(3, "untimed steps per contender first")
 
     def validate(self) -> None:
         for key, value in asdict(self).items():

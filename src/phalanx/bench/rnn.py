@@ -34,6 +34,7 @@ from torch import nn
 
 from phalanx.bench import machine_meta
 from phalanx.errors import ConfigError, WorkerError
+from phalanx.fields import option
 
 LR, MOMENTUM = 0.05, 0.9
 CONTENDERS = ("single", "ddp", "phalanx", "pool")
@@ -44,15 +45,15 @@ IN_WORKER = ("ddp", "phalanx")  # timed inside the workers between barriers
 class RnnBenchConfig:
     """Everything one ``phalanx bench rnn`` run needs (sent to the workers)."""
 
-    nproc: int = 2
-    embed: int = 64
-    hidden: int = 256
-    seq_len: int = 64
-    batch_size: int = 32  # sequences per process per step
-    steps: int = 20
-    rounds: int = 5
-    warmup: int = 5
-    seed: int = 0
+    nproc: int = option(2, "worker processes")
+    embed: int = option(64, "embedding size")
+    hidden: int = option(256, "LSTM hidden size")
+    seq_len: int = option(64, "characters per sequence")
+    batch_size: int = option(32, "sequences per process per step")
+    steps: int = option(20, "steps per round and contender")
+    rounds: int = option(5, "alternating rounds")
+    warmup: int = option(5, "warm-up steps per contender")
+    seed: int = option(0, "weight seed")
 
     def validate(self) -> None:
         for key in ("nproc", "embed", "hidden", "seq_len", "batch_size", "steps", "rounds"):

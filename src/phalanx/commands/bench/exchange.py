@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 
 from phalanx.bench.exchange import (
-    BENCH_MODELS,
     SINGLE_BUCKET,
     STRATEGY_CONTENDERS,
     BenchConfig,
@@ -14,21 +13,13 @@ from phalanx.bench.exchange import (
     run_benchmark,
     strategy_contenders,
 )
+from phalanx.commands.bench.flags import add_config_flags, config_from_flags
 from phalanx.errors import ConfigError
 
 
 def add_parser(targets: argparse._SubParsersAction) -> None:
     p = targets.add_parser("exchange", help="phalanx Engine vs torch DDP")
-    p.add_argument("--nproc", type=int, default=2, help="worker processes (default 2)")
-    p.add_argument("--json", metavar="PATH", help="write every number (per round too) here")
-    p.add_argument("--steps", type=int, help="steps per round and contender (default: per model)")
-    p.add_argument("--rounds", type=int, default=5, help="alternating rounds (default 5)")
-    p.add_argument("--warmup", type=int, default=5, help="warm-up steps per contender")
-    p.add_argument(
-        "--models", default="digits_cnn,mlp", help=f"comma list of: {', '.join(BENCH_MODELS)}"
-    )
-    p.add_argument("--batch-size", type=int, default=32, help="per-process batch (default 32)")
-    p.add_argument("--seed", type=int, default=0, help="seed of weights and synthetic data")
+    add_config_flags(p, BenchConfig, skip=("contenders", "debug"))
     p.add_argument(
         "--strategies",
         default="allreduce",
@@ -40,25 +31,17 @@ def add_parser(targets: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--bucket-mb", default="25", help="comma list of sizes in MiB, 'auto' or 'single'"
     )
-    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="tracebacks")
     p.set_defaults(handler=cmd_exchange)
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
-    return BenchConfig(
-        nproc=args.nproc,
-        models=tuple(m.strip() for m in args.models.split(",") if m.strip()),
-        steps=args.steps,
-        rounds=args.rounds,
-        warmup=args.warmup,
-        batch_size=args.batch_size,
-        seed=args.seed,
-        contenders=strategy_contenders(
-            _strategy_names(args.strategies),
-            _choices(args.compress, "--compress", ("none", "fp16", "bf16")),
-            _bucket_sizes(args.bucket_mb),
-        ),
-        debug=getattr(args, "debug", False),
+    contenders = strategy_contenders(
+        _strategy_names(args.strategies),
+        _choices(args.compress, "--compress", ("none", "fp16", "bf16")),
+        _bucket_sizes(args.bucket_mb),
+    )
+    return config_from_flags(
+        BenchConfig, args, contenders=contenders, debug=getattr(args, "debug", False)
     )
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import asdict
 
 from phalanx.bench.port import (
     PortBenchConfig,
@@ -11,21 +10,17 @@ from phalanx.bench.port import (
     format_table,
     run_benchmark,
 )
+from phalanx.commands.bench.flags import add_config_flags, config_from_flags
 
 
 def add_parser(targets: argparse._SubParsersAction) -> None:
     p = targets.add_parser("port", help="a user's GPT script: DDP vs Engine")
-    d = PortBenchConfig()
-    p.add_argument("--json", metavar="PATH", help="write every number (per round too) here")
-    for key, value in asdict(d).items():
-        p.add_argument(f"--{key.replace('_', '-')}", type=int, default=value,
-                       help=f"default {value}")  # fmt: skip
-    p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="tracebacks")
+    add_config_flags(p, PortBenchConfig)
     p.set_defaults(handler=cmd_port)
 
 
 def cmd_port(args: argparse.Namespace) -> int:
     from phalanx.bench import run_and_report
 
-    cfg = PortBenchConfig(**{k: getattr(args, k) for k in asdict(PortBenchConfig())})
+    cfg = config_from_flags(PortBenchConfig, args)
     return run_and_report(cfg, run_benchmark, _check, format_table, args.json)
