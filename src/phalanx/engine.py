@@ -23,6 +23,7 @@ from phalanx.exchange.link import LinkModel, calibrate
 from phalanx.exchange.threshold import BackwardRecorder, Choice, agree_profile, choose_bucket_bytes
 from phalanx.faults import fault_at
 from phalanx.memory.manager import MemoryManager
+from phalanx.memory.residency import OptimizerResidency
 from phalanx.metrics import PhaseTimer, StepStats
 from phalanx.optim.user import OptimizerSpec, group_of, resolve_optimizer
 from phalanx.parallel.layout import ParallelConfig
@@ -203,7 +204,7 @@ class Engine:
         self.optimizer = self.strategy.adopt_optimizer(user_optimizer, self.trainable)
         # [memory] optimizer: the state in the memory tier between steps (stream), or the
         # masters, state and arithmetic on the host (mirror; layers wait in forward pre-hooks).
-        self._mirror = (
+        self._mirror: OptimizerResidency | None = (
             None if memory is None else memory.attach_optimizer(self.optimizer, self._module)
         )
         if self._mirror is not None:  # gradients to the host as each bucket's exchange ends

@@ -40,6 +40,7 @@ from phalanx.fields import ConfigValueError, option, require
 from phalanx.memory.host_mirror import HostMirror
 from phalanx.memory.mirror import OptimizerMirror
 from phalanx.memory.plan import OFFLOAD, RECOMPUTE, LayerCost, Plan, make_plan, predict_peak
+from phalanx.memory.residency import OptimizerResidency
 from phalanx.memory.tiers import Tier, TierConfig, make_tier, measure_bandwidth
 
 logger = logging.getLogger("phalanx")
@@ -124,7 +125,7 @@ class MemoryManager:
         self.optimizer_place = optimizer_place  # device, mirror or stream (host resolved)
         self.optimizer_chunk_bytes = optimizer_chunk_bytes
         self.device = device
-        self.mirror: OptimizerMirror | HostMirror | None = None
+        self.mirror: OptimizerResidency | None = None
         for name in plan.layers(RECOMPUTE):
             _recompute(layers[int(name)])
 
@@ -206,7 +207,7 @@ class MemoryManager:
 
     def attach_optimizer(
         self, optimizer: torch.optim.Optimizer, module: nn.Module | None = None
-    ) -> OptimizerMirror | HostMirror | None:
+    ) -> OptimizerResidency | None:
         """Take over the optimizer the Engine's strategy built, as ``[memory] optimizer`` says:
         ``stream`` keeps its state in the tier, ``mirror`` steps it on the host (``module``:
         the model, whose forward pre-hooks then wait for each layer's updated parameters)."""
