@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from phalanx.batches import Batch, loss_of, split_batch, step_batch
 from phalanx.errors import ConfigError, NonFiniteError
 from phalanx.exchange.autotune import LayoutTrials
 from phalanx.exchange.base import Strategy, make_strategy
@@ -601,44 +602,10 @@ class Engine:
 
     def _batch(self, args: tuple, kwargs: dict[str, Any]) -> Batch:
         """The step's arguments on this rank's device, checked against how the loss is made."""
-        if self.loss_fn is not None and (len(args) != 2 or kwargs):
-            raise ConfigError(
-                "step: with a loss_fn, call step(inputs, targets); to pass the model's own "
-                "arguments (step(**batch)), build the Engine with loss_fn=None"
-            )
-        if not args and not kwargs:
-            raise ConfigError("step: got no batch; pass the model's inputs")
-        return (
-            tuple(self._to_device(a) for a in args),
-            {k: self._to_device(v) for k, v in kwargs.items()},
-        )
+        return step_batch(args, kwargs, self.ctx.device, with_loss_fn=self.loss_fn is not None)
 
     def _split(self, batch: Batch) -> list[Batch]:
-        """``accumulate_steps`` micro-batches: every tensor argument cut along dim 0 (others
-        passed to each as they are)."""
-        k = self.accumulate_steps
-        if k == 1:
-            return [batch]
-        args, kwargs = batch
-        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
-        if any(t.shape[0] % k for t in tensors):
-            raise ConfigError(
-                f"step: a batch of {tensors[0].shape[0]} does not split into "
-                f"accumulate_steps={k} equal parts"
-            )
-
-        def part(value: Any, i: int) -> Any:
-            return value.chunk(k)[i] if isinstance(value, torch.Tensor) else value
-
-        return [
-            (tuple(part(a, i) for a in args), {n: part(v, i) for n, v in kwargs.items()})
-            for i in range(k)
-        ]
-
-    def _to_device(self, x: Any) -> Any:
-        if isinstance(x, torch.Tensor) and x.device != self.ctx.device:
-            return x.to(self.ctx.device, non_blocking=True)
-        return x
+        return split_batch(batch, self.accumulate_steps)
 
     def _record(self, phases: dict[str, float], launched_in_backward: int) -> None:
         self.stats = StepStats(
@@ -938,31 +905,6 @@ def rescaling_problem(
             "'skip' (max_nonfinite still bounds consecutive skips)"
         )
     return None
-
-
-Batch = tuple[tuple[Any, ...], dict[str, Any]]  # a step's (args, kwargs), on the device
-
-
-def loss_of(output: Any) -> torch.Tensor:
-    """The loss in a model's output: a 0-dim tensor, ``output["loss"]`` / ``output.loss``
-    (Hugging Face's outputs), or the one 0-dim tensor in a tuple (``(logits, loss)``)."""
-    if isinstance(output, torch.Tensor) and output.dim() == 0:
-        return output
-    loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
-    if isinstance(loss, torch.Tensor) and loss.dim() == 0:
-        return loss
-    if isinstance(output, tuple | list):
-        scalars = [o for o in output if isinstance(o, torch.Tensor) and o.dim() == 0]
-        if len(scalars) == 1:
-            return scalars[0]
-    what = type(output).__name__
-    if isinstance(output, torch.Tensor):
-        what = f"a tensor of shape {tuple(output.shape)}"
-    raise ConfigError(
-        f"loss_fn is None, so the model's output must be its loss (a 0-dim tensor, a `loss` "
-        f"field or key, or one 0-dim tensor in a tuple); got {what}: pass the targets the model "
-        "needs to compute it, or give a loss_fn"
-    )
 
 
 class _Teardown:

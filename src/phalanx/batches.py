@@ -1,0 +1,81 @@
+"""A step's batch as users pass it: ``step(inputs, targets)`` with a loss function, or the
+model's own arguments (``step(idx, targets)``, ``step(**batch)``) when the model computes its
+loss; moved to the device, cut into micro-batches, and the loss found in the model's output."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from phalanx.errors import ConfigError
+
+Batch = tuple[tuple[Any, ...], dict[str, Any]]  # a step's (args, kwargs), on the device
+
+
+def loss_of(output: Any) -> torch.Tensor:
+    """The loss in a model's output: a 0-dim tensor, ``output["loss"]`` / ``output.loss``
+    (Hugging Face's outputs), or the one 0-dim tensor in a tuple (``(logits, loss)``)."""
+    if isinstance(output, torch.Tensor) and output.dim() == 0:
+        return output
+    loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
+    if isinstance(loss, torch.Tensor) and loss.dim() == 0:
+        return loss
+    if isinstance(output, tuple | list):
+        scalars = [o for o in output if isinstance(o, torch.Tensor) and o.dim() == 0]
+        if len(scalars) == 1:
+            return scalars[0]
+    what = type(output).__name__
+    if isinstance(output, torch.Tensor):
+        what = f"a tensor of shape {tuple(output.shape)}"
+    raise ConfigError(
+        f"loss_fn is None, so the model's output must be its loss (a 0-dim tensor, a `loss` "
+        f"field or key, or one 0-dim tensor in a tuple); got {what}: pass the targets the model "
+        "needs to compute it, or give a loss_fn"
+    )
+
+
+def step_batch(
+    args: tuple[Any, ...], kwargs: dict[str, Any], device: torch.device, *, with_loss_fn: bool
+) -> Batch:
+    """``step``'s arguments on ``device`` (tensors moved without blocking, other values as they
+    are), checked against how the loss is made (one line naming the fix)."""
+    if with_loss_fn and (len(args) != 2 or kwargs):
+        raise ConfigError(
+            "step: with a loss_fn, call step(inputs, targets); to pass the model's own "
+            "arguments (step(**batch)), build the Engine with loss_fn=None"
+        )
+    if not args and not kwargs:
+        raise ConfigError("step: got no batch; pass the model's inputs")
+    return (
+        tuple(_to_device(a, device) for a in args),
+        {k: _to_device(v, device) for k, v in kwargs.items()},
+    )
+
+
+def split_batch(batch: Batch, k: int) -> list[Batch]:
+    """``k`` micro-batches: every tensor argument cut along dim 0 into equal parts (other
+    values passed to each as they are)."""
+    if k == 1:
+        return [batch]
+    args, kwargs = batch
+    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+    if any(t.shape[0] % k for t in tensors):
+        raise ConfigError(
+            f"step: a batch of {tensors[0].shape[0]} does not split into "
+            f"accumulate_steps={k} equal parts"
+        )
+
+    def part(value: Any, i: int) -> Any:
+        return value.chunk(k)[i] if isinstance(value, torch.Tensor) else value
+
+    return [
+        (tuple(part(a, i) for a in args), {n: part(v, i) for n, v in kwargs.items()})
+        for i in range(k)
+    ]
+
+
+def _to_device(x: Any, device: torch.device) -> Any:
+    if isinstance(x, torch.Tensor) and x.device != device:
+        return x.to(device, non_blocking=True)
+    return x
