@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from phalanx.batches import Batch, loss_of, split_batch, step_batch
-from phalanx.errors import ConfigError, NonFiniteError
+from phalanx.errors import ConfigError
 from phalanx.exchange.autotune import LayoutTrials
 from phalanx.exchange.base import Strategy, make_strategy
 from phalanx.exchange.buckets import FIRST_BUCKET_BYTES, GradientBuckets, plan_buckets
@@ -23,6 +23,7 @@ from phalanx.exchange.compression import make_codec
 from phalanx.exchange.link import LinkModel, calibrate
 from phalanx.exchange.threshold import BackwardRecorder, Choice, agree_profile, choose_bucket_bytes
 from phalanx.faults import fault_at
+from phalanx.guard import NonfiniteGuard
 from phalanx.memory.manager import MemoryManager
 from phalanx.memory.residency import OptimizerResidency
 from phalanx.metrics import PhaseTimer, StepStats
@@ -135,14 +136,9 @@ class Engine:
         )
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ConfigError(f"max_grad_norm: must be > 0 or None, got {max_grad_norm}")
-        self.nonfinite, self.max_nonfinite = nonfinite, max_nonfinite
         self._launch_in_pipeline = False  # this accumulation step's last backward launches
         self._pipeline_bad_so_far = False  # the last stage's loss was inf/NaN (pipeline > 1)
         self._pipeline_fault_nan = False  # an injected fault makes this step's loss NaN
-        self.max_grad_norm = max_grad_norm
-        self.grad_norm = float("nan")  # the last step's global gradient norm (with clipping)
-        self.num_nonfinite_steps = 0  # steps skipped over the run
-        self.consecutive_nonfinite = 0
         self.ctx = context or current_context()
         self.world = self.ctx  # every process; self.ctx becomes the data-parallel group
         self.tracer: StepTracer | None = None  # Chrome traces of a few steps (phalanx.tracing)
@@ -176,6 +172,7 @@ class Engine:
         self.broadcast_buffers = broadcast_buffers and any(True for _ in model.buffers())
         self.strategy = make_strategy(exchange)
         self.precision = Precision(precision, self.ctx.device)
+        self.guard = NonfiniteGuard(nonfinite, max_nonfinite, max_grad_norm, self.precision)
         self._check_rescaling(max_grad_norm)
         self.strategy.codec = make_codec(compress)  # ConfigError listing the allowed values
         self.stats = StepStats()
@@ -242,7 +239,7 @@ class Engine:
             type(self.strategy).__name__,
             max_grad_norm=max_grad_norm,
             precision=self.precision.name,
-            nonfinite=self.nonfinite,
+            nonfinite=self.guard.nonfinite,
         )
         if problem is not None:
             raise ConfigError(f"{problem[0]}: {problem[1]}")
@@ -294,7 +291,9 @@ class Engine:
         if not self._loss_started:  # a pipeline or a dedicated server: after Phase 2
             self._start_global_loss(total_loss)
         if not self.strategy.is_trainer:  # a dedicated server joins the trainers' agreement
-            skip = self._nonfinite_before_exchange(total_loss)
+            skip = self.guard.before_exchange(
+                total_loss, self.strategy, self.buckets, self.ctx.group
+            )
         launched_in_backward = sum(b.launched for b in self.buckets.buckets)
         if not skip:
             # Phase 3: launch the buckets unused parameters held back.
@@ -315,7 +314,7 @@ class Engine:
             self.strategy.update(self.optimizer)
         timer.mark("optimizer")
         self._trace("optimizer", "update" if not skip else "skipped", updating)
-        self._count_nonfinite(skip)
+        self.guard.count(skip, self.trainable, self.num_steps + 1, self.ctx.is_main)
         self._record(timer.read(), launched_in_backward)
         self.stats.loss = self._finish_global_loss()
         if not skip:  # every rank skips alike: the layout schedule counts updates only
@@ -348,8 +347,7 @@ class Engine:
 
     def _verdict_carries_loss(self) -> bool:
         """Whether this step's ``_inspect_gradients`` all-reduces over every rank."""
-        inspects = self.nonfinite is not None or self.max_grad_norm is not None
-        inspects = inspects or self.precision.scaled
+        inspects = self.guard.inspects
         one_group = self.pipeline is None and self.world.world_size == self.ctx.world_size
         return self.strategy.verdict_all_reduces and inspects and one_group
 
@@ -406,9 +404,11 @@ class Engine:
             last = i == len(micro) - 1
             if last:  # the global loss travels while backward runs
                 self._start_global_loss(total_loss)
-            if last and self._nonfinite_before_exchange(total_loss):
+            if last and self.guard.before_exchange(
+                total_loss, self.strategy, self.buckets, self.ctx.group
+            ):
                 return total_loss, True
-            if last and self._agrees_before_backward():
+            if last and self.guard.agrees_before_backward(self.strategy):
                 self._backward_started = self._trace("wait", "agree", self._backward_started)
             self.buckets.arm(launch=last)
             if self._recorder is not None and last:
@@ -444,7 +444,7 @@ class Engine:
             self._pipeline_bad_so_far = self._pipeline_loss_bad_now()
         if self._pipeline_fault_nan:
             total_loss = total_loss * float("nan")
-        if self.pipeline.holds_last and self.nonfinite is not None:
+        if self.pipeline.holds_last and self.guard.nonfinite is not None:
             self.buckets.poison = self._pipeline_bad_so_far  # for buckets flushed after this
         return total_loss, self._pipeline_verdict_before_exchange(total_loss)
 
@@ -465,19 +465,19 @@ class Engine:
         """Buckets launch inside the schedule's last backward when one set of buckets sees one
         stage's backward passes in order, and no agreement must come first."""
         assert self.pipeline is not None
-        agree_first = self.strategy.updates_during_exchange and self.nonfinite is not None
+        agree_first = self.strategy.updates_during_exchange and self.guard.nonfinite is not None
         return len(self.pipeline.stage_ids) == 1 and not agree_first
 
     def _before_pipeline_backward(self, last_backward: bool) -> None:
         launch = last_backward and self._launch_in_pipeline
-        if launch and self.nonfinite is not None:  # every forward of this stage is done
+        if launch and self.guard.nonfinite is not None:  # every forward of this stage is done
             self.buckets.poison = self._pipeline_loss_bad_now()
         self.buckets.arm(launch=launch)
 
     def _pipeline_verdict_before_exchange(self, loss: torch.Tensor) -> bool:
         """Strategies that update while gradients arrive agree on the loss's health before
         anything is exchanged: one flag all-reduced over the world (the last stages know)."""
-        if self.nonfinite is None or not self.strategy.updates_during_exchange:
+        if self.guard.nonfinite is None or not self.strategy.updates_during_exchange:
             return False
         flag = torch.tensor([float(not bool(torch.isfinite(loss)))], device=self.ctx.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.world.group)
@@ -506,78 +506,29 @@ class Engine:
             loss = loss * float("nan")
         return loss
 
-    # -- the non-finite guard -----------------------------------------------------------------
-    def _agrees_before_backward(self) -> bool:
-        """Whether ``_nonfinite_before_exchange`` holds every rank in one all-reduce between
-        the last forward and its backward (a synchronisation the step's trace shows)."""
-        return self.nonfinite is not None and self.strategy.updates_during_exchange
-
-    def _nonfinite_before_exchange(self, loss: torch.Tensor) -> bool:
-        """Before the exchanging backward: a rank whose loss is inf/NaN poisons its buckets'
-        usage flags, so the verdict travels with the exchange (False is returned); strategies
-        that update while gradients arrive agree here instead, with one 1-element
-        all-reduce, and the exchange is skipped when any loss was bad."""
-        if self.nonfinite is None:
-            return False
-        local_bad = self.strategy.is_trainer and not bool(torch.isfinite(loss))
-        if not self.strategy.updates_during_exchange:
-            self.buckets.poison = local_bad
-            return False
-        flag = torch.tensor([float(local_bad)], device=self.ctx.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.ctx.group)
-        return bool(flag.item() > 0)
-
+    # -- the non-finite guard (phalanx.guard) --------------------------------------------------
     def _inspect_gradients(self) -> bool:
-        """The strategy's common verdict on the exchanged gradients (phalanx.exchange.base) and,
-        with ``max_grad_norm``, their global norm, clipped as ``clip_grad_norm_`` does; returns
-        whether the step must be skipped."""
-        want_norm = self.max_grad_norm is not None
-        scaled = self.precision.scaled
-        if self.nonfinite is None and not want_norm and not scaled:
-            return False
+        """Phase 4 of the guard, with this step's riders (the global loss) and the pipeline's
+        sum over stages; returns whether the step must be skipped."""
         riders = self._loss_sum if self._loss_rides else None
-        bad, norm = self.strategy.inspect_gradients(want_norm, riders)
-        self._loss_rides = False  # summed
-        if self.pipeline is not None:
-            bad, norm = self._combine_over_stages(bad, norm)
-        factor = 1.0 / self.precision.scale  # fp16: unscale (1 otherwise)
-        if norm is not None and self.max_grad_norm is not None:
-            self.grad_norm = norm * factor
-            factor *= min(1.0, self.max_grad_norm / (self.grad_norm + 1e-6))
-        if not bad and factor != 1.0:
-            self.strategy.scale_gradients(factor)
-            if self._mirror is not None:  # gradients it copied already get the same factor
-                self._mirror.scale_gradients(factor)
-        self.precision.update(overflow=bad)
-        return bad and (self.nonfinite is not None or scaled)
+        combine = self._combine_over_stages if self.pipeline is not None else None
+        skip = self.guard.inspect(self.strategy, riders, combine, self._mirror)
+        self._loss_rides = False  # summed (or no verdict: then alone, in _finish_global_loss)
+        return skip
 
-    def _count_nonfinite(self, skipped: bool) -> None:
-        if not skipped:
-            self.consecutive_nonfinite = 0
-            return
-        self.num_nonfinite_steps += 1
-        self.consecutive_nonfinite += 1
-        for p in self.trainable:
-            p.grad = None
-        if self.ctx.is_main:  # the verdict is the same on every rank: say it once
-            scale = (
-                f"; fp16 loss scale now {self.precision.scale:g}" if self.precision.scaled else ""
-            )
-            logger.warning(
-                "phalanx: step %d: inf/NaN loss or gradients, update skipped%s",
-                self.num_steps + 1,
-                scale,
-            )
-        if self.nonfinite == "abort" or self.consecutive_nonfinite > self.max_nonfinite:
-            raise NonFiniteError(
-                f"step {self.num_steps + 1}: loss or gradients are inf/NaN"
-                + (
-                    f" for {self.consecutive_nonfinite} consecutive steps (max_nonfinite = "
-                    f"{self.max_nonfinite})"
-                    if self.nonfinite == "skip"
-                    else " (nonfinite = 'abort')"
-                )
-            )
+    @property
+    def num_nonfinite_steps(self) -> int:
+        """Steps skipped over the run (inf/NaN loss or gradients)."""
+        return self.guard.num_nonfinite_steps
+
+    @property
+    def consecutive_nonfinite(self) -> int:
+        return self.guard.consecutive_nonfinite
+
+    @property
+    def grad_norm(self) -> float:
+        """The last step's global gradient norm (with ``max_grad_norm``; NaN otherwise)."""
+        return self.guard.grad_norm
 
     @property
     def is_trainer(self) -> bool:
