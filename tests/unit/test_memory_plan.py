@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from phalanx.costs import LayerCost
 from phalanx.errors import ConfigError
-from phalanx.memory.plan import KEEP, OFFLOAD, RECOMPUTE, LayerCost, make_plan, predict_peak
+from phalanx.memory.plan import KEEP, OFFLOAD, RECOMPUTE, make_plan, predict_peak
 
 MIB = 2**20
 
@@ -13,10 +14,18 @@ MIB = 2**20
 def layers() -> list[LayerCost]:
     # a cheap-to-recompute layer with big saved tensors, a costly one, and small ones
     return [
-        LayerCost("0", saved_bytes=8 * MIB, input_bytes=1 * MIB, forward_s=0.001, backward_s=0.002),
-        LayerCost("1", saved_bytes=8 * MIB, input_bytes=8 * MIB, forward_s=0.050, backward_s=0.1),
-        LayerCost("2", saved_bytes=4 * MIB, input_bytes=8 * MIB, forward_s=0.040, backward_s=0.08),
-        LayerCost("3", saved_bytes=1 * MIB, input_bytes=4 * MIB, forward_s=0.001, backward_s=0.002),
+        LayerCost(
+            name="0", saved_bytes=8 * MIB, input_bytes=1 * MIB, forward_s=0.001, backward_s=0.002
+        ),
+        LayerCost(
+            name="1", saved_bytes=8 * MIB, input_bytes=8 * MIB, forward_s=0.050, backward_s=0.1
+        ),
+        LayerCost(
+            name="2", saved_bytes=4 * MIB, input_bytes=8 * MIB, forward_s=0.040, backward_s=0.08
+        ),
+        LayerCost(
+            name="3", saved_bytes=1 * MIB, input_bytes=4 * MIB, forward_s=0.001, backward_s=0.002
+        ),
     ]
 
 

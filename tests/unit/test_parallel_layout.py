@@ -108,7 +108,7 @@ def test_splits() -> None:
     layers = [nn.Linear(16, 256), nn.Linear(256, 256), nn.Linear(256, 4)]
     costs = profile_layers(layers, torch.randn(32, 16))
     assert [c.param_bytes for c in costs] == [4 * (16 * 256 + 256), 4 * (256 * 256 + 256), 4 * 1028]
-    assert [c.activation_bytes for c in costs] == [32 * 256 * 4, 32 * 256 * 4, 32 * 4 * 4]
+    assert [c.output_bytes for c in costs] == [32 * 256 * 4, 32 * 256 * 4, 32 * 4 * 4]
     assert all(c.seconds > 0 for c in costs)
     assert all(p.grad is None for layer in layers for p in layer.parameters())
 

@@ -7,6 +7,7 @@ import math
 
 import pytest
 
+from phalanx.costs import LayerCost
 from phalanx.errors import ConfigError
 from phalanx.exchange.buckets import FIRST_BUCKET_BYTES, plan_buckets
 from phalanx.exchange.link import LinkModel
@@ -20,7 +21,7 @@ from phalanx.planner.sim import (
     plan_step_buckets,
     predict_step,
 )
-from phalanx.planner.step import LayerStep, StepProfile, load_step_profile
+from phalanx.planner.step import StepProfile, load_step_profile
 from phalanx.planner.trace import LANES, lane_totals, read_trace, write_trace
 
 ALPHA, BETA = 50e-6, 1e9
@@ -49,7 +50,7 @@ def profile(
     """Layers in backward order as (forward_s, backward_s, gradient bytes)."""
     return StepProfile(
         layers=[
-            LayerStep(name=f"l{i}", forward_s=f, backward_s=b, grad_bytes=(g,) if g else ())
+            LayerCost(name=f"l{i}", forward_s=f, backward_s=b, grad_bytes=(g,) if g else ())
             for i, (f, b, g) in enumerate(layers)
         ],
         batch_size=batch,

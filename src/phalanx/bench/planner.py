@@ -358,7 +358,8 @@ def _step_profile(
     events: list[dict[str, Any]], step_s: float, engine: Any, batch: int, per_byte: float
 ) -> Any:
     """The profile of one rank's step from its trace slices (``step_s``: its measured time)."""
-    from phalanx.planner.step import LayerStep, StepProfile
+    from phalanx.costs import LayerCost
+    from phalanx.planner.step import StepProfile
 
     def total(select: Any) -> float:
         return sum(e["dur"] for e in events if select(e)) / 1e6
@@ -372,7 +373,7 @@ def _step_profile(
     backward = [total(lambda e, b=b.index: e["name"] == f"backward b{b}") for b in buckets]
     total_backward = sum(backward) or 1.0
     layers = [
-        LayerStep(
+        LayerCost(
             name=f"bucket {b.index}",
             forward_s=forward_s * seconds / total_backward,
             backward_s=seconds,

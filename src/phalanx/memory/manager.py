@@ -36,10 +36,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from phalanx.costs import LayerCost
 from phalanx.fields import ConfigValueError, option, require
 from phalanx.memory.host_mirror import HostMirror
 from phalanx.memory.mirror import OptimizerMirror
-from phalanx.memory.plan import OFFLOAD, RECOMPUTE, LayerCost, Plan, make_plan, predict_peak
+from phalanx.memory.plan import OFFLOAD, RECOMPUTE, Plan, make_plan, predict_peak
 from phalanx.memory.residency import OptimizerResidency
 from phalanx.memory.tiers import Tier, TierConfig, make_tier, measure_bandwidth
 
@@ -261,7 +262,7 @@ def _costs(
     plan holds; and of those, the transient bytes the profiled step's allocator peak showed
     beyond the accounted tensors (kernels' workspaces, autograd's temporaries)."""
     if not config.budget_mb:
-        return [LayerCost(str(i), 0, 0, 0.0, 0.0) for i in range(len(layers))], 0, 0
+        return [LayerCost(name=str(i)) for i in range(len(layers))], 0, 0
     from phalanx.memory.profile import profile_model
 
     copies = copy.deepcopy(layers)
@@ -271,7 +272,13 @@ def _costs(
     inputs = [sample[0].numel() * sample[0].element_size()]
     inputs += [layer.output_bytes for layer in profile.layers[:-1]]
     costs = [
-        LayerCost(layer.name, layer.saved_bytes, inputs[i], layer.forward_s, layer.backward_s)
+        LayerCost(
+            name=layer.name,
+            saved_bytes=layer.saved_bytes,
+            input_bytes=inputs[i],
+            forward_s=layer.forward_s,
+            backward_s=layer.backward_s,
+        )
         for i, layer in enumerate(profile.layers)
     ]
     fixed = sum(

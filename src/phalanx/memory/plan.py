@@ -24,21 +24,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from phalanx.costs import LayerCost
 from phalanx.errors import ConfigError
 
 KEEP, OFFLOAD, RECOMPUTE = "keep", "offload", "recompute"
-
-
-@dataclass(frozen=True)
-class LayerCost:
-    """What the plan needs of one layer: its name, the bytes autograd saves in its forward,
-    its input's bytes (what recompute keeps) and its forward/backward seconds."""
-
-    name: str
-    saved_bytes: int
-    input_bytes: int
-    forward_s: float
-    backward_s: float
 
 
 @dataclass

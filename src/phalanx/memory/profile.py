@@ -33,17 +33,15 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
+from phalanx.costs import LayerCost
 from phalanx.errors import ConfigError, DataError, PhalanxError
 from phalanx.fileio import atomic_write_text
 from phalanx.memory import measure
-
-if TYPE_CHECKING:
-    from phalanx.parallel.split import LayerCost
 
 FORMAT_VERSION = 1
 MIB = float(1 << 20)
@@ -160,13 +158,14 @@ class MemoryProfile:
 
     def layer_costs(self) -> list[LayerCost]:
         """The pipeline split's per-layer costs (phalanx.parallel.split) from this profile."""
-        from phalanx.parallel.split import LayerCost
-
         return [
             LayerCost(
-                seconds=layer.forward_s + layer.backward_s,
+                name=layer.name,
+                forward_s=layer.forward_s,
+                backward_s=layer.backward_s,
                 param_bytes=layer.param_bytes,
-                activation_bytes=layer.output_bytes,
+                output_bytes=layer.output_bytes,
+                saved_bytes=layer.saved_bytes,
             )
             for layer in self.layers
         ]

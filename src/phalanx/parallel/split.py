@@ -9,22 +9,13 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from phalanx.costs import LayerCost
+
 PROFILE_REPEATS = 3  # timed passes after one warm-up
-
-
-@dataclass(frozen=True)
-class LayerCost:
-    """One layer's measured cost: seconds of forward + backward on one micro-batch, and the
-    bytes of its parameters and of its output activation (per micro-batch)."""
-
-    seconds: float
-    param_bytes: int
-    activation_bytes: int
 
 
 def even_split(num_layers: int, num_stages: int) -> list[int]:
@@ -95,9 +86,10 @@ def profile_layers(layers: list[nn.Module], sample: torch.Tensor) -> list[LayerC
             layer.zero_grad(set_to_none=True)
     return [
         LayerCost(
-            seconds=statistics.median(times[i]),
+            name=str(i),
+            forward_s=statistics.median(times[i]),  # forward and backward timed together
             param_bytes=sum(p.numel() * p.element_size() for p in layer.parameters()),
-            activation_bytes=outputs[i].numel() * outputs[i].element_size(),
+            output_bytes=outputs[i].numel() * outputs[i].element_size(),
         )
         for i, layer in enumerate(layers)
     ]

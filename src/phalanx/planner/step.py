@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from phalanx.costs import LayerCost
 from phalanx.errors import ConfigError
 from phalanx.fileio import atomic_write_text
 
@@ -31,26 +32,10 @@ BACKWARD_PER_FORWARD = 2.0  # backward computes two products per forward one (in
 
 
 @dataclass(kw_only=True)
-class LayerStep:
-    """One layer (or group of layers) of the step, on one device."""
-
-    name: str
-    forward_s: float
-    backward_s: float
-    grad_bytes: tuple[int, ...] = ()  # each gradient ready when this layer's backward ends
-
-    def __post_init__(self) -> None:
-        if self.forward_s < 0 or self.backward_s < 0:
-            raise ConfigError(f"step profile: layer {self.name!r}: times must be >= 0 seconds")
-        if any(n < 0 for n in self.grad_bytes):
-            raise ConfigError(f"step profile: layer {self.name!r}: gradient bytes must be >= 0")
-
-
-@dataclass(kw_only=True)
 class StepProfile:
     """One step of one device: layers in backward order, optimizer, batch, input."""
 
-    layers: list[LayerStep]
+    layers: list[LayerCost]
     batch_size: int
     optimizer_s_per_byte: float = 0.0  # optimizer seconds per gradient byte it updates
     input_s: float = 0.0  # per-step input wait that the input pipeline does not hide
@@ -145,7 +130,7 @@ class StepProfile:
             backward = max(0.0, ready - previous)
             previous = max(previous, ready)
             layers.append(
-                LayerStep(
+                LayerCost(
                     name=f"grad{i}",
                     forward_s=forward_s * backward / backward_total,
                     backward_s=backward,
@@ -155,7 +140,7 @@ class StepProfile:
         tail = max(0.0, profile.backward_s - previous)
         if tail > 0:
             layers.append(
-                LayerStep(name="tail", forward_s=forward_s * tail / backward_total, backward_s=tail)
+                LayerCost(name="tail", forward_s=forward_s * tail / backward_total, backward_s=tail)
             )
         total = max(1, sum(profile.nbytes))
         return cls(
@@ -172,14 +157,14 @@ class StepProfile:
         the loss's backward first (no gradients), each layer's gradients as one tensor ready
         when its backward ends. The loss's forward joins the last layer's."""
         layers = [
-            LayerStep(
+            LayerCost(
                 name="loss", forward_s=profile.loss_forward_s, backward_s=profile.loss_backward_s
             )
         ]
         for layer in reversed(profile.layers):
             grads = (layer.grad_bytes,) if layer.grad_bytes else ()
             layers.append(
-                LayerStep(
+                LayerCost(
                     name=f"{layer.name} ({layer.type})",
                     forward_s=layer.forward_s,
                     backward_s=layer.backward_s,
@@ -237,7 +222,7 @@ class StepProfile:
         forward_total = (step_s - optimizer_s) / (1.0 + backward_per_forward)
         total_weight = sum(weights)
         forward_layers = [
-            LayerStep(
+            LayerCost(
                 name=name,
                 forward_s=forward_total * w / total_weight,
                 backward_s=forward_total * backward_per_forward * w / total_weight,
@@ -277,7 +262,7 @@ class StepProfile:
     def from_dict(cls, data: dict[str, Any]) -> StepProfile:
         try:
             layers = [
-                LayerStep(
+                LayerCost(
                     name=str(x["name"]),
                     forward_s=float(x["forward_s"]),
                     backward_s=float(x["backward_s"]),
@@ -295,8 +280,10 @@ class StepProfile:
                 meta=dict(data.get("meta", {})),
             )
         except (KeyError, TypeError, ValueError) as e:
-            if isinstance(e, ConfigError):
-                raise
+            if isinstance(e, ConfigError):  # a layer's own check: say where it came from
+                message = str(e)
+                prefix = "" if message.startswith("step profile") else "step profile: "
+                raise ConfigError(prefix + message) from None
             raise ConfigError(
                 f"step profile: missing or bad field ({type(e).__name__}: {e})"
             ) from None
