@@ -15,13 +15,13 @@ import torch.distributed as dist
 
 from phalanx.batches import Batch, loss_of, split_batch, step_batch
 from phalanx.errors import ConfigError
-from phalanx.exchange.autotune import LayoutTrials
+from phalanx.exchange.auto_bucketing import DEFAULT_BUCKET_MB, AutoBucketing
 from phalanx.exchange.base import Strategy, make_strategy
-from phalanx.exchange.buckets import FIRST_BUCKET_BYTES, GradientBuckets, plan_buckets
+from phalanx.exchange.buckets import FIRST_BUCKET_BYTES, GradientBuckets
 from phalanx.exchange.comm import global_rank
 from phalanx.exchange.compression import make_codec
-from phalanx.exchange.link import LinkModel, calibrate
-from phalanx.exchange.threshold import BackwardRecorder, Choice, agree_profile, choose_bucket_bytes
+from phalanx.exchange.link import LinkModel
+from phalanx.exchange.threshold import Choice
 from phalanx.faults import fault_at
 from phalanx.guard import NonfiniteGuard
 from phalanx.memory.manager import MemoryManager
@@ -43,8 +43,6 @@ from phalanx.tracing import StepTracer, TraceConfig
 logger = logging.getLogger("phalanx")
 AUTO = "auto"
 NONFINITE = ("skip", "abort", None)
-DEFAULT_BUCKET_MB = 25.0  # the layout until "auto" has measured enough to choose
-PROFILE_STEPS = 3  # backward steps profiled (after one warm-up step) before choosing
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 
 
@@ -215,16 +213,10 @@ class Engine:
         self._unregister_teardown = on_shutdown(self._teardown)
         weakref.finalize(self, self._teardown.on_collected).atexit = False
         # bucket_mb = "auto" (F12): measure the link now, profile backward in the first steps,
-        # then derive the threshold from the cost model (phalanx.exchange.threshold).
-        self.link: LinkModel | None = None
-        self.threshold: Choice | None = None
-        self.threshold_trials = ""
-        self._recorder: BackwardRecorder | None = None
-        self._trials: LayoutTrials | None = None
+        # then choose the threshold and time the candidate layouts (a component).
+        self.auto: AutoBucketing | None = None
         if bucket_mb == AUTO:
-            self.link = calibrate(self.ctx.group, self.ctx.device)
-            self._recorder = BackwardRecorder(num_steps=PROFILE_STEPS, skip_steps=1)
-            self.buckets.on_ready = self._recorder.record
+            self.auto = AutoBucketing(self.ctx, self.buckets, self.trainable, self._rebuild)
         self._timer = PhaseTimer(self.ctx.device)
         # The step's global loss: [sum of the reporting ranks' losses, their count], summed
         # over every rank by an all-reduce that runs while backward does.
@@ -319,8 +311,8 @@ class Engine:
         self.stats.loss = self._finish_global_loss()
         if not skip:  # every rank skips alike: the layout schedule counts updates only
             self._maybe_rebuild_buckets()
-            self._maybe_finish_trials()
-            self._maybe_choose_threshold()
+            if self.auto is not None:
+                self.auto.after_update(self.num_updates, self.stats.step_s)
             self.num_updates += 1
         self.num_steps += 1
         spans = self.strategy.take_thread_spans()  # taken every step: the list stays short
@@ -411,11 +403,11 @@ class Engine:
             if last and self.guard.agrees_before_backward(self.strategy):
                 self._backward_started = self._trace("wait", "agree", self._backward_started)
             self.buckets.arm(launch=last)
-            if self._recorder is not None and last:
-                self._recorder.start()
+            if self.auto is not None:
+                self.auto.before_backward(last)
             (loss * scale).backward()
-            if self._recorder is not None:
-                self._recorder.stop()
+            if self.auto is not None:
+                self.auto.after_backward()
             timer.mark("backward")
             if not last:  # the last backward is traced per bucket, from the buckets' times
                 self._trace("compute", "backward", self._backward_started, micro=i)
@@ -593,63 +585,25 @@ class Engine:
         if observed != expected:
             self._rebuild(observed, self.buckets.bucket_bytes)
 
-    def _maybe_choose_threshold(self) -> None:
-        """bucket_mb = "auto": once the profiled steps are done (the same step on every rank),
-        agree on rank 0's backward profile, choose the threshold and rebuild the buckets."""
-        recorder = self._recorder
-        if recorder is None or self.num_updates + 1 != recorder.skip_steps + recorder.num_steps:
-            return
-        assert self.link is not None
-        mine = recorder.profile() if recorder.done else None  # None on dedicated servers
-        profile = agree_profile(mine, self.ctx.group, self.ctx.device)
-        self.threshold = choose_bucket_bytes(
-            profile,
-            self.link,
-            self.ctx.world_size,
-            first_bucket_bytes=self.buckets.first_bucket_bytes,
-        )
-        logger.info("phalanx: %s", self.threshold.describe())
-        self._recorder = None
-        self.buckets.on_ready = None
-        first, total = self.buckets.first_bucket_bytes, profile.total_bytes
-        candidates = [(self.threshold.bucket_bytes, first)]
-        candidates += [(int(DEFAULT_BUCKET_MB * 2**20), first), (total + 1, total + 1)]
-        self._trials = LayoutTrials(self._distinct_layouts(candidates))
-        self._rebuild(self.buckets.order(), *candidates[0])
-
-    def _distinct_layouts(self, candidates: list[tuple[int, int]]) -> list[tuple[int, int]]:
-        """Candidates whose bucket layouts differ (same layout: same speed, try once)."""
-        ordered = [self.trainable[i] for i in self.buckets.order()]
-        seen, out = set(), []
-        for bucket_bytes, first in candidates:
-            layout = tuple(map(tuple, plan_buckets(ordered, bucket_bytes, first)))
-            if layout not in seen:
-                seen.add(layout)
-                out.append((bucket_bytes, first))
-        return out
-
-    def _maybe_finish_trials(self) -> None:
-        """bucket_mb = "auto", after the model's choice: time each candidate layout, keep the
-        fastest (phalanx.exchange.autotune)."""
-        trials = self._trials
-        if trials is None or not trials.record(self.stats.step_s):
-            return
-        following = trials.advance()
-        if following is not None:
-            self._rebuild(
-                self.buckets.order(), following.bucket_bytes, following.first_bucket_bytes
-            )
-            return
-        chosen = trials.decide(self.ctx.group, self.ctx.device)
-        self.threshold_trials = trials.describe(chosen)
-        logger.info("phalanx: %s", self.threshold_trials)
-        self._trials = None
-        self._rebuild(self.buckets.order(), chosen.bucket_bytes, chosen.first_bucket_bytes)
-
     @property
     def auto_done(self) -> bool:
         """bucket_mb = "auto" finished choosing (always True for a fixed size)."""
-        return self._recorder is None and self._trials is None
+        return self.auto is None or self.auto.done
+
+    @property
+    def link(self) -> LinkModel | None:
+        """bucket_mb = "auto": the calibrated link (None for a fixed size)."""
+        return None if self.auto is None else self.auto.link
+
+    @property
+    def threshold(self) -> Choice | None:
+        """bucket_mb = "auto": the cost model's choice, once made."""
+        return None if self.auto is None else self.auto.threshold
+
+    @property
+    def threshold_trials(self) -> str:
+        """bucket_mb = "auto": what the timed candidate layouts measured, once decided."""
+        return "" if self.auto is None else self.auto.trials_text
 
     def _rebuild(
         self, order: list[int], bucket_bytes: int, first_bucket_bytes: int | None = None
