@@ -17,6 +17,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from phalanx import __version__
+from phalanx.commands import build_parser as build
 from phalanx.commands.common import EXIT_INTERRUPTED, EXIT_PREEMPTED, PROG  # noqa: F401
 from phalanx.errors import Interrupted, PhalanxError, WorkerError
 from phalanx.fileio import atomic_write_text
@@ -34,8 +36,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from phalanx.commands import build_parser as build
-
     return build("train PyTorch models on many devices at once", _version())
 
 
@@ -121,6 +121,5 @@ def _version() -> str:
         torch_version = version("torch")
     except PackageNotFoundError:
         torch_version = "not installed"
-    from phalanx import __version__
 
     return f"{PROG} {__version__} (torch {torch_version})"

@@ -21,7 +21,7 @@ from phalanx.errors import ConfigError
 from phalanx.exchange.base import ExchangeConfig
 from phalanx.fields import ConfigValueError, from_dict, join_key, option, require
 from phalanx.memory.manager import MemoryConfig
-from phalanx.models.config import ModelConfig
+from phalanx.models.config import ModelConfig, build_model
 from phalanx.optim.factory import OptimizerConfig
 from phalanx.optim.schedule import SchedulerConfig
 from phalanx.parallel.layout import ParallelConfig, check_stage_count, stages_from_layers
@@ -133,8 +133,6 @@ class RunConfig:
 
 
 def _num_layers(model: ModelConfig) -> int:
-    from phalanx.models.config import build_model
-
     return len(list(build_model(model).children()))
 
 

@@ -7,6 +7,15 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any
 
+from phalanx.data.readers import training_reader
+from phalanx.parallel.pipeline import (
+    describe_stages,
+    pipelined_view,
+    split_here,
+    trace_boundaries,
+)
+from phalanx.parallel.schedules import schedule_kind
+
 if TYPE_CHECKING:
     from phalanx.config import RunConfig
 
@@ -14,7 +23,6 @@ if TYPE_CHECKING:
 def describe_run(config: RunConfig, world_size: int, run_dir: str) -> str:
     """Lines a user reads before starting a run (builds the model and opens the data)."""
     from phalanx import build
-    from phalanx.data.readers import training_reader
 
     model = build.model(config)
     pipeline_lines: list[str]
@@ -64,13 +72,6 @@ def _pipeline(config: RunConfig, model: Any, world_size: int) -> tuple[Any, list
     import torch
 
     from phalanx import build
-    from phalanx.parallel.pipeline import (
-        describe_stages,
-        pipelined_view,
-        split_here,
-        trace_boundaries,
-    )
-    from phalanx.parallel.schedules import schedule_kind
 
     parallel = config.parallel
     if config.runtime.threads > 0:  # time layers for split = "auto" as a worker would

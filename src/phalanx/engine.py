@@ -13,8 +13,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from phalanx import checkpoint
 from phalanx.batches import Batch, loss_of, split_batch, step_batch
-from phalanx.errors import ConfigError
+from phalanx.errors import CheckpointError, ConfigError
 from phalanx.exchange.auto_bucketing import DEFAULT_BUCKET_MB, AutoBucketing
 from phalanx.exchange.base import Strategy, make_strategy
 from phalanx.exchange.buckets import FIRST_BUCKET_BYTES, GradientBuckets
@@ -647,8 +648,6 @@ class Engine:
         rank. ``stored``: the structure of a checkpoint about to be loaded (from
         ``phalanx.checkpoint.restore``); the result then says what this rank reads from it,
         on any world size and strategy."""
-        from phalanx import checkpoint
-        from phalanx.errors import CheckpointError
 
         self.strategy.sync()
         named = {id(p): name for name, p in self._module.named_parameters()}
@@ -677,7 +676,6 @@ class Engine:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Load what ``state_dict`` describes (also the gathered form of earlier versions)."""
-        from phalanx.errors import CheckpointError
 
         if not isinstance(state, dict) or not {"model", "optimizer"} <= set(state):
             got = sorted(state) if isinstance(state, dict) else type(state).__name__
@@ -703,8 +701,6 @@ class Engine:
         self.precision.load_state_dict(state.get("precision") or {})
 
     def _load_optimizer(self, optimizer: dict[str, Any]) -> None:
-        from phalanx import checkpoint
-
         if any(isinstance(k, int) for k in optimizer.get("state", {})) or (
             optimizer.get("param_groups") and isinstance(optimizer["param_groups"], list)
         ):  # the gathered per-index form (single-file checkpoints)
@@ -758,7 +754,6 @@ class Engine:
 
 def _check_model_state(state: dict[str, Any], targets: dict[str, torch.Tensor]) -> None:
     """The model part of a state must name exactly the model's tensors, in their shapes."""
-    from phalanx.errors import CheckpointError
 
     extra, missing = sorted(set(state) - set(targets)), sorted(set(targets) - set(state))
     if extra or missing:

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from phalanx.engine import Engine
 from phalanx.exchange.base import OptimizerFactory
 from phalanx.fields import option, require
 from phalanx.losses import loss_fn as sequence_loss
@@ -109,8 +110,6 @@ def _init_replica(
     optimizer: OptimizerFactory,
     config: PoolTrainConfig,
 ) -> int:
-    from phalanx.engine import Engine
-
     worker = current_worker()
     torch.manual_seed(config.seed)
     engine = Engine(

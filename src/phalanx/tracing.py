@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from phalanx.fields import option, require
+from phalanx.planner.trace import TraceEvent, write_trace
 
 TRACE_FILE = "trace.json"
 
@@ -59,8 +60,6 @@ class StepTracer:
     the last one (a collective over the Engine's group: every rank reaches the same step)."""
 
     def __init__(self, config: TraceConfig, rank: int, device: torch.device) -> None:
-        from phalanx.planner.trace import TraceEvent
-
         self._event = TraceEvent
         self.config = config
         self.rank = rank
@@ -137,7 +136,6 @@ class StepTracer:
         self.events = []
         if self.rank != 0:
             return None
-        from phalanx.planner.trace import write_trace
 
         events = [e for rank_events in gathered for e in rank_events]
         path = Path(self.config.directory) / TRACE_FILE

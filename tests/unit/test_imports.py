@@ -9,6 +9,8 @@ module: importing the package for its names depends on everything it imports).""
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[2] / "src"
@@ -143,3 +145,56 @@ def test_the_check_finds_a_cycle() -> None:
     visitor = _Imports("phalanx.a", {"phalanx.a": Path(), "phalanx.b": Path()})
     visitor.visit(ast.parse(typing_only))
     assert visitor.edges == set()
+
+
+# Modules that `import phalanx` and the `phalanx` command do not load at start-up, and why an
+# import of them waits until a function needs it (a deferred import of anything else buys
+# nothing: it is loaded already).
+LAZY = {
+    "phalanx._dcp": "importing torch.distributed.checkpoint takes ~0.7 s; many runs never save",
+    "phalanx.build": "assembles a whole run (data, model, Engine): only the verbs that run one",
+    "phalanx.trainer": "the training loop: only `phalanx train` in a worker",
+    "phalanx.dryrun": "only `phalanx train --dry-run`",
+    "phalanx.export": "only `phalanx export` (safetensors)",
+    "phalanx.data.pack": "only `phalanx data pack`",
+    "phalanx.losses": "only runs built from a config",
+    "phalanx.runtime.launch": "torch's elastic launcher: only launched runs",
+    "phalanx.runtime.spawn": "rank processes: only benches and tests start them",
+    "phalanx.pool_training": "only the WorkerPool training flow",
+    "phalanx.memory.profile": "torch.profiler and the per-layer timer: only [memory] and profile",
+    "phalanx.memory.measure": "peak counters (/proc, cgroups, the profiler): only memory benches",
+    "phalanx.memory.offload": "saved-tensor hooks and tiers: only a plan that offloads",
+    "phalanx.parallel.split": "layer timing for split = 'auto' only",
+}
+
+
+def _start_up_modules() -> set[str]:
+    code = "import sys, phalanx, phalanx.cli; print(' '.join(m for m in sys.modules))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return {m for m in done.stdout.split() if m == "phalanx" or m.startswith("phalanx.")}
+
+
+def _deferred_imports() -> list[tuple[str, int, str]]:
+    """(module, line, imported module) of every phalanx import inside a function."""
+    modules, found = _modules(), []
+    for name, path in modules.items():
+        for fn in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            for node in ast.walk(fn):
+                visitor = _Imports(name, modules)
+                if isinstance(node, ast.Import | ast.ImportFrom):
+                    visitor.visit(node)
+                found += [(name, line, target) for target, line in visitor.edges]
+    return found
+
+
+def test_a_deferred_import_buys_start_up_time() -> None:
+    """An import inside a function is of a module not loaded at start-up, with its reason in
+    LAZY; and every module in LAZY is still not loaded at start-up."""
+    loaded = _start_up_modules()
+    assert not set(LAZY) & loaded, f"loaded at start-up, no longer lazy: {set(LAZY) & loaded}"
+    pointless = [f"{m}:{line} -> {t}" for m, line, t in _deferred_imports() if t not in LAZY]
+    assert not pointless, "deferred imports that buy nothing (import at the top): " + ", ".join(
+        pointless
+    )

@@ -54,8 +54,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import phalanx
+from phalanx.data.pipeline import Pipeline
+from phalanx.data.records import Field, RecordStore, write_store
+from phalanx.data.sources import DataConfig, load_source
+from phalanx.engine import Engine
 from phalanx.errors import ConfigError
 from phalanx.fields import option
+from phalanx.models.zoo import MODELS
+from phalanx.runtime.context import RuntimeConfig
 
 MEAN = np.array([0.2, 0.3, 0.4], dtype=np.float32)[:, None, None]  # per-channel, (3, 1, 1)
 STD = np.array([0.3, 0.3, 0.3], dtype=np.float32)[:, None, None]
@@ -154,8 +161,6 @@ class StoreDataset(torch.utils.data.Dataset):
     """The record store as a torch Dataset: per index (one sample) or per list (a batch)."""
 
     def __init__(self, path: str, crop: int | None) -> None:
-        from phalanx.data.records import RecordStore
-
         self.store = RecordStore(path)
         self.crop = crop
         self._rng: np.random.Generator | None = None
@@ -192,8 +197,6 @@ def upscaled_digits(size: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def write_image_store(path: Path, size: int) -> None:
-    from phalanx.data.records import Field, write_store
-
     x, y = upscaled_digits(size)
     fields = (Field("x", "|u1", (3, size, size)), Field("y", "<i8", ()))
     write_store(path, fields, zip(x, y), shard_bytes=8 << 20, meta={"source": "bench"}).close()
@@ -242,8 +245,6 @@ def dataloader_feeder(
 
 def pipeline_feeder(name: str, source: Any, cfg: DataBenchConfig, batch_size: int,
                     preprocess: Any, pool: str = "thread") -> Feeder:  # fmt: skip
-    from phalanx.data.pipeline import Pipeline
-
     pipe = Pipeline(source, batch_size, preprocess, workers=cfg.workers, seed=cfg.seed,
                     rank=0, world_size=1, pool=pool)  # fmt: skip
 
@@ -334,10 +335,6 @@ def run_training(cfg: DataBenchConfig, store: str) -> list[dict[str, Any]]:
     """Both training cases; per case and feeder: per-round wait and step seconds."""
     import functools
 
-    from phalanx.data.sources import DataConfig, load_source
-    from phalanx.engine import Engine
-    from phalanx.models.zoo import MODELS
-
     digits = load_source(DataConfig(source="digits"))
     in_memory = torch.utils.data.TensorDataset(digits.x_train, digits.y_train)
     total = (cfg.warmup + cfg.train_steps) * 2
@@ -411,8 +408,6 @@ def summarize_training(
 def run_benchmark(cfg: DataBenchConfig) -> dict[str, Any]:
     """Throughput then training, in this process; returns every number."""
     cfg.validate()
-    import phalanx
-    from phalanx.runtime.context import RuntimeConfig
 
     started, load_before = time.perf_counter(), os.getloadavg()
     ctx = phalanx.init(RuntimeConfig(threads=1))  # one intra-op thread, like DataLoader workers

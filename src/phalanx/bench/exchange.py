@@ -30,9 +30,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from phalanx.bench import machine_meta
+from phalanx.engine import Engine
 from phalanx.errors import ConfigError, WorkerError
+from phalanx.exchange.base import make_strategy
 from phalanx.fields import option
-from phalanx.runtime.context import Context
+from phalanx.models.zoo import MODELS
+from phalanx.runtime.context import Context, RuntimeConfig
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 StepFn = Callable[[torch.Tensor, torch.Tensor], None]
@@ -228,8 +231,6 @@ def _build_ddp(spec: ContenderSpec, model: nn.Module, ctx: Context) -> Contender
 
 def _build_phalanx(spec: ContenderSpec, model: nn.Module, ctx: Context) -> Contender:
     """``phalanx.Engine(model, ..., **options)`` (options: exchange, bucket_mb, compress...)."""
-    from phalanx.engine import Engine
-    from phalanx.exchange.base import make_strategy
 
     options = dict(spec.options)
     strategy = make_strategy(
@@ -271,8 +272,6 @@ def build_contenders(
 
 # -- the per-process benchmark ----------------------------------------------------------------
 def _make_model(model: BenchModel, seed: int) -> nn.Module:
-    from phalanx.models.zoo import MODELS
-
     torch.manual_seed(seed)
     return MODELS.get(model.name)()
 
@@ -346,7 +345,6 @@ def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
     A rank's exception is raised here as WorkerError (``RankFailed``) naming the rank; a rank
     that dies stops the others, so the call never hangs on a dead peer.
     """
-    from phalanx.runtime.context import RuntimeConfig
     from phalanx.runtime.spawn import run_ranks
 
     cfg.validate()

@@ -28,8 +28,16 @@ import torch
 import torch.nn.functional as F
 
 from phalanx.bench import machine_meta
+from phalanx.bench.exchange import BENCH_MODELS, synthetic_batch
 from phalanx.errors import ConfigError
-from phalanx.exchange.link import DEFAULT_REPEATS, DEFAULT_SIZES, LinkModel
+from phalanx.exchange.comm import measure_handoff_s
+from phalanx.exchange.link import (
+    DEFAULT_REPEATS,
+    DEFAULT_SIZES,
+    LinkModel,
+    calibrate,
+    measure_message_s,
+)
 from phalanx.exchange.threshold import (
     BackwardProfile,
     BackwardRecorder,
@@ -39,6 +47,8 @@ from phalanx.exchange.threshold import (
     predict_exposed,
 )
 from phalanx.fields import option
+from phalanx.models.zoo import MODELS
+from phalanx.runtime.pool import WorkerPool, current_worker
 
 MIB = 2**20
 COMPARED_BYTES = (MIB, 25 * MIB)  # fixed thresholds shown next to the choice
@@ -58,8 +68,6 @@ class LinkBenchConfig:
     seed: int = option(0, "weight seed")
 
     def validate(self) -> None:
-        from phalanx.bench.exchange import BENCH_MODELS
-
         for key in ("nproc", "rounds", "repeats", "profile_steps", "batch_size"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"--{key.replace('_', '-')}: must be >= 1")
@@ -73,9 +81,6 @@ class LinkBenchConfig:
 # -- inside the workers -----------------------------------------------------------------------
 def _calibrate_task(sizes: tuple[int, ...], repeats: int) -> dict[str, Any]:
     """One calibration on every worker; returns the model and how long it took (this rank)."""
-    from phalanx.exchange.comm import measure_handoff_s
-    from phalanx.exchange.link import calibrate, measure_message_s
-    from phalanx.runtime.pool import current_worker
 
     ctx = current_worker().context
     start = time.perf_counter()
@@ -91,8 +96,6 @@ def _calibrate_task(sizes: tuple[int, ...], repeats: int) -> dict[str, Any]:
 
 def _profile_task(name: str, cfg: LinkBenchConfig) -> dict[str, Any]:
     """Backward profile of one bench model on this worker alone (no collectives)."""
-    from phalanx.bench.exchange import BENCH_MODELS, synthetic_batch
-    from phalanx.models.zoo import MODELS
 
     spec = BENCH_MODELS[name]
     torch.manual_seed(cfg.seed)
@@ -122,7 +125,6 @@ def _profile_task(name: str, cfg: LinkBenchConfig) -> dict[str, Any]:
 # -- the parent -------------------------------------------------------------------------------
 def run_benchmark(cfg: LinkBenchConfig) -> dict[str, Any]:
     """Start the pool, calibrate ``rounds`` times, profile the models; every number."""
-    from phalanx.runtime.pool import WorkerPool
 
     cfg.validate()
     started = time.perf_counter()

@@ -72,8 +72,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from phalanx.bench import machine_meta
 from phalanx.errors import ConfigError
 from phalanx.fields import option
+from phalanx.memory.manager import MemoryConfig, MemoryManager
+from phalanx.memory.tiers import TierConfig
+from phalanx.runtime.context import RuntimeConfig
 
 LR, MOMENTUM, CLASSES = 0.01, 0.9, 10
 BASELINES = ("none", "checkpoint", "save_on_cpu")
@@ -205,8 +209,6 @@ def measure_variant(
     an unbounded budget and return the planner's unmanaged peak (``unmanaged_predicted_bytes``).
     A budget the planner cannot meet returns ``{"variant", "error"}`` instead of raising."""
     from phalanx.memory import measure
-    from phalanx.memory.manager import MemoryConfig, MemoryManager
-    from phalanx.memory.tiers import TierConfig
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -384,7 +386,6 @@ def _run_one(cfg: MemoryBenchConfig, variant: str, budget_mb: float, probe: bool
             return measure_variant(cfg, variant, budget_mb, probe)
         finally:
             torch.set_num_threads(threads)
-    from phalanx.runtime.context import RuntimeConfig
     from phalanx.runtime.spawn import run_ranks
 
     runtime = RuntimeConfig(threads=cfg.threads, timeout_s=cfg.timeout_s)
@@ -401,7 +402,6 @@ def rotate(names: list[str], by: int) -> list[str]:
 def run_benchmark(cfg: MemoryBenchConfig) -> dict[str, Any]:
     """Every round runs every variant once (each in a fresh process unless
     ``cfg.fresh_processes`` is off), in an order rotated per round; returns every number."""
-    from phalanx.bench import machine_meta
 
     cfg.validate()
     started = time.perf_counter()

@@ -30,8 +30,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from phalanx.bench import machine_meta
+from phalanx.bench.memory import _Allocator, _allocator_env
 from phalanx.errors import ConfigError
 from phalanx.fields import option
+from phalanx.memory.manager import MemoryConfig, MemoryManager
+from phalanx.memory.tiers import TierConfig
+from phalanx.runtime.context import RuntimeConfig
 
 VARIANTS = ("device", "host", "mirror")
 
@@ -75,10 +80,7 @@ def _model(cfg: OptimizerBenchConfig) -> nn.Sequential:
 def measure_variant(cfg: OptimizerBenchConfig, variant: str) -> dict[str, Any]:
     """Train ``variant`` in this process: peak RSS over ``peak_steps`` steps after the first,
     then the median of ``steps`` timed steps after ``warmup``."""
-    from phalanx.bench.memory import _Allocator
     from phalanx.memory import measure
-    from phalanx.memory.manager import MemoryConfig, MemoryManager
-    from phalanx.memory.tiers import TierConfig
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -155,9 +157,6 @@ def _worker(ctx: Any, cfg: OptimizerBenchConfig, variant: str) -> dict[str, Any]
 
 
 def run_benchmark(cfg: OptimizerBenchConfig) -> dict[str, Any]:
-    from phalanx.bench import machine_meta
-    from phalanx.bench.memory import _allocator_env
-    from phalanx.runtime.context import RuntimeConfig
     from phalanx.runtime.spawn import run_ranks
 
     cfg.validate()

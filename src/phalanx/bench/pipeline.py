@@ -27,9 +27,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+import phalanx as px
+from phalanx.bench import machine_meta
 from phalanx.errors import ConfigError
 from phalanx.exchange.comm import global_rank
 from phalanx.fields import option
+from phalanx.models.gpt import GPTEmbedding, TransformerBlock
+from phalanx.parallel import ParallelConfig
+from phalanx.parallel.pipeline import _example, choose_split
+from phalanx.parallel.schedules import SCHEDULES
+from phalanx.runtime.context import RuntimeConfig
 
 VOCAB = 97
 
@@ -53,8 +60,6 @@ class PipelineBenchConfig:
     extra: dict = field(default_factory=dict)
 
     def validate(self) -> None:
-        from phalanx.parallel.schedules import SCHEDULES
-
         for key in ("nproc", "batch_size", "seq_len", "dim", "num_blocks", "rounds", "steps"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"--{key.replace('_', '-')}: must be >= 1")
@@ -74,7 +79,6 @@ class PipelineBenchConfig:
 
 def gpt_layers(cfg: PipelineBenchConfig) -> list[nn.Module]:
     """The benchmark model, built identically on every rank (same seed)."""
-    from phalanx.models.gpt import GPTEmbedding, TransformerBlock
 
     torch.manual_seed(cfg.seed)
     return [
@@ -104,10 +108,6 @@ def _worker(ctx: Any, cfg: PipelineBenchConfig) -> dict[str, Any] | None:
 def _measure(
     ctx: Any, cfg: PipelineBenchConfig, schedule: str, m: int, x: torch.Tensor, y: torch.Tensor
 ) -> dict[str, Any]:
-    import phalanx as px
-    from phalanx.parallel import ParallelConfig
-    from phalanx.parallel.pipeline import choose_split
-
     parallel = ParallelConfig(pipeline=cfg.nproc, microbatches=m, schedule=schedule, split="auto")
     layers = gpt_layers(cfg)
     sample = x[: cfg.batch_size // m]
@@ -236,8 +236,6 @@ class _TorchPipeline:
         from torch.distributed.pipelining import PipelineStage
         from torch.distributed.pipelining import schedules as torch_schedules
 
-        from phalanx.parallel.pipeline import _example
-
         device, group = reference.world.device, reference.pipe_group
         stages, params = [], []
         for s in reference.stage_ids:
@@ -272,8 +270,6 @@ class _TorchPipeline:
 
 # -- in the caller ----------------------------------------------------------------------------
 def run_benchmark(cfg: PipelineBenchConfig) -> dict[str, Any]:
-    from phalanx.bench import machine_meta
-    from phalanx.runtime.context import RuntimeConfig
     from phalanx.runtime.spawn import run_ranks
 
     start = time.perf_counter()

@@ -45,8 +45,21 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+import phalanx as px
+from phalanx.bench import machine_meta
+from phalanx.costs import LayerCost
 from phalanx.errors import ConfigError
+from phalanx.exchange.comm import measure_handoff_s
+from phalanx.exchange.link import LinkModel, calibrate, measure_message_s
 from phalanx.fields import option
+from phalanx.models.layers import build_layers
+from phalanx.models.zoo import digits_cnn, mlp
+from phalanx.planner.cluster import from_link, measure_add_s_per_byte, measure_codec_s_per_byte
+from phalanx.planner.sim import ExchangeSetup, Simulator
+from phalanx.planner.step import StepProfile
+from phalanx.planner.trace import read_trace
+from phalanx.runtime.context import RuntimeConfig
+from phalanx.tracing import TRACE_FILE, StepTracer, TraceConfig
 
 MODELS = ("digits_cnn", "mlp", "char_lstm")
 STRATEGIES = ("allreduce", "tree", "partitioned", "ps")
@@ -93,8 +106,6 @@ def _is_positive_number(text: str) -> bool:
 
 def _model_and_batch(name: str, batch: int) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
     """The model and one random batch of its input shape (timing does not depend on values)."""
-    from phalanx.models.layers import build_layers
-    from phalanx.models.zoo import digits_cnn, mlp
 
     torch.manual_seed(0)
     if name == "digits_cnn":
@@ -118,9 +129,6 @@ def _loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 def _calibrate(ctx: Any) -> tuple[Any, float, float]:
     """Phase 1, once per round: the link (with a message's and a thread hand-over's software
     cost), the fp16 codec's and an uncompressed add's seconds per byte."""
-    from phalanx.exchange.comm import measure_handoff_s
-    from phalanx.exchange.link import calibrate, measure_message_s
-    from phalanx.planner.cluster import measure_add_s_per_byte, measure_codec_s_per_byte
 
     link = calibrate(ctx.group, ctx.device)
     link = replace(
@@ -132,9 +140,6 @@ def _calibrate(ctx: Any) -> tuple[Any, float, float]:
 
 
 def _worker(ctx: Any, cfg: PlannerBenchConfig, model_name: str) -> list[dict[str, Any]] | None:
-    from phalanx.exchange.link import LinkModel
-    from phalanx.planner.cluster import from_link
-
     batch = 32
     model, x, y = _model_and_batch(model_name, batch)
     cells = [
@@ -190,8 +195,6 @@ def _calibration_summary(link: Any, codec_s: float, add_s: float) -> dict[str, A
 
 def _simulate(block: dict[str, Any], cluster: Any, world: int) -> None:
     """Predict a measured block: one simulated step per timed step's profile, their mean."""
-    from phalanx.planner.sim import ExchangeSetup, Simulator
-    from phalanx.planner.step import StepProfile
 
     setup = ExchangeSetup(**block["setup"])
     runs = [
@@ -221,8 +224,6 @@ def _cell(
     setup: tuple[str, str, str],
 ) -> dict[str, Any]:
     strategy, compress, threshold = setup
-    import phalanx as px
-    from phalanx.tracing import StepTracer, TraceConfig
 
     engine = px.Engine(
         copy.deepcopy(model),
@@ -298,9 +299,6 @@ def _profiles(
     step_times, state_bytes = costs
     from pathlib import Path
 
-    from phalanx.planner.trace import read_trace
-    from phalanx.tracing import TRACE_FILE
-
     every = read_trace(Path(trace.directory) / TRACE_FILE)
     steps = sorted({e["args"]["step"] for e in every})
     ranks = sorted({e["pid"] for e in every})
@@ -358,8 +356,6 @@ def _step_profile(
     events: list[dict[str, Any]], step_s: float, engine: Any, batch: int, per_byte: float
 ) -> Any:
     """The profile of one rank's step from its trace slices (``step_s``: its measured time)."""
-    from phalanx.costs import LayerCost
-    from phalanx.planner.step import StepProfile
 
     def total(select: Any) -> float:
         return sum(e["dur"] for e in events if select(e)) / 1e6
@@ -403,8 +399,6 @@ def _on_compute_stream(event: dict[str, Any]) -> bool:
 
 # -- in the caller ----------------------------------------------------------------------------
 def run_benchmark(cfg: PlannerBenchConfig) -> dict[str, Any]:
-    from phalanx.bench import machine_meta
-    from phalanx.runtime.context import RuntimeConfig
     from phalanx.runtime.spawn import run_ranks
 
     cfg.validate()

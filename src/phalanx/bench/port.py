@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+import phalanx as px
 from phalanx.bench import machine_meta
 from phalanx.errors import ConfigError
 from phalanx.fields import option
@@ -96,8 +97,6 @@ class _Contender:
     """One way of training the user's model; ``step(i, idx, targets)`` runs step i."""
 
     def __init__(self, kind: str, model: GPT, ctx: Any) -> None:
-        import phalanx as px
-
         self.kind, self.model = kind, model
         self.optimizer = model.configure_optimizers()
         self.engine = None

@@ -33,8 +33,12 @@ import torch
 from torch import nn
 
 from phalanx.bench import machine_meta
+from phalanx.data import DataConfig, load_source
+from phalanx.engine import Engine
 from phalanx.errors import ConfigError, WorkerError
 from phalanx.fields import option
+from phalanx.models.layers import build_layers
+from phalanx.runtime.pool import WorkerPool, current_worker
 
 LR, MOMENTUM = 0.05, 0.9
 CONTENDERS = ("single", "ddp", "phalanx", "pool")
@@ -76,8 +80,6 @@ def _sgd(params: Any) -> torch.optim.Optimizer:
 
 
 def _make_model(layers: list[dict[str, Any]], seed: int) -> nn.Module:
-    from phalanx.models.layers import build_layers
-
     torch.manual_seed(seed)
     return build_layers(layers)
 
@@ -97,10 +99,8 @@ def _setup(block: tuple[torch.Tensor, torch.Tensor], cfg: RnnBenchConfig, vocab:
     """Build single (rank 0), ddp and phalanx on fresh copies of the same model."""
     from torch.nn.parallel import DistributedDataParallel
 
-    from phalanx.engine import Engine
     from phalanx.losses import loss_fn
     from phalanx.pool_training import BlockBatches, PoolTrainConfig
-    from phalanx.runtime.pool import current_worker
 
     worker = current_worker()
     layers = cfg.layers(vocab)
@@ -140,8 +140,6 @@ def _sync(device: torch.device) -> None:
 
 def _timed(name: str, steps: int, barrier: bool) -> dict[str, float]:
     """Run ``steps`` steps of contender ``name``; seconds (between barriers when parallel)."""
-    from phalanx.runtime.pool import current_worker
-
     worker = current_worker()
     bench: _Bench = worker.state.rnn_bench
     if barrier:
@@ -161,8 +159,6 @@ def _timed(name: str, steps: int, barrier: bool) -> dict[str, float]:
 
 
 def _teardown() -> None:
-    from phalanx.runtime.pool import current_worker
-
     bench = current_worker().state.rnn_bench
     bench.engine.close()
     del current_worker().state.rnn_bench
@@ -171,10 +167,8 @@ def _teardown() -> None:
 # -- the controller -----------------------------------------------------------------------------
 def run_benchmark(cfg: RnnBenchConfig) -> dict[str, Any]:
     """Start the pool, run warm-up and the alternating rounds, return every number."""
-    from phalanx.data import DataConfig, load_source
     from phalanx.losses import loss_fn
     from phalanx.pool_training import PoolTrainConfig, PoolTrainer, split_blocks
-    from phalanx.runtime.pool import WorkerPool
 
     cfg.validate()
     started = time.perf_counter()

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from phalanx.config import load_config
+
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
     p = commands.add_parser("config", help="inspect configs")
@@ -16,7 +18,5 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def cmd_config_show(args: argparse.Namespace) -> int:
-    from phalanx.config import load_config
-
     print(json.dumps(load_config(args.config, args.set).to_dict(), indent=2))
     return 0

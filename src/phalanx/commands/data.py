@@ -8,6 +8,8 @@ from typing import Any
 
 import numpy as np
 
+from phalanx.data.records import RecordStore
+
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
     """``phalanx data`` and its actions; each sets ``handler``."""
@@ -38,8 +40,6 @@ def cmd_pack(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from phalanx.data.records import RecordStore
-
     with RecordStore(args.dir) as store:
         if args.verify:
             store.verify()

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from phalanx.config import load_config
 from phalanx.errors import ConfigError
 from phalanx.fileio import atomic_write_text
 from phalanx.planner.plan import (
@@ -24,6 +25,8 @@ from phalanx.planner.plan import (
     read_cluster,
     write_traces,
 )
+from phalanx.planner.schedules import SCHEDULES, WIRE_CODECS
+from phalanx.planner.step import load_step_profile, measure_step_profile
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -81,9 +84,6 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from phalanx.config import load_config
-    from phalanx.planner.step import load_step_profile, measure_step_profile
-
     config = load_config(args.config, args.set)
     cluster = read_cluster(args.cluster)
     if args.devices is None:
@@ -94,7 +94,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
         cluster.check_devices(n)
     strategies = _strategies(args.strategies, config.exchange)
     compressions = _names(args.compress, "--compress")
-    from phalanx.planner.schedules import WIRE_CODECS
 
     for name in compressions:
         if name not in WIRE_CODECS:
@@ -146,7 +145,6 @@ def _parse_devices(text: str) -> list[int]:
 
 def _strategies(text: str | None, exchange: Any) -> list[tuple[str, dict[str, Any]]]:
     """(name, options) per strategy; the config's strategy keeps the config's options."""
-    from phalanx.planner.schedules import SCHEDULES
 
     names = default_strategies() if text is None else _names(text, "--strategies")
     for name in names:

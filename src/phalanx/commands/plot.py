@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from phalanx.viz import plot_runs
+
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
     p = commands.add_parser("plot", help="loss, validation and throughput curves of runs (PNG)")
@@ -14,8 +16,6 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
-    from phalanx.viz import plot_runs
-
     plot_runs([Path(d) for d in args.run_dirs], Path(args.output))
     print(f"wrote {args.output}")
     return 0

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from phalanx.config import load_config
+
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
     p = commands.add_parser(
@@ -24,7 +26,6 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 def cmd_profile(args: argparse.Namespace) -> int:
     from phalanx import build
-    from phalanx.config import load_config
     from phalanx.memory import profile as memory
 
     config = load_config(args.config, args.set)

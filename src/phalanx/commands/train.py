@@ -12,8 +12,12 @@ import time
 from pathlib import Path
 from typing import Any, cast
 
+from phalanx import checkpoint
 from phalanx.commands.common import EXIT_PREEMPTED, PROG
+from phalanx.config import config_from_data, load_config
+from phalanx.engine import rescaling_problem
 from phalanx.errors import Interrupted, PhalanxError
+from phalanx.exchange.base import STRATEGIES, Strategy
 
 
 def _add_launch_flags(p: argparse.ArgumentParser) -> None:
@@ -63,9 +67,6 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from phalanx import checkpoint
-    from phalanx.config import config_from_data, load_config
-
     if args.config is None and args.resume is None:
         raise PhalanxError("train needs a CONFIG file or --resume RUN_DIR")
     if args.config is not None:
@@ -95,8 +96,6 @@ def cmd_train(args: argparse.Namespace) -> int:
 def _check_rescaling(config: Any) -> None:
     """Clipping and fp16 need a strategy that sees the whole gradient (one-line error before
     any worker starts; the Engine applies the same rule)."""
-    from phalanx.engine import rescaling_problem
-    from phalanx.exchange.base import STRATEGIES, Strategy
 
     name = config.exchange.strategy
     problem = rescaling_problem(
@@ -112,7 +111,6 @@ def _check_rescaling(config: Any) -> None:
 
 def _restarted_with_checkpoint(run_dir: Path) -> bool:
     """An elastic restart (--max-restarts) resumes from the newest good checkpoint, if any."""
-    from phalanx import checkpoint
 
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     return restarts > 0 and checkpoint.latest_step(run_dir / "checkpoints") is not None

@@ -26,7 +26,7 @@ from phalanx.errors import ConfigError
 from phalanx.exchange.buckets import Bucket
 from phalanx.exchange.compression import CODECS, Codec
 from phalanx.exchange.sharding import copy_pieces, merged_groups
-from phalanx.fields import ConfigValueError, option, require
+from phalanx.fields import ConfigValueError, from_dict, option, require
 from phalanx.registry import Registry
 from phalanx.runtime.context import Context
 
@@ -75,7 +75,6 @@ class ExchangeConfig:
 
 def strategy_config(name: str, options: dict[str, Any]) -> Any:
     """The strategy's Config built from ``options`` (ConfigValueError naming options.KEY)."""
-    from phalanx.fields import from_dict
 
     cls = getattr(STRATEGIES.get(name), "Config", None)
     if cls is None:

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from phalanx.exchange.comm import global_rank
 from phalanx.fileio import atomic_write_text
 
 # 4 KiB .. 16 MiB, powers of 4. The 16 MiB point matters: up to 4 MiB a message stays in the CPU
@@ -307,7 +308,6 @@ def measure_message_s(
       Phase 1 (warm-up): two round trips, so the connection and buffers exist.
       Phase 2 (ping-pong): ``repeats`` round trips, each after ``pause_s`` of sleep.
       Phase 3 (agree): rank 0's samples are broadcast."""
-    from phalanx.exchange.comm import global_rank
 
     device = torch.device(device)
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)

@@ -42,6 +42,7 @@ from phalanx.costs import LayerCost
 from phalanx.errors import ConfigError, DataError, PhalanxError
 from phalanx.fileio import atomic_write_text
 from phalanx.memory import measure
+from phalanx.viz import HINT
 
 FORMAT_VERSION = 1
 MIB = float(1 << 20)
@@ -683,7 +684,6 @@ def _short_label(event: MemoryEvent) -> str:
 
 def require_matplotlib() -> Any:
     """matplotlib.pyplot (Agg backend), or a one-line error naming the ``viz`` extra."""
-    from phalanx.viz import HINT
 
     try:
         import matplotlib

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from phalanx.fields import option, require
+from phalanx.optim.adagrad import AdaGrad
 from phalanx.registry import Registry
 
 Factory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
@@ -52,8 +53,6 @@ def _adam(config: OptimizerConfig) -> Factory:
 
 @OPTIMIZERS.register("adagrad")
 def _adagrad(config: OptimizerConfig) -> Factory:
-    from phalanx.optim.adagrad import AdaGrad
-
     return functools.partial(
         AdaGrad, lr=config.lr, rho=config.rho, weight_decay=config.weight_decay
     )

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Literal, cast
 
 from phalanx.fields import ConfigValueError, option, require
+from phalanx.parallel.schedules import SCHEDULES, schedule_kind
 
 SPLITS = ("layers", "auto", "even")
 
@@ -37,8 +38,6 @@ class ParallelConfig:
     )
 
     def __post_init__(self) -> None:
-        from phalanx.parallel.schedules import SCHEDULES
-
         require(self.data >= 0, "data", f"must be >= 0, got {self.data}")
         require(self.pipeline >= 1, "pipeline", f"must be >= 1, got {self.pipeline}")
         require(self.microbatches >= 0, "microbatches", f"must be >= 0, got {self.microbatches}")
@@ -60,7 +59,6 @@ class ParallelConfig:
     @property
     def stages_per_rank(self) -> int:
         """Stages each pipeline rank runs: ``virtual_stages`` for multi-stage schedules."""
-        from phalanx.parallel.schedules import schedule_kind
 
         return self.virtual_stages if schedule_kind(self.schedule).multi_stage else 1
 

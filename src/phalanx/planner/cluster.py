@@ -20,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from phalanx.errors import ConfigError
+from phalanx.exchange.compression import make_codec
+from phalanx.exchange.link import MESSAGE_PROBE_BYTES, LinkModel
 from phalanx.fields import ConfigValueError, from_dict, option, require
 
 if sys.version_info >= (3, 11):
@@ -249,7 +251,6 @@ def from_link(
     link fitted a ring allreduce, whose alpha and beta are per message and direction: exactly
     the intra-node link of this model. ``host_cores``: the cores the calibrated processes
     shared (a Gloo calibration: CPU ranks; ``host_cores_per_node``), 0 when not known."""
-    from phalanx.exchange.link import MESSAGE_PROBE_BYTES, LinkModel
 
     if not isinstance(link, LinkModel):
         try:
@@ -320,8 +321,6 @@ def measure_codec_s_per_byte(
     ``codec_s_per_byte`` of a cluster file. Median of ``repeats`` after one warm-up; about
     0.1 s for the default 8 MiB on a CPU core."""
     import torch
-
-    from phalanx.exchange.compression import make_codec
 
     codec = make_codec(name)
     if codec.wire_dtype is None:

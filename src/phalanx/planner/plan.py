@@ -28,7 +28,12 @@ from pathlib import Path
 from typing import Any
 
 from phalanx.errors import ConfigError
-from phalanx.planner.cluster import ClusterConfig
+from phalanx.exchange.base import STRATEGIES
+from phalanx.exchange.buckets import FIRST_BUCKET_BYTES
+from phalanx.exchange.link import LinkModel
+from phalanx.exchange.threshold import choose_bucket_bytes
+from phalanx.planner.cluster import ClusterConfig, from_link, load_cluster
+from phalanx.planner.schedules import SCHEDULES
 from phalanx.planner.sim import (
     DEFAULT_BUCKET_BYTES,
     MAX_ROUNDS,
@@ -37,6 +42,7 @@ from phalanx.planner.sim import (
     StepResult,
 )
 from phalanx.planner.step import StepProfile
+from phalanx.planner.trace import chrome_trace, lane_totals, read_trace, write_trace
 
 MIB = 2**20
 AUTO = "auto"
@@ -47,9 +53,6 @@ DEFAULT_COMPRESSIONS = ("none", "fp16")
 
 def default_strategies() -> list[str]:
     """The phalanx exchange strategies the planner has a schedule for (registry order)."""
-    import phalanx.exchange  # noqa: F401  (registers the strategies)
-    from phalanx.exchange.base import STRATEGIES
-    from phalanx.planner.schedules import SCHEDULES
 
     return [name for name in STRATEGIES.names() if name in SCHEDULES]
 
@@ -190,13 +193,10 @@ def _row(
 
 def _thresholds(simulator: Simulator, n: int, threshold: str) -> list[tuple[str, int, int]]:
     """(label, bucket bytes, first bucket bytes) to simulate for one threshold spec."""
-    from phalanx.exchange.buckets import FIRST_BUCKET_BYTES
 
     if threshold != AUTO:
         size = _parse_mib(threshold)
         return [(f"{threshold} MiB", size, FIRST_BUCKET_BYTES)]
-    from phalanx.exchange.link import LinkModel
-    from phalanx.exchange.threshold import choose_bucket_bytes
 
     profile = simulator.profile
     total = profile.total_grad_bytes
@@ -368,7 +368,6 @@ def plot_plan(plan: Plan, output: Path) -> None:
 
 def write_traces(plan: Plan, directory: Path) -> list[Path]:
     """One Chrome trace per N: the simulated step of the best setup."""
-    from phalanx.planner.trace import write_trace
 
     paths = []
     for n in plan.devices:
@@ -393,7 +392,6 @@ def compare_with_trace(plan: Plan, path: Path, exchange: Any) -> str:
     """Seconds per lane of a measured step (rank 0, median over the traced steps) next to
     the simulated step of the config's own setup (strategy, threshold, compression) at the
     trace's number of ranks, which the plan must include."""
-    from phalanx.planner.trace import chrome_trace, lane_totals, read_trace
 
     measured = read_trace(path)
     world = len({e["pid"] for e in measured})
@@ -436,7 +434,6 @@ def compare_with_trace(plan: Plan, path: Path, exchange: Any) -> str:
 
 def read_cluster(path: str) -> ClusterConfig:
     """A cluster TOML, or the link.json of ``phalanx bench link`` (this machine)."""
-    from phalanx.planner.cluster import from_link, load_cluster
 
     if Path(path).suffix == ".json" or Path(path).is_dir():
         return from_link(path)

@@ -39,9 +39,12 @@ import numpy as np
 
 from phalanx.errors import ConfigError
 from phalanx.exchange import schedule as cyclic
+from phalanx.exchange.base import strategy_config
+from phalanx.exchange.compression import SCALE_BYTES
 from phalanx.exchange.param_server import star_turn
 from phalanx.exchange.ring import GATHER_MAX_BYTES
 from phalanx.exchange.tree import tree_parent
+from phalanx.fields import ConfigValueError
 from phalanx.registry import Registry
 
 GRAD, FORWARD, PARAM = 0, 1, 2  # message kinds (indices into WireCodec's tables)
@@ -355,8 +358,6 @@ def agreement_phases(world: int) -> list[Phase]:
 
 def _strategy_options(name: str, options: dict[str, Any] | None) -> Any:
     """The phalanx strategy's own Config for ``options`` (same keys, same one-line errors)."""
-    from phalanx.exchange.base import strategy_config
-    from phalanx.fields import ConfigValueError
 
     try:
         return strategy_config(name, dict(options or {}))
@@ -561,7 +562,6 @@ WIRE_CODECS.register("none")(lambda: WireCodec("none", separate_add=True))
 
 def _half_precision(name: str) -> WireCodec:
     """16-bit gradients with one float32 scale per message (exchange/compression.py)."""
-    from phalanx.exchange.compression import SCALE_BYTES
 
     return WireCodec(
         name,

@@ -41,7 +41,7 @@ import torch
 
 from phalanx.errors import ConfigError
 from phalanx.exchange.buckets import FIRST_BUCKET_BYTES, plan_buckets
-from phalanx.planner.cluster import ClusterConfig
+from phalanx.planner.cluster import ClusterConfig, from_link
 from phalanx.planner.network import Network
 from phalanx.planner.schedules import (
     FORWARD_PASS,
@@ -720,7 +720,6 @@ def predict_step(
     the run used (after ``auto`` settled: ``engine`` logs it). ``codec_s_per_byte``: encode +
     decode seconds per uncompressed gradient byte (only with ``compress``); ``add_s_per_byte``:
     seconds per byte of adding an uncompressed message (point-to-point reductions)."""
-    from phalanx.planner.cluster import from_link
 
     cluster = from_link(
         link,

@@ -24,6 +24,7 @@ from typing import Any
 
 from phalanx.costs import LayerCost
 from phalanx.errors import ConfigError
+from phalanx.exchange.threshold import BackwardProfile
 from phalanx.fileio import atomic_write_text
 
 FORMAT = "phalanx.step/1"
@@ -94,7 +95,6 @@ class StepProfile:
 
     def to_backward_profile(self) -> Any:
         """The ``BackwardProfile`` the ``auto`` threshold would have measured for this step."""
-        from phalanx.exchange.threshold import BackwardProfile
 
         ready, sizes, clock = [], [], 0.0
         for layer in self.layers:
@@ -315,8 +315,6 @@ def load_step_profile(path: Path | str, forward_s: float | None = None) -> StepP
 
             return StepProfile.from_memory_profile(MemoryProfile.from_dict(data))
         if "ready_s" in data:
-            from phalanx.exchange.threshold import BackwardProfile
-
             backward = BackwardProfile.from_dict(data)
             forward = backward.backward_s / BACKWARD_PER_FORWARD if forward_s is None else forward_s
             return StepProfile.from_backward_profile(

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 from phalanx.errors import WorkerError
+from phalanx.runtime import context
 from phalanx.runtime.context import RuntimeConfig
 from phalanx.runtime.launch import PEER_LOSS
 from phalanx.runtime.pool import RemoteTraceback
@@ -114,8 +115,6 @@ def _rank_main(
     import io
 
     import torch
-
-    from phalanx.runtime import context
 
     os.environ.update(env)
     os.environ["LOCAL_RANK"] = str(rank)  # phalanx.init binds cuda:LOCAL_RANK

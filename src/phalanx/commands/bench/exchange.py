@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from phalanx.bench import run_and_report
 from phalanx.bench.exchange import (
     SINGLE_BUCKET,
     STRATEGY_CONTENDERS,
@@ -81,7 +82,5 @@ def _strategy_names(text: str) -> list[str]:
 
 
 def cmd_exchange(args: argparse.Namespace) -> int:
-    from phalanx.bench import run_and_report
-
     cfg = config_from_args(args)
     return run_and_report(cfg, run_benchmark, _check_finite, format_table, args.json)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from phalanx.bench import run_and_report
 from phalanx.bench.link import (
     LinkBenchConfig,
     _check_finite,
@@ -30,7 +31,5 @@ def config_from_args(args: argparse.Namespace) -> LinkBenchConfig:
 
 
 def cmd_link(args: argparse.Namespace) -> int:
-    from phalanx.bench import run_and_report
-
     cfg = config_from_args(args)
     return run_and_report(cfg, run_benchmark, _check_finite, format_report, args.json)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from phalanx.bench import run_and_report
 from phalanx.bench.memory import (
     MemoryBenchConfig,
     _check,
@@ -25,7 +26,5 @@ def add_parser(targets: argparse._SubParsersAction) -> None:
 
 
 def cmd_memory(args: argparse.Namespace) -> int:
-    from phalanx.bench import run_and_report
-
     cfg = config_from_flags(MemoryBenchConfig, args, budgets=parse_budgets(args.budgets))
     return run_and_report(cfg, run_benchmark, _check, format_report, args.json)

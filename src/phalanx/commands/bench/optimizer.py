@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from phalanx.bench import run_and_report
 from phalanx.bench.optimizer import OptimizerBenchConfig, _check, format_report, run_benchmark
 from phalanx.commands.bench.flags import add_config_flags, config_from_flags
 
@@ -16,7 +17,5 @@ def add_parser(targets: argparse._SubParsersAction) -> None:
 
 
 def cmd_optimizer(args: argparse.Namespace) -> int:
-    from phalanx.bench import run_and_report
-
     cfg = config_from_flags(OptimizerBenchConfig, args)
     return run_and_report(cfg, run_benchmark, _check, format_report, args.json)

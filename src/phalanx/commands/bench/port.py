@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from phalanx.bench import run_and_report
 from phalanx.bench.port import (
     PortBenchConfig,
     _check,
@@ -20,7 +21,5 @@ def add_parser(targets: argparse._SubParsersAction) -> None:
 
 
 def cmd_port(args: argparse.Namespace) -> int:
-    from phalanx.bench import run_and_report
-
     cfg = config_from_flags(PortBenchConfig, args)
     return run_and_report(cfg, run_benchmark, _check, format_table, args.json)

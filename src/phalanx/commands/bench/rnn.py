@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from phalanx.bench import run_and_report
 from phalanx.bench.rnn import RnnBenchConfig, _check_finite, format_table, run_benchmark
 from phalanx.commands.bench.flags import add_config_flags, config_from_flags
 
@@ -16,7 +17,5 @@ def add_parser(targets: argparse._SubParsersAction) -> None:
 
 
 def cmd_rnn(args: argparse.Namespace) -> int:
-    from phalanx.bench import run_and_report
-
     cfg = config_from_flags(RnnBenchConfig, args)
     return run_and_report(cfg, run_benchmark, _check_finite, format_table, args.json)
