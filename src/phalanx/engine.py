@@ -24,6 +24,7 @@ from phalanx.exchange.compression import make_codec
 from phalanx.exchange.link import LinkModel
 from phalanx.exchange.threshold import Choice
 from phalanx.faults import fault_at
+from phalanx.global_loss import GlobalLoss
 from phalanx.guard import NonfiniteGuard
 from phalanx.memory.manager import MemoryManager
 from phalanx.memory.residency import OptimizerResidency
@@ -219,12 +220,8 @@ class Engine:
         if bucket_mb == AUTO:
             self.auto = AutoBucketing(self.ctx, self.buckets, self.trainable, self._rebuild)
         self._timer = PhaseTimer(self.ctx.device)
-        # The step's global loss: [sum of the reporting ranks' losses, their count], summed
-        # over every rank by an all-reduce that runs while backward does.
-        self._loss_sum = torch.zeros(2, dtype=torch.float64, device=self.ctx.device)
-        self._loss_work: Any = None
-        self._loss_started = False
-        self._loss_rides = False  # this step's loss sums ride in the strategy's verdict
+        # The step's mean loss over every rank (engine.stats.loss): a component.
+        self.global_loss = GlobalLoss(self.world, keep=self._teardown.hold)
 
     def _check_rescaling(self, max_grad_norm: float | None) -> None:
         problem = rescaling_problem(
@@ -281,7 +278,7 @@ class Engine:
         if micro:
             with self.memory.step() if self.memory is not None else nullcontext():
                 total_loss, skip = self._forward_backward(micro, scale, timer)
-        if not self._loss_started:  # a pipeline or a dedicated server: after Phase 2
+        if not self.global_loss.started:  # a pipeline or a dedicated server: after Phase 2
             self._start_global_loss(total_loss)
         if not self.strategy.is_trainer:  # a dedicated server joins the trainers' agreement
             skip = self.guard.before_exchange(
@@ -309,7 +306,7 @@ class Engine:
         self._trace("optimizer", "update" if not skip else "skipped", updating)
         self.guard.count(skip, self.trainable, self.num_steps + 1, self.ctx.is_main)
         self._record(timer.read(), launched_in_backward)
-        self.stats.loss = self._finish_global_loss()
+        self.stats.loss = self.global_loss.finish()
         if not skip:  # every rank skips alike: the layout schedule counts updates only
             self._maybe_rebuild_buckets()
             if self.auto is not None:
@@ -327,37 +324,11 @@ class Engine:
         return total_loss
 
     def _start_global_loss(self, loss: torch.Tensor) -> None:
-        """Phase 2: this rank's (loss sum, count) leave for the global mean: in the strategy's
-        verdict all-reduce where it makes one over every rank (partitioned), else in an
-        all-reduce of their own that travels while backward runs."""
-        reports = float(self.reports_loss)
-        self._loss_sum[0] = loss.detach().to(torch.float64) * reports
-        self._loss_sum[1] = reports
-        self._loss_started = True
-        self._loss_rides = self._verdict_carries_loss()
-        if self.world.world_size > 1 and not self._loss_rides:
-            self._loss_work = dist.all_reduce(self._loss_sum, group=self.world.group, async_op=True)
-
-    def _verdict_carries_loss(self) -> bool:
-        """Whether this step's ``_inspect_gradients`` all-reduces over every rank."""
-        inspects = self.guard.inspects
+        """Phase 2 of the global loss: riding in the strategy's verdict where it all-reduces
+        over every rank this step (no pipeline: the verdict's group is the world)."""
         one_group = self.pipeline is None and self.world.world_size == self.ctx.world_size
-        return self.strategy.verdict_all_reduces and inspects and one_group
-
-    def _finish_global_loss(self) -> float:
-        """The mean loss over every rank that computes one (``stats.loss``)."""
-        self._loss_started = False
-        if self._loss_rides:  # the step was skipped before its verdict: the sums go alone
-            dist.all_reduce(self._loss_sum, group=self.world.group)
-            self._loss_rides = False
-        if self._loss_work is not None:
-            self._loss_work.wait()
-            # kept until the next step, then by the teardown: a worker never drops the last
-            # reference
-            self._teardown.held = [self._loss_work]
-            self._loss_work = None
-        total, count = self._loss_sum.tolist()
-        return total / count if count else float("nan")
+        rides = self.strategy.verdict_all_reduces and self.guard.inspects and one_group
+        self.global_loss.start(loss, self.reports_loss, rides)
 
     def _trace(self, lane: str, name: str, start: float, **args: Any) -> float:
         """Record [start, now] on ``lane`` when this step is traced; returns now."""
@@ -503,10 +474,9 @@ class Engine:
     def _inspect_gradients(self) -> bool:
         """Phase 4 of the guard, with this step's riders (the global loss) and the pipeline's
         sum over stages; returns whether the step must be skipped."""
-        riders = self._loss_sum if self._loss_rides else None
+        riders = self.global_loss.riders()
         combine = self._combine_over_stages if self.pipeline is not None else None
         skip = self.guard.inspect(self.strategy, riders, combine, self._mirror)
-        self._loss_rides = False  # summed (or no verdict: then alone, in _finish_global_loss)
         return skip
 
     @property
@@ -824,6 +794,10 @@ class _Teardown:
         self.parts: tuple | None = (strategy, buckets, pipeline, memory)
         self.thread = threading.get_ident()  # the thread that built the Engine
         self.held: list[Any] = []  # the Engine's own last backend works (hold_until_shutdown)
+
+    def hold(self, works: list[Any]) -> None:
+        """Keep the Engine's last backend works (until replaced, or released at shutdown)."""
+        self.held = works
 
     def __call__(self) -> None:
         if self.parts is None:
