@@ -30,6 +30,7 @@ from phalanx.memory.manager import MemoryManager
 from phalanx.memory.residency import OptimizerResidency
 from phalanx.metrics import PhaseTimer, StepStats
 from phalanx.optim.user import OptimizerSpec, group_of, resolve_optimizer
+from phalanx.parallel.driver import PipelineDriver
 from phalanx.parallel.layout import ParallelConfig
 from phalanx.parallel.pipeline import PipelineParallel, build_pipeline
 from phalanx.precision import Precision
@@ -136,9 +137,6 @@ class Engine:
         )
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ConfigError(f"max_grad_norm: must be > 0 or None, got {max_grad_norm}")
-        self._launch_in_pipeline = False  # this accumulation step's last backward launches
-        self._pipeline_bad_so_far = False  # the last stage's loss was inf/NaN (pipeline > 1)
-        self._pipeline_fault_nan = False  # an injected fault makes this step's loss NaN
         self.ctx = context or current_context()
         self.world = self.ctx  # every process; self.ctx becomes the data-parallel group
         self.tracer: StepTracer | None = None  # Chrome traces of a few steps (phalanx.tracing)
@@ -159,7 +157,6 @@ class Engine:
                 )
             self.pipeline = build_pipeline(model, loss_fn, parallel, self.ctx, sample_input, stages)
             model, self.ctx = self.pipeline.local, self.pipeline.data_context
-            self.pipeline.before_backward = self._before_pipeline_backward
         if memory is not None and self.pipeline is not None:
             raise ConfigError(
                 "memory: the memory manager works on one stage per model copy; "
@@ -187,6 +184,10 @@ class Engine:
             align=self.strategy.bucket_alignment(self.ctx.world_size),
             first_bucket_bytes=int((first_bucket_mb or FIRST_BUCKET_BYTES / 2**20) * 2**20),
         )
+        self._driver: PipelineDriver | None = None  # Phase 2 with pipeline > 1 (a component)
+        if self.pipeline is not None:
+            parts = (self.buckets, self.strategy, self.guard, self.precision, self.world)
+            self._driver = PipelineDriver(self.pipeline, *parts)
         # The user's optimizer over the model's parameters (instance or factory), checked;
         # sharded strategies cut their shards where its parameter groups change.
         shards = self.strategy.optimizer_follows_layout
@@ -271,7 +272,9 @@ class Engine:
         skip = False
         if self.pipeline is not None:
             started = time.perf_counter()
-            total_loss, skip = self._pipeline_forward_backward([a for a, _ in micro], scale)
+            assert self._driver is not None
+            inputs = [a for a, _ in micro]
+            total_loss, skip = self._driver.forward_backward(inputs, scale, self.num_steps + 1)
             timer.mark("backward")
             self._trace("compute", "pipeline schedule", started)
             micro = []  # done: the loop below is the one-stage path
@@ -385,79 +388,6 @@ class Engine:
                 self._trace("compute", "backward", self._backward_started, micro=i)
         return total_loss, False
 
-    def _pipeline_forward_backward(
-        self, micro: list[tuple[Any, torch.Tensor]], scale: float
-    ) -> tuple[torch.Tensor, bool]:
-        """Phase 2 with pipeline > 1: torch's schedule runs each accumulation step's
-        micro-batches through the stages; the buckets launch during the last backward
-        (``_before_pipeline_backward``). Returns (mean loss, skip) where the loss is this
-        replica's on the rank with the last stage and 0 elsewhere. A bad loss poisons the last
-        stage's buckets, so its verdict travels with the exchange and ``_combine_over_stages``."""
-        assert self.pipeline is not None
-        total_loss = torch.zeros((), device=self.ctx.device)
-        self.pipeline.reset_counts()
-        self._pipeline_fault_nan = (
-            self.pipeline.holds_last and fault_at("forward", self.num_steps + 1) == "nan"
-        )
-        self._pipeline_bad_so_far = False
-        for i, (x, y) in enumerate(micro):
-            self._launch_in_pipeline = i == len(micro) - 1 and self._pipeline_overlaps
-            with self.precision.autocast():
-                loss = self.pipeline.step(x, y, scale)
-            total_loss += loss / len(micro)
-            self._pipeline_bad_so_far = self._pipeline_loss_bad_now()
-        if self._pipeline_fault_nan:
-            total_loss = total_loss * float("nan")
-        if self.pipeline.holds_last and self.guard.nonfinite is not None:
-            self.buckets.poison = self._pipeline_bad_so_far  # for buckets flushed after this
-        return total_loss, self._pipeline_verdict_before_exchange(total_loss)
-
-    def _pipeline_loss_bad_now(self) -> bool:
-        """On the last stage's rank: whether any micro-batch loss of this step so far (or an
-        injected fault) is inf/NaN."""
-        assert self.pipeline is not None
-        if not self.pipeline.holds_last:
-            return False
-        return (
-            self._pipeline_bad_so_far
-            or self._pipeline_fault_nan
-            or not self.pipeline.losses_finite()
-        )
-
-    @property
-    def _pipeline_overlaps(self) -> bool:
-        """Buckets launch inside the schedule's last backward when one set of buckets sees one
-        stage's backward passes in order, and no agreement must come first."""
-        assert self.pipeline is not None
-        agree_first = self.strategy.updates_during_exchange and self.guard.nonfinite is not None
-        return len(self.pipeline.stage_ids) == 1 and not agree_first
-
-    def _before_pipeline_backward(self, last_backward: bool) -> None:
-        launch = last_backward and self._launch_in_pipeline
-        if launch and self.guard.nonfinite is not None:  # every forward of this stage is done
-            self.buckets.poison = self._pipeline_loss_bad_now()
-        self.buckets.arm(launch=launch)
-
-    def _pipeline_verdict_before_exchange(self, loss: torch.Tensor) -> bool:
-        """Strategies that update while gradients arrive agree on the loss's health before
-        anything is exchanged: one flag all-reduced over the world (the last stages know)."""
-        if self.guard.nonfinite is None or not self.strategy.updates_during_exchange:
-            return False
-        flag = torch.tensor([float(not bool(torch.isfinite(loss)))], device=self.ctx.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.world.group)
-        return bool(flag.item() > 0)
-
-    def _combine_over_stages(self, bad: bool, norm: float | None) -> tuple[bool, float | None]:
-        """Each stage's verdict and norm cover its own parameters (a bad loss poisoned the
-        last stage's exchange, and the exchange made each stage's verdict its replicas'):
-        summing them over this replica's stages gives the whole model's, the same on every
-        rank, with no message between replicas."""
-        assert self.pipeline is not None
-        squares = 0.0 if norm is None else norm * norm
-        value = torch.tensor([float(bad), squares], dtype=torch.float64, device=self.ctx.device)
-        value = self.pipeline.sum_over_stages(value)
-        return bool(value[0].item() > 0), None if norm is None else float(value[1].item()) ** 0.5
-
     def _forward(self, batch: Batch) -> torch.Tensor:
         args, kwargs = batch
         with self.precision.autocast():
@@ -475,7 +405,7 @@ class Engine:
         """Phase 4 of the guard, with this step's riders (the global loss) and the pipeline's
         sum over stages; returns whether the step must be skipped."""
         riders = self.global_loss.riders()
-        combine = self._combine_over_stages if self.pipeline is not None else None
+        combine = None if self._driver is None else self._driver.combine_over_stages
         skip = self.guard.inspect(self.strategy, riders, combine, self._mirror)
         return skip
 
