@@ -1,24 +1,58 @@
-"""``phalanx bench TARGET``: every benchmark against its PyTorch baseline, one module each."""
+"""``phalanx bench TARGET``: every benchmark against its PyTorch baseline. Benches whose flags
+are exactly their config's fields are registered here; the others have a module each."""
 
 from __future__ import annotations
 
 import argparse
 
-from phalanx.commands.bench import (
-    data,
-    exchange,
-    link,
-    memory,
-    optimizer,
-    pipeline,
-    planner,
-    port,
-    rnn,
-)
+from phalanx.bench import optimizer, pipeline, planner, port, rnn
+from phalanx.commands.bench import data, exchange, link, memory
+from phalanx.commands.bench.flags import add_plain_target
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
     p = commands.add_parser("bench", help="benchmarks against the PyTorch baseline")
     targets = p.add_subparsers(dest="target", metavar="TARGET", required=True)
-    for target in (exchange, rnn, data, link, pipeline, memory, optimizer, port, planner):
-        target.add_parser(targets)
+    exchange.add_parser(targets)
+    add_plain_target(
+        targets,
+        "rnn",
+        "LSTM tokens/s: DDP, Engine, WorkerPool",
+        rnn.RnnBenchConfig,
+        rnn.run_benchmark,
+        rnn._check_finite,
+        rnn.format_table,
+    )
+    data.add_parser(targets)
+    link.add_parser(targets)
+    add_plain_target(
+        targets,
+        "pipeline",
+        "pipeline schedules vs torch.distributed.pipelining",
+        pipeline.PipelineBenchConfig,
+        pipeline.run_benchmark,
+        pipeline._check,
+        pipeline.format_report,
+    )
+    memory.add_parser(targets)
+    add_plain_target(
+        targets,
+        "optimizer",
+        "optimizer state in memory vs in the spill file",
+        optimizer.OptimizerBenchConfig,
+        optimizer.run_benchmark,
+        optimizer._check,
+        optimizer.format_report,
+    )
+    add_plain_target(
+        targets,
+        "port",
+        "a user's GPT script: DDP vs Engine",
+        port.PortBenchConfig,
+        port.run_benchmark,
+        port._check,
+        port.format_table,
+    )
+    add_plain_target(targets, "planner", "the planner's predicted step time vs measured here",
+                     planner.PlannerBenchConfig, planner.run_benchmark, planner._check,
+                     planner.format_report)  # fmt: skip

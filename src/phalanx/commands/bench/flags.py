@@ -8,8 +8,10 @@ import argparse
 import dataclasses
 import types
 import typing
+from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
+from phalanx.bench import run_and_report
 from phalanx.errors import ConfigError
 
 C = TypeVar("C")
@@ -77,6 +79,26 @@ def config_from_flags(cls: type[C], args: argparse.Namespace, **given: Any) -> C
                           if item.strip())  # fmt: skip
         values[f.name] = value
     return cls(**values)
+
+
+def add_plain_target(
+    targets: argparse._SubParsersAction,
+    name: str,
+    help: str,
+    cls: type,
+    run: Callable[[Any], dict[str, Any]],
+    check: Callable[[dict[str, Any]], None],
+    report: Callable[[dict[str, Any]], str],
+) -> None:
+    """``phalanx bench NAME`` for a bench whose flags are exactly its config's fields: build
+    the config from them, run, check, print and write ``--json`` (``run_and_report``)."""
+
+    def handler(args: argparse.Namespace) -> int:
+        return run_and_report(config_from_flags(cls, args), run, check, report, args.json)
+
+    p = targets.add_parser(name, help=help)
+    add_config_flags(p, cls)
+    p.set_defaults(handler=handler)
 
 
 def _parse(kind: type, text: str, name: str) -> Any:
