@@ -41,8 +41,12 @@ layers = [
 """
 
 
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")  # a bare pipe inside a cell would end it
+
+
 def render() -> str:
-    rows = "".join(f"| `{k}` | {t} | `{d}` | {doc} |\n" for k, t, d, doc in describe())
+    rows = "".join(f"| `{k}` | {_cell(t)} | `{d}` | {doc} |\n" for k, t, d, doc in describe())
     layers = ", ".join(f"`{name}`" for name in LAYERS.names())
     return HEADER + rows + MODEL.format(layers=layers)
 

@@ -100,19 +100,12 @@ def engine(
 ) -> Engine:
     """The Engine of a config run: its strategy, exchange, guard, precision, pipeline, memory
     manager and traces, on ``ctx``."""
-    train, exchange = config.train, config.exchange
     return Engine(
         model,
         loss_fn,
         optimizer_factory(config),
-        exchange=strategy(config),
-        bucket_mb=exchange.bucket_mb,
-        compress=exchange.compress,
-        accumulate_steps=train.accumulate_steps,
-        nonfinite=train.nonfinite,
-        max_nonfinite=train.max_nonfinite,
-        max_grad_norm=train.max_grad_norm or None,
-        precision=train.precision,
+        exchange=config.exchange,
+        step=config.train,
         context=ctx,
         parallel=config.parallel,
         stages=config.stage_of_layers(),

@@ -13,7 +13,7 @@ import sys
 import typing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from phalanx.checkpoint import CheckpointConfig
 from phalanx.data.sources import DataConfig
@@ -26,6 +26,7 @@ from phalanx.optim.factory import OptimizerConfig
 from phalanx.optim.schedule import SchedulerConfig
 from phalanx.parallel.layout import ParallelConfig, check_stage_count, stages_from_layers
 from phalanx.runtime.context import RuntimeConfig
+from phalanx.step_config import StepConfig
 from phalanx.tracing import TraceConfig
 from phalanx.viz import LogConfig
 
@@ -36,39 +37,24 @@ else:  # pragma: no cover - exercised only on 3.10
 
 
 @dataclass(kw_only=True)
-class TrainConfig:
-    """The loop: how long, how often to validate, log and where the run directory is."""
+class TrainConfig(StepConfig):
+    """The loop: how long, how often to validate, log and where the run directory is; the
+    step's own keys (StepConfig: micro-batches, precision, the non-finite guard) go to the
+    Engine as they are."""
 
     steps: int = option(0, "optimizer steps to run (0: use epochs)")
     epochs: int = option(10, "epochs to run when steps = 0")
-    accumulate_steps: int = option(1, "micro-batches per step; exchange only after the last")
     val_every: int = option(0, "validate every this many steps (0: only at the end)")
     seed: int = option(0, "model initialisation and dropout seed")
     run_dir: str = option("", "run directory (default: runs/<config name>-<time>)")
     progress: bool = option(True, "show a progress bar on rank 0")
-    nonfinite: Literal["skip", "abort"] = option(
-        "skip", "a step with inf/NaN loss or gradients: skip its update on every rank, or stop"
-    )
-    max_nonfinite: int = option(10, "stop after this many consecutive skipped steps")
-    max_grad_norm: float = option(
-        0.0, "clip the global gradient norm over all ranks to this (0: no clipping)"
-    )
-    precision: Literal["fp32", "bf16", "fp16"] = option(
-        "fp32", "forward under torch.autocast: bf16, or fp16 with a dynamic loss scale"
-    )
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         require(self.steps >= 0, "steps", f"must be >= 0, got {self.steps}")
         require(self.epochs >= 0, "epochs", f"must be >= 0, got {self.epochs}")
         require(self.steps > 0 or self.epochs > 0, "steps", "set train.steps or train.epochs > 0")
-        require(
-            self.accumulate_steps >= 1,
-            "accumulate_steps",
-            f"must be >= 1, got {self.accumulate_steps}",
-        )
         require(self.val_every >= 0, "val_every", f"must be >= 0, got {self.val_every}")
-        require(self.max_nonfinite >= 0, "max_nonfinite", f"must be >= 0, got {self.max_nonfinite}")
-        require(self.max_grad_norm >= 0, "max_grad_norm", f"must be >= 0, got {self.max_grad_norm}")
 
 
 @dataclass(kw_only=True)
@@ -196,6 +182,9 @@ def describe(config: Any = None, prefix: str = "") -> list[tuple[str, str, str, 
             rows.extend(describe(value, key))
             continue
         hint = hints[f.name]
-        type_name = getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
+        type_name = getattr(hint, "__name__", None) or str(hint)
+        if type_name == "Optional":  # Optional[X] names itself "Optional": show X | None
+            type_name = str(hint)
+        type_name = type_name.replace("typing.", "")
         rows.append((key, type_name, repr(value), f.metadata.get("doc", "")))
     return rows

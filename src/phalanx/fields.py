@@ -6,9 +6,11 @@ import dataclasses
 import types
 import typing
 from dataclasses import MISSING, field
-from typing import Any, Literal, Union, cast
+from typing import Any, Literal, TypeVar, Union, cast
 
 from phalanx.errors import ConfigError
+
+C = TypeVar("C")
 
 
 class ConfigValueError(ConfigError):
@@ -51,7 +53,7 @@ def from_dict(cls: type, data: Any, path: str) -> Any:
         key = join_key(path, unknown[0])
         raise ConfigError(f"{key}: unknown key; allowed: {', '.join(sorted(fields))}")
     kwargs = {
-        name: _convert(hints[name], value, join_key(path, name)) for name, value in data.items()
+        name: convert(hints[name], value, join_key(path, name)) for name, value in data.items()
     }
     try:
         return cls(**kwargs)
@@ -59,7 +61,7 @@ def from_dict(cls: type, data: Any, path: str) -> Any:
         raise ConfigError(f"{join_key(path, e.key)}: {e.reason}") from None
 
 
-def _convert(hint: Any, value: Any, key: str) -> Any:
+def convert(hint: Any, value: Any, key: str) -> Any:
     origin = typing.get_origin(hint)
     if dataclasses.is_dataclass(hint):
         return from_dict(cast(type, hint), value, key)  # a dataclass type, never an instance
@@ -72,7 +74,7 @@ def _convert(hint: Any, value: Any, key: str) -> Any:
         errors = []
         for option_hint in typing.get_args(hint):
             try:
-                return _convert(option_hint, value, key)
+                return convert(option_hint, value, key)
             except ConfigError as e:
                 errors.append(str(e).split(": ", 1)[1])
         raise ConfigError(f"{key}: {'; or '.join(errors)}")
@@ -80,7 +82,7 @@ def _convert(hint: Any, value: Any, key: str) -> Any:
         if not isinstance(value, list):
             raise ConfigError(f"{key}: expected a list, got {_type_name(value)}")
         (item_hint, *_) = typing.get_args(hint) or (Any,)
-        items = [_convert(item_hint, v, f"{key}[{i}]") for i, v in enumerate(value)]
+        items = [convert(item_hint, v, f"{key}[{i}]") for i, v in enumerate(value)]
         return tuple(items) if origin is tuple else items
     if origin is dict or hint is dict:
         if not isinstance(value, dict):
@@ -106,6 +108,21 @@ def _convert_scalar(hint: Any, value: Any, key: str) -> Any:
 def _type_name(value: Any) -> str:
     names: dict[type, str] = {dict: "table", list: "list", str: "string"}
     return names.get(type(value), type(value).__name__)
+
+
+def with_options(config: C, options: dict[str, Any]) -> C:
+    """``config`` (a Config dataclass instance) with ``options`` (field name -> value)
+    replaced: each value type-checked as a TOML value would be, then the whole validated again
+    by the Config's ``__post_init__``. A one-line ConfigError names a bad key."""
+    if not options:
+        return config
+    hints = typing.get_type_hints(type(config))
+    names = {f.name for f in dataclasses.fields(config) if f.init}  # type: ignore[arg-type]
+    unknown = sorted(set(options) - names)
+    if unknown:
+        raise ConfigError(f"{unknown[0]}: unknown option; allowed: {', '.join(sorted(names))}")
+    checked = {key: convert(hints[key], value, key) for key, value in options.items()}
+    return dataclasses.replace(config, **checked)  # type: ignore[type-var]
 
 
 def join_key(path: str, key: str) -> str:

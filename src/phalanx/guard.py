@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 
 from phalanx.errors import NonFiniteError
+from phalanx.fields import option, require
 from phalanx.precision import Precision
 
 logger = logging.getLogger("phalanx")
@@ -28,19 +30,31 @@ logger = logging.getLogger("phalanx")
 Combine = Callable[[bool, float | None], tuple[bool, float | None]]  # over pipeline stages
 
 
-class NonfiniteGuard:
-    """``nonfinite``: 'skip', 'abort' or None (no guard); ``max_nonfinite``: consecutive
-    skipped steps before it stops; ``max_grad_norm``: clip to this (None: no clipping)."""
+@dataclass(kw_only=True)
+class GuardConfig:
+    """What a step with inf/NaN does, and gradient clipping (the guard's keys of ``[train]``)."""
 
-    def __init__(
-        self,
-        nonfinite: str | None,
-        max_nonfinite: int,
-        max_grad_norm: float | None,
-        precision: Precision,
-    ) -> None:
-        self.nonfinite, self.max_nonfinite = nonfinite, max_nonfinite
-        self.max_grad_norm = max_grad_norm
+    nonfinite: Literal["skip", "abort"] | None = option(
+        "skip",
+        "a step with inf/NaN loss or gradients: skip its update on every rank, or stop "
+        "(None, Python API only: no guard)",
+    )
+    max_nonfinite: int = option(10, "stop after this many consecutive skipped steps")
+    max_grad_norm: float = option(
+        0.0, "clip the global gradient norm over all ranks to this (0: no clipping)"
+    )
+
+    def __post_init__(self) -> None:
+        require(self.max_nonfinite >= 0, "max_nonfinite", f"must be >= 0, got {self.max_nonfinite}")
+        require(self.max_grad_norm >= 0, "max_grad_norm", f"must be >= 0, got {self.max_grad_norm}")
+
+
+class NonfiniteGuard:
+    """Skips, counts and clips as ``config`` says, with ``precision``'s loss scale."""
+
+    def __init__(self, config: GuardConfig, precision: Precision) -> None:
+        self.nonfinite, self.max_nonfinite = config.nonfinite, config.max_nonfinite
+        self.max_grad_norm = config.max_grad_norm or None  # None: no clipping
         self.precision = precision
         self.grad_norm = float("nan")  # the last step's global gradient norm (with clipping)
         self.num_nonfinite_steps = 0  # steps skipped over the run
@@ -129,3 +143,30 @@ class NonfiniteGuard:
                     else " (nonfinite = 'abort')"
                 )
             )
+
+
+def rescaling_problem(
+    updates_during_exchange: bool,
+    who: str,
+    *,
+    max_grad_norm: float | None,
+    precision: str,
+    nonfinite: str | None,
+) -> tuple[str, str] | None:
+    """(key, reason) when these options cannot work together, else None. Clipping and fp16
+    unscaling need the whole gradient before the update; the Engine and the CLI (which checks
+    before starting workers, naming ``who``) share this rule."""
+    if max_grad_norm and updates_during_exchange:
+        reason = "updates parameters while gradients still arrive, before their global norm exists"
+        return "max_grad_norm", f"{who} {reason}; use another strategy"
+    if precision == "fp16" and updates_during_exchange:
+        return "precision", (
+            f"fp16 needs its loss scale removed before the update, which {who} starts while "
+            "gradients still arrive; use bf16 or another strategy"
+        )
+    if precision == "fp16" and nonfinite == "abort":
+        return "nonfinite", (
+            "'abort' with precision fp16 would stop at the loss scale's first overflow; use "
+            "'skip' (max_nonfinite still bounds consecutive skips)"
+        )
+    return None

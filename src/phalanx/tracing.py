@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from phalanx.fields import option, require
+from phalanx.hooks import StepEnd, StepHook
 from phalanx.planner.trace import TraceEvent, write_trace
 
 TRACE_FILE = "trace.json"
@@ -145,3 +146,69 @@ class StepTracer:
     def _sync(self) -> None:
         if self.cuda:
             torch.cuda.synchronize()
+
+
+class StepTrace(StepHook):
+    """The Engine's traces as a step hook: the spans of a traced step's phases, then the
+    strategy's (parameter waits, the communication thread's work) at its end.
+
+    ``tracer``: None when not tracing (settable: a bench may trace an Engine it built);
+    ``strategy`` and ``buckets``: the Engine's (phalanx.exchange); ``world``: the Context of
+    every process, over whose group the last traced step gathers every rank's events."""
+
+    def __init__(self, tracer: StepTracer | None, strategy: Any, buckets: Any, world: Any) -> None:
+        self.tracer, self.strategy, self.buckets, self.world = tracer, strategy, buckets, world
+        self.tracing = False  # whether the current step is traced
+        self.backward_started = 0.0  # perf_counter at the last backward's start
+        self._exchange_waited = 0.0  # perf_counter when Phase 4 started waiting
+
+    def span(self, lane: str, name: str, start: float, **args: Any) -> float:
+        """Record [start, now] on ``lane`` when this step is traced; returns now."""
+        if not self.tracing:
+            return time.perf_counter()
+        assert self.tracer is not None
+        end = self.tracer.now()
+        self.tracer.span(lane, name, start, end, **args)
+        return end
+
+    def input(self, start: float, end: float) -> None:
+        """The wait for the next batch, before the step that follows."""
+        if self.tracer is not None and self.tracer.step:
+            self.tracer.span("input", "next batch", start, end)
+
+    # Phase 1
+    def begin(self, step: int) -> None:
+        self.tracing = self.tracer is not None and self.tracer.begin(step)
+
+    # Phase 4
+    def after_exchange(self) -> None:
+        if self.tracing:
+            assert self.tracer is not None
+            end = self.span("wait", "exchange", self._exchange_waited)
+            self.tracer.buckets(self.buckets.buckets, self.backward_started, end)
+
+    def waiting_for_exchange(self) -> None:
+        """Phase 4 starts: the step waits for the exchange from now."""
+        self._exchange_waited = time.perf_counter()
+
+    # Phase 5
+    def end(self, step: StepEnd) -> None:
+        spans = self.strategy.take_thread_spans()  # taken every step: the list stays short
+        if not self.tracing:
+            return
+        assert self.tracer is not None
+        for b, start, end in self.strategy.param_waits:  # inside forward's span
+            self.tracer.span("wait", f"parameters b{b}", start, end, bucket=b)
+        for lane, name, b, nbytes, start, end in spans:  # the communication thread's work
+            self.tracer.span(lane, name, start, end, bucket=b, bytes=nbytes)
+        self.tracer.finish_step(self.world.group, self._meta())
+        self.tracing = False
+
+    def _meta(self) -> dict[str, Any]:
+        return {
+            "strategy": type(self.strategy).__name__,
+            "world_size": self.world.world_size,
+            "bucket_bytes": [b.nbytes for b in self.buckets.buckets],
+            "compress": self.strategy.codec.name,
+            "device": str(self.world.device),
+        }

@@ -161,10 +161,9 @@ LAZY = {
     "phalanx.runtime.launch": "torch's elastic launcher: only launched runs",
     "phalanx.runtime.spawn": "rank processes: only benches and tests start them",
     "phalanx.pool_training": "only the WorkerPool training flow",
-    "phalanx.memory.profile": "torch.profiler and the per-layer timer: only [memory] and profile",
+    "phalanx.memory.profile": "the per-layer profiler: only [memory], profile, plan, split = auto",
     "phalanx.memory.measure": "peak counters (/proc, cgroups, the profiler): only memory benches",
     "phalanx.memory.offload": "saved-tensor hooks and tiers: only a plan that offloads",
-    "phalanx.parallel.split": "layer timing for split = 'auto' only",
 }
 
 

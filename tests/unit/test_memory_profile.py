@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from phalanx.cli import main
-from phalanx.errors import DataError, PhalanxError
+from phalanx.errors import ConfigError, DataError, PhalanxError
 from phalanx.losses import loss_fn
 from phalanx.memory.profile import MemoryProfile, profile_model
 
@@ -160,6 +160,26 @@ def test_profile_round_trips_through_json(tmp_path: Path) -> None:
     (tmp_path / "bad.json").write_text('{"format": 1}')
     with pytest.raises(DataError, match="bad.json: memory profile: malformed"):
         MemoryProfile.load(tmp_path / "bad.json")
+
+
+def test_without_a_loss_or_an_optimizer_the_layers_are_left_as_they_were() -> None:
+    """The pipeline split's use (parallel/split.py): inputs only, backward from a gradient of
+    ones, no optimizer step; the weights unchanged and no gradient left behind."""
+    torch.manual_seed(0)
+    layers = [nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 3)]
+    before = [p.detach().clone() for layer in layers for p in layer.parameters()]
+    inputs = [(torch.randn(4, 6), None)] * 3
+    profile = profile_model(layers, None, None, inputs, "cpu", measure_peak=False)
+    after = [p for layer in layers for p in layer.parameters()]
+    assert all(torch.equal(a, b) and a.grad is None for a, b in zip(after, before))
+    assert profile.measured_peak_bytes is None and profile.optimizer_s == 0.0
+    assert "optimizer" not in [e.phase for e in profile.timeline]
+    assert all(x.backward_s > 0 for x in profile.layers)
+    costs = profile.layer_costs(input_bytes=4 * 6 * F32)
+    assert [c.input_bytes for c in costs] == [4 * 6 * F32, 80, 80]
+    assert [c.grad_bytes for c in costs] == [(35 * F32,), (), (18 * F32,)]
+    with pytest.raises(ConfigError, match=r"needs \(inputs, targets\) batches"):
+        profile_model(layers, loss_fn, None, inputs, "cpu")
 
 
 def test_a_layer_that_fails_on_its_input_is_named() -> None:

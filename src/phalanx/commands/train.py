@@ -15,9 +15,9 @@ from typing import Any, cast
 from phalanx import checkpoint
 from phalanx.commands.common import EXIT_PREEMPTED, PROG
 from phalanx.config import config_from_data, load_config
-from phalanx.engine import rescaling_problem
 from phalanx.errors import Interrupted, PhalanxError
 from phalanx.exchange.base import STRATEGIES, Strategy
+from phalanx.guard import rescaling_problem
 
 
 def _add_launch_flags(p: argparse.ArgumentParser) -> None:

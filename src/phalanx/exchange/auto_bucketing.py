@@ -1,13 +1,14 @@
-"""``bucket_mb = "auto"`` (F12) as a component of the Engine: measure the link, profile the first
-backward passes, choose the fusion threshold from the cost model (phalanx.exchange.threshold),
-then time the candidate layouts and keep the fastest (phalanx.exchange.autotune).
+"""The bucket layout's step hooks (phalanx.hooks): the observed order after the first step, and
+``bucket_mb = "auto"`` (F12): measure the link, profile the first backward passes, choose the
+fusion threshold from the cost model (phalanx.exchange.threshold), then time the candidate
+layouts and keep the fastest (phalanx.exchange.autotune).
 
-Phases, as the Engine calls them:
+Phases of AutoBucketing, as the Engine calls them:
   Phase 0 (construction): calibrate the link (collective: every rank at once); record each
     bucket's ready time from then on.
   Phase 2 (``before_backward`` / ``after_backward``, around each backward): the recorder
     profiles the step's last backward.
-  Phase 5 (``after_update``, once an update was applied, the same step on every rank): after
+  Phase 5 (``end`` of a step whose update was applied, the same step on every rank): after
     the profiled steps, agree on rank 0's profile, choose, and rebuild the buckets; then one
     timed step per candidate layout, and the fastest is kept.
 """
@@ -18,11 +19,14 @@ import logging
 from collections.abc import Callable, Sequence
 
 import torch
+import torch.distributed as dist
 
 from phalanx.exchange.autotune import LayoutTrials
 from phalanx.exchange.buckets import GradientBuckets, plan_buckets
+from phalanx.exchange.comm import global_rank
 from phalanx.exchange.link import LinkModel, calibrate
 from phalanx.exchange.threshold import BackwardRecorder, Choice, agree_profile, choose_bucket_bytes
+from phalanx.hooks import StepEnd, StepHook
 from phalanx.runtime.context import Context
 
 logger = logging.getLogger("phalanx")
@@ -34,7 +38,32 @@ PROFILE_STEPS = 3  # backward steps profiled (after one warm-up step) before cho
 Rebuild = Callable[[list[int], int, int | None], None]
 
 
-class AutoBucketing:
+class ObservedOrder(StepHook):
+    """After the first update, re-order the buckets by the observed backward order (rank 0's).
+
+    Every rank takes part in the broadcast whatever it observed, so ranks that saw different
+    unused parameters still agree on one layout."""
+
+    def __init__(
+        self, ctx: Context, buckets: GradientBuckets, num_params: int, rebuild: Rebuild
+    ) -> None:
+        self.ctx, self.buckets, self.num_params, self._rebuild = ctx, buckets, num_params, rebuild
+
+    # Phase 5
+    def end(self, step: StepEnd) -> None:
+        if not step.updated or step.num_updates != 0:
+            return
+        seen = self.buckets.ready_order
+        seen_set = set(seen)
+        missing = [i for i in reversed(range(self.num_params)) if i not in seen_set]
+        order = torch.tensor(seen + missing, dtype=torch.int64, device=self.ctx.device)
+        dist.broadcast(order, global_rank(self.ctx.group, 0), group=self.ctx.group)
+        observed = order.tolist()
+        if observed != list(reversed(range(self.num_params))):
+            self._rebuild(observed, self.buckets.bucket_bytes, None)
+
+
+class AutoBucketing(StepHook):
     """``buckets``: the Engine's (their ready times are recorded); ``trainable``: the
     parameters they hold, in the Engine's order; ``rebuild``: how the Engine changes layout
     (parameters and optimizer state carried over)."""
@@ -71,10 +100,10 @@ class AutoBucketing:
             self._recorder.stop()
 
     # Phase 5
-    def after_update(self, num_updates: int, step_s: float) -> None:
-        """``num_updates``: updates applied before this one; ``step_s``: this step's time."""
-        self._finish_trials(step_s)
-        self._choose(num_updates)
+    def end(self, step: StepEnd) -> None:
+        if step.updated:  # every rank skips alike: the schedule counts updates only
+            self._finish_trials(step.stats.step_s)
+            self._choose(step.num_updates)
 
     def _choose(self, num_updates: int) -> None:
         """Once the profiled steps are done (the same step on every rank): agree on rank 0's

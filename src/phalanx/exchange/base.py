@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from phalanx.errors import ConfigError
-from phalanx.exchange.buckets import Bucket
+from phalanx.exchange.buckets import FIRST_BUCKET_BYTES, Bucket
 from phalanx.exchange.compression import CODECS, Codec
 from phalanx.exchange.sharding import copy_pieces, merged_groups
 from phalanx.fields import ConfigValueError, from_dict, option, require
@@ -42,9 +42,16 @@ class ExchangeConfig:
         25.0, "fusion threshold in MiB, or 'auto' (derived from the measured link and backward)"
     )
     options: dict = option(factory=dict, doc="the strategy's own options (see docs/exchange.md)")
-    compress: str = option("none", "gradient messages: none, fp16 or bf16 (scaled, F13)")
+    compress: str | None = option(
+        "none", "gradient messages: none, fp16 or bf16 (scaled, F13); None means none"
+    )
+    first_bucket_mb: float = option(
+        FIRST_BUCKET_BYTES / 2**20,
+        "the first bucket's size in MiB: small, so communication starts early (as DDP)",
+    )
 
     def __post_init__(self) -> None:
+        self.compress = self.compress or "none"
         # (Any import of this module first runs phalanx/exchange/__init__.py, which registers
         # the built-in strategies.)
         require(
@@ -61,7 +68,12 @@ class ExchangeConfig:
         require(
             self.compress in CODECS,
             "compress",
-            f"got {self.compress!r}; allowed: {', '.join(CODECS.names())}",
+            f"unknown compression {self.compress!r}; allowed: {', '.join(CODECS.names())}",
+        )
+        require(
+            self.first_bucket_mb > 0,
+            "first_bucket_mb",
+            f"must be > 0, got {self.first_bucket_mb}",
         )
         strategy_config(self.strategy, self.options)
 

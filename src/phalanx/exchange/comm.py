@@ -160,3 +160,27 @@ def measure_handoff_s(
     finally:
         comm.close()
     return tuple(samples)
+
+
+PACK_ALIGN = 16  # bytes: every tensor starts aligned in the packed buffer, so views are legal
+
+
+@torch.no_grad()
+def broadcast_together(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> None:
+    """Rank 0's values of ``tensors`` (any dtypes and shapes, one device) on every rank with a
+    single broadcast: their bytes travel packed in one uint8 buffer."""
+    if not tensors or dist.get_world_size(group) == 1:
+        return
+    sizes = [t.numel() * t.element_size() for t in tensors]
+    padded = [-(-n // PACK_ALIGN) * PACK_ALIGN for n in sizes]
+    packed = torch.zeros(sum(padded), dtype=torch.uint8, device=tensors[0].device)
+    offset = 0
+    for tensor, size, room in zip(tensors, sizes, padded):
+        packed[offset : offset + size] = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+        offset += room
+    dist.broadcast(packed, src=dist.get_global_rank(group, 0), group=group)
+    offset = 0
+    for tensor, size, room in zip(tensors, sizes, padded):
+        piece = packed[offset : offset + size].view(tensor.dtype).view(tensor.shape)
+        tensor.data.copy_(piece)
+        offset += room

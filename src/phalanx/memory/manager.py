@@ -8,7 +8,8 @@ recomputation around the Engine's forward and backward.
 
 Phases of ``build``:
   Phase 1 (profile, only with a budget): a copy of the layers trains three steps on the sample
-    batch (phalanx.memory.profile); the real model is not touched.
+    batch under the one per-layer profiler (phalanx.memory.profile), whose ``layer_costs`` the
+    plan reads; the real model is not touched.
   Phase 2 (tier): the next tier is opened (pinned host memory on CUDA, a spill file on CPU) and
     its write/read bandwidth measured with a transfer the size of the largest layer's saved
     tensors.
@@ -269,24 +270,13 @@ def _costs(
     profile = profile_model(
         copies, loss_fn, optimizer_factory, [sample] * PROFILE_STEPS, device, warmup=1
     )
-    inputs = [sample[0].numel() * sample[0].element_size()]
-    inputs += [layer.output_bytes for layer in profile.layers[:-1]]
-    costs = [
-        LayerCost(
-            name=layer.name,
-            saved_bytes=layer.saved_bytes,
-            input_bytes=inputs[i],
-            forward_s=layer.forward_s,
-            backward_s=layer.backward_s,
-        )
-        for i, layer in enumerate(profile.layers)
-    ]
+    costs = profile.layer_costs(input_bytes=sample[0].numel() * sample[0].element_size())
     fixed = sum(
         layer.param_bytes + layer.buffer_bytes + layer.grad_bytes + layer.optimizer_bytes
         for layer in profile.layers
     )
     # In backward the gradient arriving at a layer and the one it produces live together.
-    fixed += max(inputs[i] + layer.output_bytes for i, layer in enumerate(profile.layers))
+    fixed += max(cost.input_bytes + cost.output_bytes for cost in costs)
     # What the accounting cannot see, measured: the unmanaged step's true peak above its
     # prediction, held as a margin by every plan (the workspace recurs whatever is offloaded).
     transient = 0

@@ -1,4 +1,4 @@
-"""Profile the first iterations (F16): per layer, time and memory; every saved tensor's lifetime.
+"""The one per-layer profiler (F16): per layer, time and memory; every saved tensor's lifetime.
 
 ``profile_model`` runs a few training steps of a layer sequence (an ``nn.Sequential``'s
 children) on one process and records, per layer, forward and backward time (median over the
@@ -7,8 +7,13 @@ gradients and optimizer state; and, over the last step, a timeline of bytes by c
 (parameters, gradients, optimizer state, saved activations) at every layer boundary, with the
 peak. Each storage autograd saves is one ``SavedTensor``: which layers' backward need it (its
 reference count, what the F17 plan reuses memory by) and the events at which it is created and
-freed. The whole profile is JSON (``to_dict``/``from_dict``), so the planner and the pipeline
-split (``layer_costs``) can reuse it without running the model again.
+freed. The whole profile is JSON (``to_dict``/``from_dict``).
+
+Every per-layer measurement in phalanx is this one, read through ``MemoryProfile.layer_costs``
+(``phalanx.costs.LayerCost``): ``phalanx profile``, the memory plan (``memory/manager.py``, on a
+copy of the layers), the planner's step (``planner/step.py``, from a run or a saved JSON) and
+the pipeline split (``parallel/split.py``, on the model itself: no loss, no optimizer, so the
+layers are left as they were).
 
 How it sees the memory: ``torch.autograd.graph.saved_tensors_hooks`` hands every tensor autograd
 saves to a pack hook, which wraps it in a small object; autograd drops that object when it frees
@@ -51,6 +56,8 @@ CATEGORIES = ("parameters", "gradients", "optimizer", "activations")
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 Autocast = Callable[[], contextlib.AbstractContextManager]
+# (inputs, targets) of one step; targets None when there is no loss function
+Batch = tuple[torch.Tensor, torch.Tensor | None]
 
 
 # -- the data model -----------------------------------------------------------------------------
@@ -157,8 +164,12 @@ class MemoryProfile:
         layer = self.layers[event.layer]
         return f"{event.phase} of layer {layer.name} ({layer.type})"
 
-    def layer_costs(self) -> list[LayerCost]:
-        """The pipeline split's per-layer costs (phalanx.parallel.split) from this profile."""
+    def layer_costs(self, input_bytes: int = 0) -> list[LayerCost]:
+        """Each layer's cost, in forward order: what the pipeline split, the memory plan and
+        the planner's step read. ``input_bytes``: the first layer's input (the batch's
+        inputs, which the profile does not keep); each later layer's input is the output
+        before it. A layer's gradients are one tensor here (the profile sums them)."""
+        inputs = [input_bytes, *(layer.output_bytes for layer in self.layers[:-1])]
         return [
             LayerCost(
                 name=layer.name,
@@ -167,8 +178,10 @@ class MemoryProfile:
                 param_bytes=layer.param_bytes,
                 output_bytes=layer.output_bytes,
                 saved_bytes=layer.saved_bytes,
+                input_bytes=inputs[i],
+                grad_bytes=(layer.grad_bytes,) if layer.grad_bytes else (),
             )
-            for layer in self.layers
+            for i, layer in enumerate(self.layers)
         ]
 
     def to_dict(self) -> dict[str, Any]:
@@ -368,7 +381,9 @@ def _distinct_bytes(tensors: Iterable[torch.Tensor]) -> int:
     return sum(seen.values())
 
 
-def _state_tensors(optimizer: torch.optim.Optimizer, params: Iterable[nn.Parameter]) -> list:
+def _state_tensors(optimizer: torch.optim.Optimizer | None, params: Iterable[nn.Parameter]) -> list:
+    if optimizer is None:
+        return []
     return [
         value
         for p in params
@@ -380,23 +395,30 @@ def _state_tensors(optimizer: torch.optim.Optimizer, params: Iterable[nn.Paramet
 # -- profiling ----------------------------------------------------------------------------------
 def profile_model(
     layers: Sequence[nn.Module],
-    loss_fn: LossFn,
-    optimizer_factory: OptimizerFactory,
-    batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+    loss_fn: LossFn | None,
+    optimizer_factory: OptimizerFactory | None,
+    batches: Iterable[Batch],
     device: torch.device | str = "cpu",
     *,
     names: Sequence[str] | None = None,
     autocast: Autocast | None = None,
     warmup: int = 1,
+    measure_peak: bool = True,
 ) -> MemoryProfile:
     """Train ``layers`` (applied in order, like the nn.Sequential they come from; moved to
     ``device`` and put in train mode) for one step per batch and profile it.
 
     ``batches``: (inputs, targets) pairs, any device (copied to ``device``); ``loss_fn(output,
-    target)`` -> scalar; ``optimizer_factory(params)`` -> the optimizer over every trainable
-    parameter. Times are medians over the steps after the first ``warmup`` (all steps when
-    there are no more); memory and lifetimes are the last step's (steady state: the optimizer
-    state exists from its start). ``autocast``: the forward's context (phalanx.precision)."""
+    target)`` -> scalar, or None: backward starts from a gradient of ones (the output's sum; a
+    layer's backward takes as long whatever the values), and targets may be None;
+    ``optimizer_factory(params)`` -> the optimizer over every trainable parameter, or None: no
+    optimizer step, the parameters stay as they are and their gradients are None afterwards.
+    Times are medians over the steps after the first ``warmup`` (all steps when there are no
+    more); memory and lifetimes are the last step's (steady state: the optimizer state exists
+    from its start). ``autocast``: the forward's context (phalanx.precision).
+    ``measure_peak``: the allocator's peak over the last step (``measured_peak_bytes``; on the
+    CPU that step runs under torch.profiler and is not timed); off, no allocator statistics
+    are reset or read."""
     device = torch.device(device)
     layers = list(layers)
     names = [str(i) for i in range(len(layers))] if names is None else list(names)
@@ -410,7 +432,8 @@ def profile_model(
         _storage(t)[0] for layer in layers for t in [*layer.parameters(), *layer.buffers()]
     }
     param_bytes = _distinct_bytes([*params, *(b for layer in layers for b in layer.buffers())])
-    optimizer = optimizer_factory([p for p in params if p.requires_grad])
+    trainable = [p for p in params if p.requires_grad]
+    optimizer = None if optimizer_factory is None else optimizer_factory(trainable)
 
     def snapshot() -> tuple[int, int, int, int | None]:
         grads = _distinct_bytes(p.grad for p in params if p.grad is not None)
@@ -423,15 +446,20 @@ def profile_model(
     batch_size = 0
     batches = list(batches)
     for k, (x, y) in enumerate(batches):
+        if y is None and loss_fn is not None:
+            raise ConfigError("profile: a loss function needs (inputs, targets) batches")
         # Own storages, as a training batch has: a slice of a data set saved by the first
         # layer would otherwise count as the whole data set's storage.
-        x, y = x.to(device, copy=True), y.to(device, copy=True)
+        x = x.to(device, copy=True)
+        y = None if y is None else y.to(device, copy=True)
         batch_size = int(x.shape[0]) if x.dim() else 1
-        optimizer.zero_grad(set_to_none=True)  # before the peak's baseline (_run_step's too)
-        if device.type == "cuda":
+        _zero_grad(optimizer, trainable)  # before the peak's baseline (_run_step's too)
+        cuda_peak = measure_peak and device.type == "cuda"
+        if cuda_peak:
             torch.cuda.reset_peak_memory_stats(device)
         trace = _StepTrace(len(layers), model_storages, snapshot, device)
-        if device.type == "cpu" and k == len(batches) - 1 and not measure.profiler_running():
+        last_on_cpu = device.type == "cpu" and k == len(batches) - 1
+        if measure_peak and last_on_cpu and not measure.profiler_running():
             with measure.AllocatorPeak() as allocated:
                 _run_step(layers, names, loss_fn, optimizer, x, y, trace, autocast)
             # the batch was allocated before the block and lives through the step
@@ -439,7 +467,7 @@ def profile_model(
         else:
             _run_step(layers, names, loss_fn, optimizer, x, y, trace, autocast)
         traces.append(trace)
-        if device.type == "cuda":
+        if cuda_peak:
             measured_peak = int(torch.cuda.max_memory_allocated(device))
     if not traces:
         raise DataError("profile: no batches to run")
@@ -464,6 +492,8 @@ def profile_model(
         )
         for i, layer in enumerate(layers)
     ]
+    if optimizer is None:  # no step uses them: a split's model then trains from none
+        _zero_grad(optimizer, trainable)
     return MemoryProfile(
         device=str(device),
         batch_size=batch_size,
@@ -480,6 +510,16 @@ def profile_model(
     )
 
 
+def _zero_grad(optimizer: torch.optim.Optimizer | None, params: list[nn.Parameter]) -> None:
+    """Gradients to None: the optimizer's own ``zero_grad`` where there is one (a user's
+    optimizer may hold more than ``params``), else each of ``params``'."""
+    if optimizer is not None:
+        optimizer.zero_grad(set_to_none=True)
+        return
+    for p in params:
+        p.grad = None
+
+
 def _owned_parameters(layers: list[nn.Module]) -> list[list[nn.Parameter]]:
     """Each layer's parameters; a parameter shared by several layers belongs to the first."""
     seen: set[int] = set()
@@ -494,17 +534,19 @@ def _owned_parameters(layers: list[nn.Module]) -> list[list[nn.Parameter]]:
 def _run_step(
     layers: list[nn.Module],
     names: list[str],
-    loss_fn: LossFn,
-    optimizer: torch.optim.Optimizer,
+    loss_fn: LossFn | None,
+    optimizer: torch.optim.Optimizer | None,
     x: torch.Tensor,
-    y: torch.Tensor,
+    y: torch.Tensor | None,
     trace: _StepTrace,
     autocast: Autocast | None,
 ) -> None:
-    """One training step under the trace's hooks: zero, forward layer by layer, loss,
-    backward, optimizer step; an event after each."""
+    """One training step under the trace's hooks: zero, forward layer by layer, loss (the
+    output's sum without a loss function), backward, optimizer step (none without an
+    optimizer); an event after each."""
     context = autocast or contextlib.nullcontext
-    optimizer.zero_grad(set_to_none=True)
+    if optimizer is not None:
+        optimizer.zero_grad(set_to_none=True)
     trace.start()
     with torch.autograd.graph.saved_tensors_hooks(trace.pack, trace.unpack):
         h = x
@@ -534,19 +576,23 @@ def _run_step(
         start = trace.now()
         try:
             with context():
-                loss = loss_fn(h, y)
+                loss = h.sum() if loss_fn is None or y is None else loss_fn(h, y)
         except (RuntimeError, ValueError, IndexError) as e:
+            target = "none" if y is None else tuple(y.shape)
             raise PhalanxError(
                 f"profile: the loss failed on output {tuple(h.shape)} and target "
-                f"{tuple(y.shape)}: {_first_line(e)}"
+                f"{target}: {_first_line(e)}"
             ) from e
         trace.loss_forward_s = trace.now() - start
         trace.event("forward", None)
     del h
     trace.begin_backward()
-    loss.backward()
+    if loss.requires_grad:  # nothing to differentiate when no layer trains (and no loss)
+        loss.backward()
     trace.close_pending()
     del loss  # the graph: anything autograd still held goes now
+    if optimizer is None:
+        return
     start = trace.now()
     optimizer.step()
     trace.optimizer_s = trace.now() - start

@@ -35,6 +35,7 @@ from phalanx.errors import ConfigError
 from phalanx.exchange.comm import global_rank
 from phalanx.parallel.layout import ParallelConfig, check_stage_count
 from phalanx.parallel.schedules import schedule_kind
+from phalanx.parallel.split import balanced_split, describe_split, even_split, profile_layers
 from phalanx.parallel.transfer import TransferLayer
 from phalanx.runtime.context import Context
 
@@ -483,8 +484,6 @@ def split_here(
 ) -> tuple[list[int], str]:
     """(stage of each layer, what 'auto' measured) in this process: 'even' counts, or ('auto',
     and 'layers' with no stage keys) the measured per-layer cost, balanced."""
-    from phalanx.parallel.split import balanced_split, describe_split, even_split, profile_layers
-
     if parallel.split == "even":
         return even_split(len(layers), parallel.num_stages), ""
     costs = profile_layers(layers, sample)

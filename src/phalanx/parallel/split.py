@@ -1,21 +1,21 @@
 """Where the stage boundaries go: given by hand, even, or balanced by measured cost.
 
-``auto`` profiles each layer on one process (forward and backward of one sample micro-batch,
-a few times after a warm-up, median) and cuts the layer sequence into contiguous stages so
-that the slowest stage is as fast as possible; parameter memory is reported per stage.
+``auto`` takes each layer's forward + backward time from the one per-layer profiler
+(``phalanx.memory.profile``: a few steps of one sample micro-batch on one process after a
+warm-up, medians) and cuts the layer sequence into contiguous stages so that the slowest stage
+is as fast as possible; parameter memory is reported per stage.
 """
 
 from __future__ import annotations
 
-import statistics
-import time
+import itertools
 
 import torch
 from torch import nn
 
 from phalanx.costs import LayerCost
 
-PROFILE_REPEATS = 3  # timed passes after one warm-up
+PROFILE_REPEATS = 3  # timed steps after one warm-up
 
 
 def even_split(num_layers: int, num_stages: int) -> list[int]:
@@ -55,49 +55,27 @@ def balanced_split(costs: list[float], num_stages: int) -> list[int]:
 
 
 def profile_layers(layers: list[nn.Module], sample: torch.Tensor) -> list[LayerCost]:
-    """Each layer's forward + backward time on ``sample`` (one micro-batch, on the layers'
-    device), measured layer by layer: a layer's input is a detached leaf, so its backward is
-    timed alone with the output gradient the next layer produced."""
-    times: list[list[float]] = [[] for _ in layers]
-    outputs: list[torch.Tensor] = []
-    for repeat in range(PROFILE_REPEATS + 1):
-        x, inputs, outputs, fwd = sample, [], [], []
-        for layer in layers:
-            leaf = x.detach().requires_grad_(x.is_floating_point())
-            start = time.perf_counter()
-            out = layer(leaf)
-            _sync(out)
-            fwd.append(time.perf_counter() - start)
-            inputs.append(leaf)
-            outputs.append(out)
-            x = out
-        grad = torch.ones_like(outputs[-1])
-        for i in reversed(range(len(layers))):
-            start = time.perf_counter()
-            if outputs[i].requires_grad:
-                torch.autograd.backward(outputs[i], grad)
-            _sync(outputs[i])
-            elapsed = time.perf_counter() - start
-            if repeat > 0:  # the first pass warms up allocators and kernels
-                times[i].append(fwd[i] + elapsed)
-            leaf = inputs[i]
-            grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
-        for layer in layers:
-            layer.zero_grad(set_to_none=True)
-    return [
-        LayerCost(
-            name=str(i),
-            forward_s=statistics.median(times[i]),  # forward and backward timed together
-            param_bytes=sum(p.numel() * p.element_size() for p in layer.parameters()),
-            output_bytes=outputs[i].numel() * outputs[i].element_size(),
-        )
-        for i, layer in enumerate(layers)
-    ]
+    """Each layer's cost on ``sample`` (one micro-batch of inputs, shape (micro-batch, ...), any
+    device) from the one profiler, ``phalanx.memory.profile.profile_model``, run where the
+    layers are: forward and backward seconds (medians of ``PROFILE_REPEATS`` steps after a
+    warm-up), parameter and output bytes. No targets, so no loss (backward starts from a
+    gradient of ones) and no optimizer: the parameters are left as they were and their
+    gradients None; no allocator peak either (the split reads times only)."""
+    from phalanx.memory.profile import profile_model
+
+    batches = [(sample, None)] * (PROFILE_REPEATS + 1)
+    device = _device_of(layers, sample)
+    profile = profile_model(layers, None, None, batches, device, warmup=1, measure_peak=False)
+    return profile.layer_costs()
 
 
-def _sync(t: torch.Tensor) -> None:
-    if t.device.type == "cuda":
-        torch.cuda.synchronize(t.device)
+def _device_of(layers: list[nn.Module], sample: torch.Tensor) -> torch.device:
+    """Where the layers are (the profiler moves them to its device: here, nowhere), or the
+    sample's device when they hold no tensors."""
+    for layer in layers:
+        for t in itertools.chain(layer.parameters(), layer.buffers()):
+            return t.device
+    return sample.device
 
 
 def describe_split(stages: list[int], costs: list[LayerCost] | None) -> str:

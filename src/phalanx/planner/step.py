@@ -153,24 +153,17 @@ class StepProfile:
 
     @classmethod
     def from_memory_profile(cls, profile: Any, source: str = "phalanx profile") -> StepProfile:
-        """From ``phalanx profile``'s MemoryProfile (memory/profile.py): its layers reversed,
-        the loss's backward first (no gradients), each layer's gradients as one tensor ready
-        when its backward ends. The loss's forward joins the last layer's."""
+        """From ``phalanx profile``'s MemoryProfile (memory/profile.py, the one per-layer
+        profiler): its ``layer_costs`` reversed, the loss's backward first (no gradients), each
+        layer's gradients as one tensor ready when its backward ends. The loss's forward joins
+        the last layer's."""
         layers = [
             LayerCost(
                 name="loss", forward_s=profile.loss_forward_s, backward_s=profile.loss_backward_s
             )
         ]
-        for layer in reversed(profile.layers):
-            grads = (layer.grad_bytes,) if layer.grad_bytes else ()
-            layers.append(
-                LayerCost(
-                    name=f"{layer.name} ({layer.type})",
-                    forward_s=layer.forward_s,
-                    backward_s=layer.backward_s,
-                    grad_bytes=grads,
-                )
-            )
+        for layer, cost in zip(reversed(profile.layers), reversed(profile.layer_costs())):
+            layers.append(replace(cost, name=f"{cost.name} ({layer.type})"))
         total = max(1, sum(layer.grad_bytes for layer in profile.layers))
         return cls(
             layers=layers,
@@ -329,7 +322,7 @@ def load_step_profile(path: Path | str, forward_s: float | None = None) -> StepP
 
 
 def measure_step_profile(config: Any, steps: int = 4, device: str = "auto") -> StepProfile:
-    """Measure a run config's step on this process with ``phalanx profile``'s per-layer timer
+    """Measure a run config's step on this process with ``phalanx profile``'s per-layer profiler
     (memory/profile.py: the first step is a warm-up, times are medians)."""
     from phalanx.build import profile_run
 
