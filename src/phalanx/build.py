@@ -19,7 +19,7 @@ from phalanx.data.readers import training_reader
 from phalanx.data.sources import Dataset, load_source
 from phalanx.engine import Engine
 from phalanx.errors import ConfigError, DataError
-from phalanx.exchange.base import Strategy, make_strategy
+from phalanx.exchange.base import StrategyFactory, strategy_factory
 from phalanx.losses import loss_fn
 from phalanx.memory.manager import MemoryManager
 from phalanx.memory.profile import MemoryProfile, pick_device, profile_model
@@ -60,9 +60,9 @@ def optimizer_factory(config: RunConfig) -> Factory:
     return make_optimizer_factory(config.optimizer)
 
 
-def strategy(config: RunConfig) -> Strategy:
-    """The ``[exchange]`` strategy with its options."""
-    return make_strategy(config.exchange.strategy, config.exchange.options)
+def strategy(config: RunConfig) -> StrategyFactory:
+    """The ``[exchange]`` strategy's factory, with its options."""
+    return strategy_factory(config.exchange.strategy, config.exchange.options)
 
 
 def sample_microbatch(config: RunConfig, data: Dataset) -> torch.Tensor | None:

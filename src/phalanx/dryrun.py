@@ -32,7 +32,7 @@ def describe_run(config: RunConfig, world_size: int, run_dir: str) -> str:
     total = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     strategy = build.strategy(config)
-    servers = int(getattr(getattr(strategy, "config", None), "servers", 0) or 0)
+    servers = int(getattr(strategy.config, "servers", 0) or 0)
     data_ranks = world_size // config.parallel.pipeline - servers
     global_batch = config.data.batch_size * data_ranks
     num_samples = len(training_reader(config.data.path, build.data(config)))

@@ -15,7 +15,14 @@ from phalanx import engine_state
 from phalanx.batches import Batch, loss_of, split_batch, step_batch
 from phalanx.errors import ConfigError
 from phalanx.exchange.auto_bucketing import DEFAULT_BUCKET_MB, AutoBucketing, ObservedOrder
-from phalanx.exchange.base import STRATEGIES, ExchangeConfig, Strategy, make_strategy
+from phalanx.exchange.base import (
+    STRATEGIES,
+    ExchangeConfig,
+    Strategy,
+    StrategyFactory,
+    StrategyParts,
+    strategy_factory,
+)
 from phalanx.exchange.buckets import GradientBuckets
 from phalanx.exchange.comm import broadcast_together
 from phalanx.exchange.compression import make_codec
@@ -62,7 +69,7 @@ class Engine:
       Phase 5: update (the strategy applies the optimizer).
     Parameters and buffers are broadcast from rank 0 at construction so all replicas start equal.
 
-    Configuration: ``exchange`` (a registry name, a Strategy, or an ExchangeConfig such as a
+    Configuration: ``exchange`` (a registry name, a StrategyFactory, or an ExchangeConfig such as a
     run's ``[exchange]``) and ``step`` (a StepConfig such as a run's ``[train]``), validated
     once by those Configs; keyword shorthand for their keys (``bucket_mb=``, ``compress=``,
     ``accumulate_steps=``, ``precision=``, ``max_grad_norm=``, ...) replaces them.
@@ -98,7 +105,7 @@ class Engine:
         loss_fn: LossFn | None = None,
         optimizer: OptimizerSpec | None = None,
         *,
-        exchange: str | Strategy | ExchangeConfig = "allreduce",
+        exchange: str | StrategyFactory | ExchangeConfig = "allreduce",
         step: StepConfig | None = None,
         context: Context | None = None,
         parallel: ParallelConfig | None = None,
@@ -116,7 +123,7 @@ class Engine:
             parallel=(parallel, ParallelConfig, "a phalanx.parallel.layout.ParallelConfig or None"),
             context=(context, Context, "the Context of phalanx.init() or None"),
         )
-        self.strategy, exchange_config, self.config = _configs(exchange, step, options)
+        self.factory, exchange_config, self.config = _configs(exchange, step, options)
         bucket_mb = exchange_config.bucket_mb
         self.ctx = context or current_context()
         self.world = self.ctx  # every process; self.ctx becomes the data-parallel group
@@ -138,7 +145,7 @@ class Engine:
         self.precision = Precision(self.config.precision, self.ctx.device)
         self.guard = NonfiniteGuard(self.config, self.precision)
         self._check_rescaling()
-        self.strategy.codec = make_codec(exchange_config.compress)
+        self._codec = make_codec(exchange_config.compress)  # the same across rebuilds
         self.stats = StepStats()
         self.num_steps = 0  # steps run (what fault points and guard messages count, 0-based)
         self.num_updates = 0  # steps whose update was applied (the auto layout's schedule)
@@ -147,15 +154,15 @@ class Engine:
         self.buckets = GradientBuckets(
             self.trainable,
             int((DEFAULT_BUCKET_MB if bucket_mb == AUTO else float(bucket_mb)) * 2**20),
-            launch=self.strategy.launch,
-            align=self.strategy.bucket_alignment(self.ctx.world_size),
+            launch=lambda bucket: None,  # the strategy's, once built
+            align=self.factory.bucket_alignment(self.ctx.world_size, self.ctx.backend, self._codec),
             first_bucket_bytes=int(exchange_config.first_bucket_mb * 2**20),
         )
+        self.optimizer = self._adopt_optimizer(optimizer)
         self._driver: PipelineDriver | None = None  # Phase 2 with pipeline > 1 (a component)
         if self.pipeline is not None:
             parts = (self.buckets, self.strategy, self.guard, self.precision, self.world)
             self._driver = PipelineDriver(self.pipeline, *parts)
-        self.optimizer = self._adopt_optimizer(optimizer, exchange)
         # [memory] optimizer: the state in the memory tier between steps (stream), or the
         # masters, state and arithmetic on the host (mirror; layers wait in forward pre-hooks).
         self._mirror: OptimizerResidency | None = (
@@ -175,24 +182,31 @@ class Engine:
         self.global_loss = GlobalLoss(self.world, keep=self._teardown.hold)
         self._build_hooks(bucket_mb, trace)
 
-    def _adopt_optimizer(
-        self, optimizer: OptimizerSpec | None, exchange: str | Strategy | ExchangeConfig
-    ) -> torch.optim.Optimizer:
-        """The user's optimizer over the model's parameters (instance or factory), checked;
-        sharded strategies cut their shards where its parameter groups change."""
-        shards = self.strategy.optimizer_follows_layout
-        name = type(self.strategy).__name__ if isinstance(exchange, Strategy) else str(exchange)
-        if isinstance(exchange, ExchangeConfig):
-            name = exchange.strategy
-        user_optimizer = resolve_optimizer(optimizer, self.trainable, strategy=name, shards=shards)
-        self.strategy.group_of = group_of(user_optimizer) if shards else None
-        self.strategy.setup(self.ctx, self.buckets.buckets)
+    def _adopt_optimizer(self, optimizer: OptimizerSpec | None) -> torch.optim.Optimizer:
+        """Build the strategy, then hand it the user's optimizer over the model's parameters
+        (instance or factory), checked: sharded strategies cut their shards where its
+        parameter groups change."""
+        factory = self.factory
+        shards = factory.cls.optimizer_follows_layout
+        user_optimizer = resolve_optimizer(
+            optimizer, self.trainable, strategy=factory.name, shards=shards
+        )
+        self._group_of = group_of(user_optimizer) if shards else None
+        self.strategy = self._build_strategy(previous=None)
         if self.pipeline is not None and self.strategy.data_parallel()[1] != self.ctx.world_size:
             raise ConfigError(
                 "exchange.strategy: dedicated parameter servers train no stage; with pipeline "
                 "> 1 every rank must train (ps with servers = 0)"
             )
         return self.strategy.adopt_optimizer(user_optimizer, self.trainable)
+
+    def _build_strategy(self, previous: Strategy | None) -> Strategy:
+        """The strategy whole, on the buckets' current layout (``previous``: the one it
+        replaces; its thread and listeners carry over). The buckets launch into it."""
+        parts = StrategyParts(codec=self._codec, group_of=self._group_of, previous=previous)
+        strategy = self.factory(self.ctx, self.buckets.buckets, parts)
+        self.buckets.launch = strategy.launch
+        return strategy
 
     def _build_hooks(self, bucket_mb: float | str, trace: TraceConfig | None) -> None:
         """The step's components, in the order they run at each hook point."""
@@ -211,8 +225,8 @@ class Engine:
 
     def _check_rescaling(self) -> None:
         problem = rescaling_problem(
-            self.strategy.updates_during_exchange,
-            type(self.strategy).__name__,
+            self.factory.cls.updates_during_exchange,
+            self.factory.cls.__name__,
             max_grad_norm=self.guard.max_grad_norm,
             precision=self.precision.name,
             nonfinite=self.guard.nonfinite,
@@ -461,9 +475,19 @@ class Engine:
             if first_bucket_bytes is not None:
                 self.buckets.first_bucket_bytes = first_bucket_bytes
             self.buckets.build(order)
-            self.strategy.setup(self.ctx, self.buckets.buckets)
+            self._replace_strategy()
             self.strategy.rebind_optimizer(self.optimizer, self.trainable, carried)
         self.strategy.register_module(self.local_module)
+
+    def _replace_strategy(self) -> None:
+        """A strategy built for the new layout takes the old one's place everywhere."""
+        old = self.strategy
+        self.strategy = self._build_strategy(previous=old)
+        old.close()  # its hooks go; its thread now belongs to the new one
+        self._teardown.replace_strategy(self.strategy)
+        self.trace.strategy = self.strategy
+        if self._driver is not None:
+            self._driver.strategy = self.strategy
 
     def optimizer_resident(self) -> AbstractContextManager[None]:
         """The whole optimizer state in memory inside the block (it may live in the memory
@@ -522,10 +546,12 @@ class Engine:
 
 
 def _configs(
-    exchange: str | Strategy | ExchangeConfig, step: StepConfig | None, options: dict[str, Any]
-) -> tuple[Strategy, ExchangeConfig, StepConfig]:
-    """The strategy and the two Configs from ``exchange``, ``step`` and the keyword shorthand
-    (each key type-checked and validated by its Config; one line naming a bad one)."""
+    exchange: str | StrategyFactory | ExchangeConfig,
+    step: StepConfig | None,
+    options: dict[str, Any],
+) -> tuple[StrategyFactory, ExchangeConfig, StepConfig]:
+    """The strategy's factory and the two Configs from ``exchange``, ``step`` and the keyword
+    shorthand (each key type-checked and validated by its Config; one line naming a bad one)."""
     unknown = sorted(set(options) - STEP_OPTIONS - EXCHANGE_OPTIONS)
     if unknown:
         allowed = ", ".join(sorted(STEP_OPTIONS | EXCHANGE_OPTIONS))
@@ -535,22 +561,19 @@ def _configs(
     step_options = {k: v for k, v in options.items() if k in STEP_OPTIONS}
     exchange_options = {k: v for k, v in options.items() if k in EXCHANGE_OPTIONS}
     config = with_options(step if step is not None else StepConfig(), step_options)
-    if isinstance(exchange, ExchangeConfig):
-        exchange_config = with_options(exchange, exchange_options)
-        return (
-            make_strategy(exchange_config.strategy, exchange_config.options),
-            exchange_config,
-            config,
-        )
     if isinstance(exchange, str):
         STRATEGIES.get(exchange)  # one line naming the known strategies
-    elif not isinstance(exchange, Strategy):
+        exchange = ExchangeConfig(strategy=exchange)
+    if isinstance(exchange, ExchangeConfig):
+        exchange_config = with_options(exchange, exchange_options)
+        factory = strategy_factory(exchange_config.strategy, exchange_config.options)
+        return factory, exchange_config, config
+    if not isinstance(exchange, StrategyFactory):
         raise ConfigError(
-            "exchange: pass a strategy name, a phalanx.exchange.Strategy or an ExchangeConfig; "
-            f"got {type(exchange).__name__}"
+            "exchange: pass a strategy name, an ExchangeConfig or a phalanx.exchange."
+            f"strategy_factory(name, options); got {type(exchange).__name__}"
         )
-    exchange_config = with_options(ExchangeConfig(), exchange_options)
-    return make_strategy(exchange), exchange_config, config
+    return exchange, with_options(ExchangeConfig(), exchange_options), config
 
 
 def _weak_method(method: Callable[..., None]) -> Callable[..., None]:

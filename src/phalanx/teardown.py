@@ -22,6 +22,11 @@ class Teardown:
         self.thread = threading.get_ident()  # the thread that built the Engine
         self.held: list[Any] = []  # the Engine's own last backend works (hold_until_shutdown)
 
+    def replace_strategy(self, strategy: Any) -> None:
+        """A bucket rebuild built a new strategy (the Engine closed the old one)."""
+        if self.parts is not None:
+            self.parts = (strategy, *self.parts[1:])
+
     def hold(self, works: list[Any]) -> None:
         """Keep the Engine's last backend works (until replaced, or released at shutdown)."""
         self.held = works

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import phalanx as px
-from phalanx.exchange import make_strategy
+from phalanx.exchange import strategy_factory
 from tests.helpers.spawn import run_ranks
 from tests.multiproc.test_engine import LOCAL_BATCH, ReversedNet, _batches, _reference
 
@@ -24,7 +24,7 @@ def _auto(ctx: px.Context) -> dict:
     for name, options in (("allreduce", {}), ("partitioned", {"schedule": "native"})):
         engine = px.Engine(
             copy.deepcopy(model), nn.functional.cross_entropy, ADAM, bucket_mb="auto",
-            exchange=make_strategy(name, options), context=ctx,
+            exchange=strategy_factory(name, options), context=ctx,
         )  # fmt: skip
         r = ctx.rank
         # The model chooses after step 4, then the distinct candidate layouts take turns: 3

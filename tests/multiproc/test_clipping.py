@@ -67,7 +67,7 @@ def _clipped(ctx: px.Context) -> dict:
             memory = MemoryManager.build([], config, ctx.device)
         engine = px.Engine(
             copy.deepcopy(_model()), nn.functional.cross_entropy, SGD, context=ctx,
-            exchange=px.STRATEGIES.get(strategy)(**options), compress=compress,
+            exchange=px.exchange.strategy_factory(strategy, options), compress=compress,
             max_grad_norm=MAX_NORM, bucket_mb=0.001, first_bucket_mb=0.0005, memory=memory,
         )  # fmt: skip
         norms = []

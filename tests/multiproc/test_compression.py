@@ -12,7 +12,7 @@ from torch import nn
 
 import phalanx as px
 from phalanx.data.sources import DataConfig, load_source
-from phalanx.exchange import make_strategy
+from phalanx.exchange import strategy_factory
 from phalanx.models.zoo import digits_cnn
 from tests.helpers.spawn import run_ranks
 from tests.multiproc.test_engine import LOCAL_BATCH, SGD, ReversedNet, _batches, _reference
@@ -34,7 +34,7 @@ def _strategies_fp16(ctx: px.Context) -> dict:
     for name, options in STRATEGIES:
         engine = px.Engine(
             copy.deepcopy(model), nn.functional.cross_entropy, SGD, bucket_mb=0.004,
-            exchange=make_strategy(name, options), compress="fp16", context=ctx,
+            exchange=strategy_factory(name, options), compress="fp16", context=ctx,
         )  # fmt: skip
         r = ctx.rank
         for x, y in batches:

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import phalanx as px
-from phalanx.exchange import make_strategy
+from phalanx.exchange import strategy_factory
 from phalanx.memory.manager import MemoryConfig, MemoryManager
 from phalanx.optim import AdaGrad
 from tests.helpers.spawn import run_ranks
@@ -46,7 +46,7 @@ def _engine(
         copy.deepcopy(model),
         nn.functional.cross_entropy,
         factory,
-        exchange=make_strategy(name, options),
+        exchange=strategy_factory(name, options),
         bucket_mb=0.004,  # several buckets, so several partitions per step
         context=ctx,
         memory=memory,

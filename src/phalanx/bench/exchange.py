@@ -32,7 +32,7 @@ from torch import nn
 from phalanx.bench import machine_meta
 from phalanx.engine import Engine
 from phalanx.errors import ConfigError, WorkerError
-from phalanx.exchange.base import make_strategy
+from phalanx.exchange.base import strategy_factory
 from phalanx.fields import option
 from phalanx.models.zoo import MODELS
 from phalanx.runtime.context import Context, RuntimeConfig
@@ -233,9 +233,9 @@ def _build_phalanx(spec: ContenderSpec, model: nn.Module, ctx: Context) -> Conte
     """``phalanx.Engine(model, ..., **options)`` (options: exchange, bucket_mb, compress...)."""
 
     options = dict(spec.options)
-    strategy = make_strategy(
+    strategy = strategy_factory(
         options.pop("exchange", "allreduce"), dict(options.pop("exchange_options", ()))
-    )  # noqa: E501
+    )
     engine = Engine(
         model, F.cross_entropy, optimizer=_sgd, context=ctx, exchange=strategy, **options
     )

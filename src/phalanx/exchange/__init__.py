@@ -6,7 +6,14 @@ from phalanx.exchange import (  # noqa: F401  (register the built-in strategies)
     partitioned,
     tree,
 )
-from phalanx.exchange.base import STRATEGIES, ExchangeConfig, Strategy, make_strategy
+from phalanx.exchange.base import (
+    STRATEGIES,
+    ExchangeConfig,
+    Strategy,
+    StrategyFactory,
+    StrategyParts,
+    strategy_factory,
+)
 from phalanx.exchange.buckets import Bucket, GradientBuckets
 
 __all__ = [
@@ -15,5 +22,7 @@ __all__ = [
     "ExchangeConfig",
     "GradientBuckets",
     "Strategy",
-    "make_strategy",
+    "StrategyFactory",
+    "StrategyParts",
+    "strategy_factory",
 ]

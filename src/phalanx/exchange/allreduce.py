@@ -16,34 +16,33 @@ from typing import Any
 
 import torch.distributed as dist
 
-from phalanx.exchange.base import STRATEGIES, Strategy, stamp_done
+from phalanx.exchange.base import STRATEGIES, Strategy, StrategyParts, stamp_done
 from phalanx.exchange.buckets import Bucket
-from phalanx.exchange.comm import CommThread, wait
+from phalanx.exchange.comm import wait
 from phalanx.exchange.ring import GatherExchange, p2p_allreduce, prefers_gather
-from phalanx.runtime.context import hold_until_shutdown
+from phalanx.runtime.context import Context, hold_until_shutdown
 
 
 @STRATEGIES.register("allreduce")
 class AllReduce(Strategy):
     """Average gradients per bucket, overlapped with backward (see the module docstring)."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, ctx: Context, buckets: list[Bucket], parts: StrategyParts) -> None:
+        super().__init__(ctx, buckets, parts)
         self._works: list[Any] = []
         # The last step's backend works: the Python side keeps the last reference to each
         # until the next step (or, at close, until the groups are gone: hold_until_shutdown).
         self._finished_works: list[Any] = []
+        if previous := parts.previous:
+            self._finished_works = getattr(previous, "_finished_works", [])
+            previous._finished_works = []  # type: ignore[attr-defined]
         self._last: Bucket | None = None
         self._gather: GatherExchange | None = None
-        self.comm: CommThread | None = None
-
-    def setup(self, ctx: Any, buckets: list[Bucket]) -> None:
-        super().setup(ctx, buckets)
-        if self.codec.wire_dtype is not None and self.comm is None:
-            self.comm = CommThread(ctx.device, ctx.group)
+        self.compressed = self.codec.wire_dtype is not None  # point-to-point on the thread
+        if self.compressed:
+            self.comm_thread()
 
     def launch(self, bucket: Bucket) -> None:
-        assert self.ctx is not None, "setup() first"
         if self.comm is not None:  # compressed: point-to-point messages
             if bucket.index == len(self.buckets) - 1:
                 # Buckets launch in index order, so this one comes as backward ends: handing
@@ -73,7 +72,6 @@ class AllReduce(Strategy):
 
     def finish(self) -> None:
         if self._last is not None:  # on the main group: its messages never meet the thread's
-            assert self.ctx is not None
             if self._gather is not None:
                 self.count_bytes(*self._gather.finish())
             else:
@@ -95,5 +93,4 @@ class AllReduce(Strategy):
     def close(self) -> None:
         hold_until_shutdown(self._finished_works)
         self._finished_works = []
-        if self.comm is not None:
-            self.comm.close()
+        super().close()

@@ -12,18 +12,20 @@ Strategies never see model code; the Engine never branches on a strategy's name.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, cast
 
 import torch
 
 from phalanx.errors import ConfigError
 from phalanx.exchange.buckets import FIRST_BUCKET_BYTES, Bucket
+from phalanx.exchange.comm import CommThread
 from phalanx.exchange.compression import CODECS, Codec
 from phalanx.exchange.sharding import copy_pieces, merged_groups
 from phalanx.fields import ConfigValueError, from_dict, option, require
@@ -127,8 +129,29 @@ def holds_nonfinite(tensors: list[torch.Tensor]) -> bool:
     return not bool(torch.isfinite(sums).all())
 
 
+@dataclass(kw_only=True)
+class StrategyParts:
+    """What the Engine hands every strategy it builds, at construction and on each rebuild."""
+
+    # gradient message compression (kept across rebuilds: its counters belong to the run)
+    codec: Codec = field(default_factory=Codec)
+    config: Any = None  # the strategy's own Config (its options); None: the defaults
+    # id(parameter) -> index of the user's optimizer group: sharded strategies cut their
+    # shards where the group changes (None: replicated optimizers need none)
+    group_of: dict[int, int] | None = None
+    # The strategy of the previous bucket layout (a rebuild): the new one takes over its
+    # communication thread, listeners and unread thread spans; the Engine then closes it.
+    previous: Strategy | None = None
+
+
 class Strategy(ABC):
-    """Base class of exchange strategies (see the module docstring for the phases)."""
+    """Base class of exchange strategies (see the module docstring for the phases).
+
+    Built whole by a ``StrategyFactory`` with the context and the bucket layout, and built
+    again when the layout changes: a strategy's layout-dependent state (plans, shards) is
+    fixed at construction. The surface has two parts, typed as two protocols below: the
+    exchange (``GradientExchange``) and where the optimizer's state lives
+    (``OptimizerSharding``); this base implements the replicated optimizer."""
 
     # True where parameters are updated while gradients still arrive (no rank ever holds the
     # whole exchanged gradient before an update). Then a bad loss is agreed before the
@@ -140,14 +163,13 @@ class Strategy(ABC):
     # True where ``inspect_gradients`` all-reduces over the data group (no rank holds the
     # whole gradient): the Engine's global loss then rides in that message ("riders").
     verdict_all_reduces: bool = False
+    Config: type | None = None  # the options' dataclass, for strategies that take options
 
-    def __init__(self) -> None:
-        self.ctx: Context | None = None
-        self.buckets: list[Bucket] = []
-        self.codec: Codec = Codec()  # gradient message compression, set by the Engine
-        # id(parameter) -> index of the user's optimizer group (set by the Engine before
-        # setup; sharded strategies cut their shards where the group changes)
-        self.group_of: dict[int, int] | None = None
+    def __init__(self, ctx: Context, buckets: list[Bucket], parts: StrategyParts) -> None:
+        self.ctx = ctx
+        self.buckets = buckets
+        self.codec: Codec = parts.codec
+        self.group_of = parts.group_of
         self.bytes_sent = 0  # this step, counted by the strategy
         self.bytes_received = 0
         # This step's forward waits for parameters still arriving: (bucket, start, end) in
@@ -160,17 +182,27 @@ class Strategy(ABC):
         # called in finish() with each bucket whose mean gradient is complete (allreduce, tree)
         self.bucket_listeners: list[Callable[[Bucket], None]] = []
         self._count_lock = threading.Lock()  # a communication thread may count too
+        # The thread of strategies that run point-to-point chains (``comm_thread()``)
+        self.comm: CommThread | None = None
+        previous = parts.previous
+        if previous is not None:  # the same thread, listeners and spans across layouts
+            self.comm, previous.comm = previous.comm, None
+            self.bucket_listeners = previous.bucket_listeners
+            self.thread_spans = previous.thread_spans
+
+    def comm_thread(self) -> CommThread:
+        """The communication thread, started at the first call (or the previous layout's)."""
+        if self.comm is None:
+            self.comm = CommThread(self.ctx.device, self.ctx.group)
+        return self.comm
 
     # -- layout -------------------------------------------------------------------------------
-    def bucket_alignment(self, world_size: int) -> int:
-        """Each bucket's flat length is padded to a multiple of this (e.g. p for scatters)."""
-        del world_size
+    @classmethod
+    def bucket_alignment(cls, config: Any, world_size: int, backend: str, codec: Codec) -> int:
+        """Each bucket's flat length is padded to a multiple of this (e.g. p for scatters),
+        known before any bucket exists: from the options, world, backend and compression."""
+        del config, world_size, backend, codec
         return 1
-
-    def setup(self, ctx: Context, buckets: list[Bucket]) -> None:
-        """Called once the buckets exist, and again whenever they are rebuilt."""
-        self.ctx = ctx
-        self.buckets = buckets
 
     @property
     def is_trainer(self) -> bool:
@@ -202,7 +234,6 @@ class Strategy(ABC):
 
     def data_parallel(self) -> tuple[int, int]:
         """(index, count) of this rank among the ranks that train on data."""
-        assert self.ctx is not None, "setup() first"
         return self.ctx.rank, self.ctx.world_size
 
     def register_module(self, module: torch.nn.Module) -> None:
@@ -232,8 +263,9 @@ class Strategy(ABC):
         params: list[torch.nn.Parameter],
         carried: Any,
     ) -> None:
-        """After ``setup`` on a new layout: point the *same* optimizer object at the layout's
-        parameters with its state moved (a scheduler attached to it keeps acting)."""
+        """On a strategy built for a new layout (the old one carried ``carried``): point the
+        *same* optimizer object at the layout's parameters with its state moved (a scheduler
+        attached to it keeps acting)."""
         del optimizer, params, carried
 
     def gradient_scale(self) -> float:
@@ -383,18 +415,36 @@ class Strategy(ABC):
         )
 
     def close(self) -> None:
-        """Stop background work and remove hooks."""
-        return None
+        """Stop background work and remove hooks (a communication thread handed to the next
+        layout's strategy is not this one's any more)."""
+        if self.comm is not None:
+            self.comm.close()
 
 
 STRATEGIES: Registry[Strategy] = Registry("exchange strategy")
 
 
-def make_strategy(spec: str | Strategy, options: dict[str, Any] | None = None) -> Strategy:
-    """A Strategy from a registry name (with its options) or an instance (returned as is)."""
-    if isinstance(spec, Strategy):
-        return spec
-    return STRATEGIES.get(spec)(**(options or {}))
+@dataclass(frozen=True)
+class StrategyFactory:
+    """Builds a registered strategy whole: ``factory(ctx, buckets, parts)``; what the Engine
+    needs before any instance exists (alignment, the class's flags) comes from here too."""
+
+    name: str
+    cls: type[Strategy]
+    config: Any  # the strategy's Config built from its options (None: it takes none)
+
+    def __call__(self, ctx: Context, buckets: list[Bucket], parts: StrategyParts) -> Strategy:
+        return self.cls(ctx, buckets, dataclasses.replace(parts, config=self.config))
+
+    def bucket_alignment(self, world_size: int, backend: str, codec: Codec) -> int:
+        return self.cls.bucket_alignment(self.config, world_size, backend, codec)
+
+
+def strategy_factory(name: str, options: dict[str, Any] | None = None) -> StrategyFactory:
+    """The factory of registered strategy ``name`` with its ``options`` (validated here, one
+    line naming a bad option)."""
+    cls = cast("type[Strategy]", STRATEGIES.get(name))  # registered classes
+    return StrategyFactory(name, cls, strategy_config(name, options or {}))
 
 
 def _per_element(value: Any, p: torch.Tensor) -> bool:

@@ -100,7 +100,7 @@ class GradientBuckets:
         self.first_bucket_bytes = first_bucket_bytes
         self.align = align
         self.on_ready: Callable[[int, int], None] | None = None  # (param index, bytes) observer
-        self._launch = launch
+        self.launch = launch  # the strategy's; re-pointed when the Engine rebuilds it
         self._position = {id(p): i for i, p in enumerate(self.params)}
         self.used = bytearray(len(self.params))
         self.ready_order: list[int] = []
@@ -225,7 +225,7 @@ class GradientBuckets:
         bucket.launch_time = time.perf_counter()
         bucket.pending_grads_at_launch = self._num_pending_total
         self._next_launch += 1
-        self._launch(bucket)
+        self.launch(bucket)
 
     def flush(self) -> None:
         """Phase 3: after backward, launch the buckets that unused parameters held back."""

@@ -13,40 +13,34 @@ from typing import Any
 
 import torch
 
-from phalanx.exchange.base import Strategy
-from phalanx.exchange.comm import CommThread, wait
+from phalanx.exchange.base import Strategy, StrategyParts
+from phalanx.exchange.buckets import Bucket
+from phalanx.exchange.comm import wait
 from phalanx.exchange.sharding import ShardedParameters, hyperparameters
+from phalanx.runtime.context import Context
 
 
 class OwnerUpdateStrategy(Strategy):
     """Base of owner-update strategies: pending parameter arrivals, hooks, state, counters.
 
-    Subclasses build ``self.sharded`` in ``setup`` and put each bucket's background send-back
-    (a Work or a CommThread Future) in ``self._pending_params[bucket index]``.
+    Subclasses build ``self.sharded`` (this layout's shards) in their constructor; each
+    bucket's background send-back (a Work or a CommThread Future) goes into
+    ``self._pending_params[bucket index]``.
     """
 
     optimizer_follows_layout = True  # the optimizer steps this layout's shard Parameters
+    sharded: ShardedParameters  # set by the subclass's constructor
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.sharded: ShardedParameters | None = None
-        self.comm: CommThread | None = None
+    def __init__(self, ctx: Context, buckets: list[Bucket], parts: StrategyParts) -> None:
+        super().__init__(ctx, buckets, parts)
+        self.comm_thread()
         self._pending_params: dict[int, Any] = {}
         self._hooks: list = []
-
-    def _ensure_comm(self, device: torch.device, group: Any) -> CommThread:
-        if self.comm is None:
-            self.comm = CommThread(device, group)
-        return self.comm
 
     # -- parameters arriving while the next forward runs --------------------------------------
     def register_module(self, module: torch.nn.Module) -> None:
         """Make each submodule that holds parameters wait, before its forward, for those of
         its subtree only (containers wait for nothing: their children do)."""
-        assert self.sharded is not None
-        for handle in self._hooks:  # a rebuilt layout replaces the previous hooks
-            handle.remove()
-        self._hooks = []
         bucket_of = {id(p): b.index for b in self.sharded.buckets for p in b.params}
         for sub in module.modules():
             if next(sub.parameters(recurse=False), None) is None:
@@ -105,7 +99,6 @@ class OwnerUpdateStrategy(Strategy):
         self.load_optimizer_state_dict(optimizer, params, carried)
 
     def _point_at_shards(self, optimizer: torch.optim.Optimizer) -> None:
-        assert self.sharded is not None
         per_group = self.sharded.group_params(len(optimizer.param_groups))
         for group, shards in zip(optimizer.param_groups, per_group):
             group["params"] = shards
@@ -113,31 +106,26 @@ class OwnerUpdateStrategy(Strategy):
 
     # -- accounting and state -----------------------------------------------------------------
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer, params: list) -> dict:
-        assert self.sharded is not None and self.ctx is not None
         self.sync()
         return self.sharded.canonical_state(optimizer, params, self.ctx.group)
 
     def load_optimizer_state_dict(
         self, optimizer: torch.optim.Optimizer, params: list, state: dict
     ) -> None:
-        assert self.sharded is not None
         self.sharded.load_canonical_state(optimizer, params, state)
 
     def optimizer_shards(self, optimizer: torch.optim.Optimizer, params: list) -> tuple:
         """Only this rank's shards' state (checkpoints: no rank gathers the others')."""
-        assert self.sharded is not None and self.ctx is not None
         self.sync()
         state = self.sharded.local_state(optimizer, params, self.ctx.group)
         return state, hyperparameters(self.sharded, optimizer, params)
 
     def owned_ranges(self, params: list) -> dict[int, list[tuple[int, int]]]:
-        assert self.sharded is not None
         return self.sharded.owned_ranges(params)
 
     def load_optimizer_shards(
         self, optimizer: torch.optim.Optimizer, params: list, state: dict, groups: list
     ) -> None:
-        assert self.sharded is not None
         self.sync()
         self.sharded.load_local_state(optimizer, params, state, groups)
 
@@ -149,5 +137,4 @@ class OwnerUpdateStrategy(Strategy):
                 h.remove()
             self._hooks = []
             self._pending_params.clear()
-            if self.comm is not None:
-                self.comm.close()
+            super().close()

@@ -32,13 +32,14 @@ import torch
 import torch.distributed as dist
 
 from phalanx.errors import ConfigError
-from phalanx.exchange.base import STRATEGIES, holds_nonfinite, stamp_done
+from phalanx.exchange.base import STRATEGIES, StrategyParts, holds_nonfinite, stamp_done
 from phalanx.exchange.buckets import Bucket
 from phalanx.exchange.comm import global_rank
 from phalanx.exchange.owners import OwnerUpdateStrategy
 from phalanx.exchange.sharding import ShardedParameters, bounds
 from phalanx.exchange.tree import tree_children, tree_parent
 from phalanx.fields import option, require
+from phalanx.runtime.context import Context
 
 logger = logging.getLogger("phalanx")
 
@@ -76,38 +77,9 @@ class ParameterServer(OwnerUpdateStrategy):
     Config = ParamServerConfig
     updates_during_exchange = True  # servers update each bucket as it arrives (F8)
 
-    def __init__(self, **options: Any) -> None:
-        super().__init__()
-        self.config = ParamServerConfig(**options)
-        self.optimizer: torch.optim.Optimizer | None = None
-        self._pushed: list[tuple[threading.Event, Any]] = []
-        self._updated: list[tuple[threading.Event, Any]] = []
-        self.num_nonfinite_partitions = 0  # partition updates the servers skipped (inf/NaN)
-
-    # -- roles --------------------------------------------------------------------------------
-    @property
-    def num_workers(self) -> int:
-        assert self.ctx is not None
-        return self.ctx.world_size - self.config.servers
-
-    @property
-    def is_trainer(self) -> bool:
-        assert self.ctx is not None
-        return self.ctx.rank < self.num_workers
-
-    def data_parallel(self) -> tuple[int, int]:
-        assert self.ctx is not None
-        return min(self.ctx.rank, self.num_workers - 1), self.num_workers
-
-    def _owners(self) -> list[int]:
-        assert self.ctx is not None
-        if self.config.servers == 0:
-            return list(range(self.ctx.world_size))
-        return list(range(self.num_workers, self.ctx.world_size))
-
-    # -- layout -------------------------------------------------------------------------------
-    def setup(self, ctx: Any, buckets: list[Bucket]) -> None:
-        super().setup(ctx, buckets)
+    def __init__(self, ctx: Context, buckets: list[Bucket], parts: StrategyParts) -> None:
+        super().__init__(ctx, buckets, parts)
+        self.config = parts.config or ParamServerConfig()
         self.config.check_world(ctx.world_size)
         owners = self._owners()
         self.ranges = [bounds(b.flat.numel(), len(owners)) for b in buckets]
@@ -119,13 +91,43 @@ class ParameterServer(OwnerUpdateStrategy):
             host_master=True,
             group_of=self.group_of,
         )
-        self._ensure_comm(ctx.device, ctx.group)
+        # The optimizer the servers step (the user's, pointed at the shards by
+        # adopt_optimizer / rebind_optimizer)
+        self.optimizer: torch.optim.Optimizer | None = None
+        self._pushed: list[tuple[threading.Event, Any]] = []
+        self._updated: list[tuple[threading.Event, Any]] = []
+        # partition updates the servers skipped (inf/NaN), over the run
+        previous = parts.previous
+        self.num_nonfinite_partitions = getattr(previous, "num_nonfinite_partitions", 0)
+
+    # -- roles --------------------------------------------------------------------------------
+    @property
+    def num_workers(self) -> int:
+        return self.ctx.world_size - self.config.servers
+
+    @property
+    def is_trainer(self) -> bool:
+        return self.ctx.rank < self.num_workers
+
+    def data_parallel(self) -> tuple[int, int]:
+        return min(self.ctx.rank, self.num_workers - 1), self.num_workers
+
+    def _owners(self) -> list[int]:
+        if self.config.servers == 0:
+            return list(range(self.ctx.world_size))
+        return list(range(self.num_workers, self.ctx.world_size))
 
     def adopt_optimizer(
         self, optimizer: torch.optim.Optimizer, params: list
     ) -> torch.optim.Optimizer:
         self.optimizer = super().adopt_optimizer(optimizer, params)  # the servers step it
         return self.optimizer
+
+    def rebind_optimizer(
+        self, optimizer: torch.optim.Optimizer, params: list, carried: Any
+    ) -> None:
+        super().rebind_optimizer(optimizer, params, carried)
+        self.optimizer = optimizer
 
     # -- the non-finite guard ------------------------------------------------------------------
     def inspect_gradients(
@@ -139,12 +141,11 @@ class ParameterServer(OwnerUpdateStrategy):
 
     # -- the per-bucket job -------------------------------------------------------------------
     def launch(self, bucket: Bucket) -> None:
-        assert self.comm is not None
         self._wait_params(bucket.index)
         pushed, updated = threading.Event(), threading.Event()
         self.count_bytes(*self._pull_bytes(bucket))  # the pull ends in the background: tally it now
         job = stamp_done(
-            bucket, self.comm.submit(lambda: self._serve_bucket(bucket, pushed, updated))
+            bucket, self.comm_thread().submit(lambda: self._serve_bucket(bucket, pushed, updated))
         )
         self._pushed.append((pushed, job))
         self._updated.append((updated, job))
@@ -154,7 +155,6 @@ class ParameterServer(OwnerUpdateStrategy):
         self, bucket: Bucket, pushed: threading.Event, updated: threading.Event
     ) -> None:
         """Runs on the communication thread."""
-        assert self.ctx is not None and self.sharded is not None
         owners = self._owners()
         grads = self._host(bucket.flat)
         if self.config.reduce == "star":  # Phase 1: push
@@ -193,8 +193,7 @@ class ParameterServer(OwnerUpdateStrategy):
         """Every worker sends each partition of bucket ``b``'s gradients (``grads``: 1-D, on
         the host) to its server, all at once; each server receives every worker's at once and
         sums them in worker order. Returns {partition: sum} of the partitions this rank owns."""
-        assert self.ctx is not None and self.comm is not None
-        rank, group, codec = self.ctx.rank, self.comm.group, self.codec
+        rank, group, codec = self.ctx.rank, self.comm_thread().group, self.codec
         owners, ranges = self._owners(), self.ranges[b]
         trainer = rank < self.num_workers
         turn = functools.partial(star_turn, num_servers=len(owners))  # distinct ports per turn
@@ -236,7 +235,6 @@ class ParameterServer(OwnerUpdateStrategy):
     def _push_tree(self, b: int, grads: torch.Tensor, m: int) -> torch.Tensor:
         """Partition m of bucket ``b``'s gradients summed up a binary tree rooted at its
         server (returned there; other ranks get their partial sum)."""
-        assert self.ctx is not None and self.comm is not None
         owner = self._owners()[m]
         lo, hi = self.ranges[b][m]
         chunk = grads[lo:hi]
@@ -244,7 +242,7 @@ class ParameterServer(OwnerUpdateStrategy):
         if self.ctx.rank not in ranks:
             return chunk
         total = chunk.clone() if self.ctx.rank < self.num_workers else torch.zeros_like(chunk)
-        me, n, group = ranks.index(self.ctx.rank), len(ranks), self.comm.group
+        me, n, group = ranks.index(self.ctx.rank), len(ranks), self.comm_thread().group
         for child in tree_children(me, n):
             self.count_bytes(0, self.codec.recv_add(total, ranks[child], group))
         parent = tree_parent(me)
@@ -254,7 +252,7 @@ class ParameterServer(OwnerUpdateStrategy):
 
     def _update(self, bucket: Bucket, m: int, summed: torch.Tensor) -> None:
         """Step the optimizer on partition m of this bucket only (others have no gradient)."""
-        assert self.sharded is not None and self.optimizer is not None
+        assert self.optimizer is not None, "adopt_optimizer first"
         lo, hi = self.ranges[bucket.index][m]
         if holds_nonfinite([summed]):
             # Earlier buckets may already be updated: only this partition can still be saved.
@@ -280,8 +278,7 @@ class ParameterServer(OwnerUpdateStrategy):
     def _pull_star(self, b: int, flat: torch.Tensor) -> None:
         """Every server sends its updated partitions of bucket ``b`` (``flat``: the bucket's
         parameters, 1-D) to every worker, all at once; each worker receives them at once."""
-        assert self.ctx is not None and self.comm is not None
-        rank, group = self.ctx.rank, self.comm.group
+        rank, group = self.ctx.rank, self.comm_thread().group
         owners = self._owners()
         pairs = [(m, w) for m, o in enumerate(owners) for w in range(self.num_workers) if w != o]
         pairs.sort(key=lambda pair: (star_turn(pair[0], pair[1], len(owners)), pair[1]))
@@ -306,8 +303,7 @@ class ParameterServer(OwnerUpdateStrategy):
     def _pull_tree(self, flat: torch.Tensor, lo: int, hi: int, owner: int) -> None:
         """The updated partition [lo, hi) travels from ``owner`` down the tree to every
         worker."""
-        assert self.ctx is not None and self.comm is not None
-        rank, group = self.ctx.rank, self.comm.group
+        rank, group = self.ctx.rank, self.comm_thread().group
         ranks = self._participants(owner)
         if rank not in ranks:
             return
@@ -323,7 +319,6 @@ class ParameterServer(OwnerUpdateStrategy):
     def _pull_links(self, ranks: list[int]) -> tuple[int | None, list[int]]:
         """Who this rank receives the updated partition from, and whom it forwards it to
         (star: the owner sends to every worker; tree: down the tree rooted at the owner)."""
-        assert self.ctx is not None
         me = ranks.index(self.ctx.rank)
         if self.config.reduce == "tree":
             parent = tree_parent(me)
@@ -333,7 +328,6 @@ class ParameterServer(OwnerUpdateStrategy):
 
     def _pull_bytes(self, bucket: Bucket) -> tuple[int, int]:
         """(sent, received) bytes of this rank's pull of ``bucket``, message by message."""
-        assert self.ctx is not None
         sent = received = 0
         itemsize = bucket.flat.element_size()
         for m, owner in enumerate(self._owners()):

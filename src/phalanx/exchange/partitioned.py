@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from phalanx.exchange import schedule
-from phalanx.exchange.base import STRATEGIES, holds_nonfinite, stamp_done
+from phalanx.exchange.base import STRATEGIES, StrategyParts, holds_nonfinite, stamp_done
 from phalanx.exchange.buckets import Bucket
 from phalanx.exchange.comm import global_rank
 from phalanx.exchange.compression import Codec
@@ -38,6 +38,7 @@ from phalanx.exchange.owners import OwnerUpdateStrategy
 from phalanx.exchange.ring import ring_reduce_scatter
 from phalanx.exchange.sharding import ShardedParameters, bounds
 from phalanx.fields import option
+from phalanx.runtime.context import Context
 
 Count = Callable[[int, int], None]  # (bytes sent, bytes received) of this rank
 
@@ -191,43 +192,32 @@ class Partitioned(OwnerUpdateStrategy):
     Config = PartitionedConfig
     verdict_all_reduces = True
 
-    def __init__(self, **options: Any) -> None:
-        super().__init__()
-        self.config = PartitionedConfig(**options)
-        self.plan: PartitionSchedule | None = None
-        self.layouts: list[Layout] = []
-        self._pending_reduce: dict[int, Any] = {}
-
-    def _schedule_class(self, backend: str) -> type[PartitionSchedule]:
-        if self.config.schedule == "cyclic":
-            return CyclicSchedule
-        # Backend collectives cannot sum messages with per-rank scales: compressed runs use
-        # the point-to-point ring, which decodes and adds in full precision at every hop.
-        compressed = self.codec.wire_dtype is not None
-        return CollectiveSchedule if backend == "nccl" and not compressed else RingSchedule
-
-    # -- layout -------------------------------------------------------------------------------
-    def bucket_alignment(self, world_size: int) -> int:
-        backend = dist.get_backend() if dist.is_initialized() else "gloo"
-        return world_size if self._schedule_class(backend) is CollectiveSchedule else 1
-
-    def setup(self, ctx: Any, buckets: list[Bucket]) -> None:
-        super().setup(ctx, buckets)
-        comm = self._ensure_comm(ctx.device, ctx.group)
-        plan_class = self._schedule_class(ctx.backend)
-        self.plan = plan_class(ctx.rank, ctx.world_size, comm.group, self.codec)
-        self.layouts = [self.plan.layout(b.flat.numel()) for b in buckets]
+    def __init__(self, ctx: Context, buckets: list[Bucket], parts: StrategyParts) -> None:
+        super().__init__(ctx, buckets, parts)
+        self.config = parts.config or PartitionedConfig()
+        plan_class = _schedule_class(self.config, ctx.backend, self.codec.wire_dtype is not None)
+        self.plan = plan_class(ctx.rank, ctx.world_size, self.comm_thread().group, self.codec)
+        self.layouts: list[Layout] = [self.plan.layout(b.flat.numel()) for b in buckets]
         ranges = [lay.ranges for lay in self.layouts]
         owners = [lay.owners for lay in self.layouts]
         self.sharded = ShardedParameters(buckets, ranges, owners, ctx.rank, group_of=self.group_of)
+        self._pending_reduce: dict[int, Any] = {}
+        self._reduced: dict[int, tuple[torch.Tensor, int]] = {}
+
+    # -- layout -------------------------------------------------------------------------------
+    @classmethod
+    def bucket_alignment(cls, config: Any, world_size: int, backend: str, codec: Codec) -> int:
+        config = config or PartitionedConfig()
+        plan_class = _schedule_class(config, backend, codec.wire_dtype is not None)
+        return world_size if plan_class is CollectiveSchedule else 1
 
     # -- phases 1 and 2: reduce ---------------------------------------------------------------
     def launch(self, bucket: Bucket) -> None:
-        assert self.comm is not None and self.plan is not None
+        comm = self.comm_thread()
         self._wait_params(bucket.index)  # its parameters must have arrived before they change
         layout, plan = self.layouts[bucket.index], self.plan
         job = stamp_done(
-            bucket, self.comm.submit(lambda: plan.reduce(bucket.flat, layout, self.count_bytes))
+            bucket, comm.submit(lambda: plan.reduce(bucket.flat, layout, self.count_bytes))
         )
         self._pending_reduce[bucket.index] = job
 
@@ -243,7 +233,6 @@ class Partitioned(OwnerUpdateStrategy):
         usage flags in the last partition) and sums the squares of its shards' gradients; one
         small all-reduce makes both global, since no rank holds the whole gradient. The
         Engine's ``riders`` (its global loss) travel in the same message."""
-        assert self.ctx is not None and self.sharded is not None
         num_riders = 0 if riders is None else riders.numel()
         local = torch.zeros(2 + num_riders, dtype=torch.float64, device=self.ctx.device)
         if riders is not None:
@@ -267,7 +256,6 @@ class Partitioned(OwnerUpdateStrategy):
 
     def _owned_grads(self) -> list[torch.Tensor]:
         """This rank's shards' reduced gradients (views; usage flags and padding excluded)."""
-        assert self.sharded is not None
         out = []
         for shard in self.sharded.shards:
             buffer, offset = self._reduced[shard.bucket]
@@ -276,7 +264,6 @@ class Partitioned(OwnerUpdateStrategy):
 
     # -- phase 3: update and send back --------------------------------------------------------
     def update(self, optimizer: torch.optim.Optimizer) -> None:
-        assert self.sharded is not None and self.comm is not None and self.plan is not None
         grads = {b: buffer for b, (buffer, _) in self._reduced.items()}
         offsets = {b: offset for b, (_, offset) in self._reduced.items()}
         self.sharded.attach_grads(grads, offsets)
@@ -287,7 +274,17 @@ class Partitioned(OwnerUpdateStrategy):
         self._reduced = {}
 
     def _send_back(self, b: int) -> Any:
-        assert self.sharded is not None and self.comm is not None and self.plan is not None
         flat, layout, plan = self.sharded.flats[b], self.layouts[b], self.plan
         self.count_bytes(*plan.send_back_bytes(layout, flat.element_size()))
-        return self.comm.submit(lambda: plan.send_back(flat, layout))
+        return self.comm_thread().submit(lambda: plan.send_back(flat, layout))
+
+
+def _schedule_class(
+    config: PartitionedConfig, backend: str, compressed: bool
+) -> type[PartitionSchedule]:
+    """The schedule of ``config`` on ``backend``. Backend collectives cannot sum messages with
+    per-rank scales: compressed runs use the point-to-point ring, which decodes and adds in
+    full precision at every hop."""
+    if config.schedule == "cyclic":
+        return CyclicSchedule
+    return CollectiveSchedule if backend == "nccl" and not compressed else RingSchedule

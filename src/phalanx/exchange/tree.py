@@ -19,10 +19,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from phalanx.exchange.base import STRATEGIES, Strategy, stamp_done
+from phalanx.exchange.base import STRATEGIES, Strategy, StrategyParts, stamp_done
 from phalanx.exchange.buckets import Bucket
-from phalanx.exchange.comm import CommThread, global_rank, wait
+from phalanx.exchange.comm import global_rank, wait
 from phalanx.exchange.compression import Codec
+from phalanx.runtime.context import Context
 
 
 def tree_children(rank: int, world_size: int) -> list[int]:
@@ -75,20 +76,15 @@ def tree_allreduce(
 class Tree(Strategy):
     """Binary-tree reduce + broadcast per bucket over point-to-point messages."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.comm: CommThread | None = None
+    def __init__(self, ctx: Context, buckets: list[Bucket], parts: StrategyParts) -> None:
+        super().__init__(ctx, buckets, parts)
+        self.comm_thread()
         self._jobs: list[Any] = []
 
-    def setup(self, ctx: Any, buckets: list[Bucket]) -> None:
-        super().setup(ctx, buckets)
-        if self.comm is None:
-            self.comm = CommThread(ctx.device, ctx.group)
-
     def launch(self, bucket: Bucket) -> None:
-        assert self.comm is not None and self.ctx is not None
-        rank, world, group, codec = self.ctx.rank, self.ctx.world_size, self.comm.group, self.codec
-        job = self.comm.submit(lambda: tree_allreduce(bucket.flat, rank, world, group, codec))
+        comm = self.comm_thread()
+        rank, world, group, codec = self.ctx.rank, self.ctx.world_size, comm.group, self.codec
+        job = comm.submit(lambda: tree_allreduce(bucket.flat, rank, world, group, codec))
         stamp_done(bucket, job)
         self._jobs.append((bucket, job))
 
@@ -98,7 +94,3 @@ class Tree(Strategy):
             self.count_bytes(*job.result())
             self.bucket_exchanged(bucket)
         self._jobs = []
-
-    def close(self) -> None:
-        if self.comm is not None:
-            self.comm.close()
