@@ -16,6 +16,7 @@ from phalanx.errors import CheckpointError
 
 if TYPE_CHECKING:
     from phalanx.engine import Engine
+    from phalanx.exchange.base import OptimizerSharding
 
 
 def state_dict(engine: Engine, stored: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -30,12 +31,13 @@ def state_dict(engine: Engine, stored: dict[str, Any] | None = None) -> dict[str
     on any world size and strategy."""
 
     engine.strategy.sync()
+    sharding: OptimizerSharding = engine.strategy  # where the optimizer's state lives
     named = {id(p): name for name, p in engine.local_module.named_parameters()}
     names = [named[id(p)] for p in engine.trainable]
     model = engine.local_module.state_dict()  # loads in place: the parameters themselves
     if stored is None:
         with engine.optimizer_resident():  # the returned tensors outlive the block
-            shards, groups = engine.strategy.optimizer_shards(engine.optimizer, engine.trainable)
+            shards, groups = sharding.optimizer_shards(engine.optimizer, engine.trainable)
         return {
             "model": model,
             "optimizer": checkpoint.optimizer_to_dcp(shards, groups, engine.trainable, names),
@@ -46,7 +48,7 @@ def state_dict(engine: Engine, stored: dict[str, Any] | None = None) -> dict[str
     extra = sorted(set(stored.get("model", {})) - set(model))
     if extra and engine.pipeline is None:  # a stage reads its layers only
         raise CheckpointError(f"checkpoint has {extra[0]!r}, which the model does not")
-    ranges = engine.strategy.owned_ranges(engine.trainable)
+    ranges = sharding.owned_ranges(engine.trainable)
     optimizer = checkpoint.optimizer_template(
         stored.get("optimizer"), ranges, engine.trainable, names
     )
@@ -83,15 +85,16 @@ def load_state_dict(engine: Engine, state: dict[str, Any]) -> None:
 
 
 def _load_optimizer(engine: Engine, optimizer: dict[str, Any]) -> None:
+    sharding: OptimizerSharding = engine.strategy
     if any(isinstance(k, int) for k in optimizer.get("state", {})) or (
         optimizer.get("param_groups") and isinstance(optimizer["param_groups"], list)
     ):  # the gathered per-index form (single-file checkpoints)
-        engine.strategy.load_optimizer_state_dict(engine.optimizer, engine.trainable, optimizer)
+        sharding.load_optimizer_state_dict(engine.optimizer, engine.trainable, optimizer)
     else:
         named = {id(p): name for name, p in engine.local_module.named_parameters()}
         names = [named[id(p)] for p in engine.trainable]
         shards, groups = checkpoint.optimizer_from_dcp(optimizer, engine.trainable, names)
-        engine.strategy.load_optimizer_shards(engine.optimizer, engine.trainable, shards, groups)
+        sharding.load_optimizer_shards(engine.optimizer, engine.trainable, shards, groups)
 
 
 def _check_model_state(state: dict[str, Any], targets: dict[str, torch.Tensor]) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -24,6 +24,9 @@ import torch.distributed as dist
 from phalanx.errors import NonFiniteError
 from phalanx.fields import option, require
 from phalanx.precision import Precision
+
+if TYPE_CHECKING:  # annotations only: the guard itself needs nothing of phalanx.exchange
+    from phalanx.exchange.base import GradientExchange
 
 logger = logging.getLogger("phalanx")
 
@@ -65,13 +68,15 @@ class NonfiniteGuard:
         """Whether ``inspect`` asks the strategy for a verdict (and so may all-reduce)."""
         return self.nonfinite is not None or self.max_grad_norm is not None or self.precision.scaled
 
-    def agrees_before_backward(self, strategy: Any) -> bool:
+    def agrees_before_backward(self, strategy: GradientExchange) -> bool:
         """Whether ``before_exchange`` holds every rank in one all-reduce between the last
         forward and its backward (a synchronisation the step's trace shows)."""
         return self.nonfinite is not None and strategy.updates_during_exchange
 
     # Phase 2
-    def before_exchange(self, loss: torch.Tensor, strategy: Any, buckets: Any, group: Any) -> bool:
+    def before_exchange(
+        self, loss: torch.Tensor, strategy: GradientExchange, buckets: Any, group: Any
+    ) -> bool:
         """Poison this rank's buckets if its loss (0-dim, on the device) is inf/NaN, or agree
         with every rank of ``group`` first where the strategy updates during the exchange;
         returns whether the exchange must be skipped."""
@@ -88,7 +93,7 @@ class NonfiniteGuard:
     # Phase 4
     def inspect(
         self,
-        strategy: Any,
+        strategy: GradientExchange,
         riders: torch.Tensor | None,
         combine: Combine | None,
         mirror: Any,

@@ -1,12 +1,13 @@
-"""The Strategy protocol of gradient exchange, its registry and its Config.
+"""The Strategy protocol of gradient exchange, its registry, factory and Config.
 
 A Strategy receives full buckets during backward and makes every rank end the step with the
-same updated parameters. The Engine calls, per step:
-  Phase 1: ``launch(bucket)`` for each bucket, in bucket order, as backward fills them;
-  Phase 2: ``finish()`` once backward returned and every bucket was launched: afterwards each
+same updated parameters. In the Engine's step (phalanx.engine; the same phase numbers):
+  Phase 2: ``launch(bucket)`` for each bucket, in bucket order, as backward fills them
+    (Phase 3 launches those unused parameters held back, the same way);
+  Phase 4: ``finish()`` once backward returned and every bucket was launched: afterwards each
     bucket's ``flat`` holds the gradient averaged over ranks (strategies that update at shard
     owners may instead leave it untouched and do the work in ``update``);
-  Phase 3: ``update(optimizer)``: apply the update (default: ``optimizer.step()``).
+  Phase 5: ``update(optimizer)``: apply the update (default: ``optimizer.step()``).
 Strategies never see model code; the Engine never branches on a strategy's name.
 """
 
@@ -19,7 +20,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import torch
 
@@ -298,14 +299,14 @@ class Strategy(ABC):
 
     @abstractmethod
     def launch(self, bucket: Bucket) -> None:
-        """Phase 1: start exchanging ``bucket.flat`` (do not block on the network)."""
+        """Phase 2 (and 3): start exchanging ``bucket.flat`` (do not block on the network)."""
 
     @abstractmethod
     def finish(self) -> None:
-        """Phase 2: wait for every launched exchange of this step."""
+        """Phase 4: wait for every launched exchange of this step."""
 
     def update(self, optimizer: torch.optim.Optimizer) -> None:
-        """Phase 3: apply the update on every rank (buckets hold mean gradients)."""
+        """Phase 5: apply the update on every rank (buckets hold mean gradients)."""
         self.detach_unused_grads()
         optimizer.step()
 
@@ -419,6 +420,95 @@ class Strategy(ABC):
         layout's strategy is not this one's any more)."""
         if self.comm is not None:
             self.comm.close()
+
+
+class GradientExchange(Protocol):
+    """The exchange surface of a strategy: what the Engine's step and its components call
+    (phases as in the Engine's step, phalanx.engine)."""
+
+    updates_during_exchange: bool
+    verdict_all_reduces: bool
+    codec: Codec
+    bytes_sent: int
+    bytes_received: int
+    param_waits: list[tuple[int, float, float]]
+
+    @property
+    def is_trainer(self) -> bool: ...
+
+    def data_parallel(self) -> tuple[int, int]: ...
+
+    def gradient_scale(self) -> float: ...
+
+    def begin_step(self) -> None: ...
+
+    def launch(self, bucket: Bucket) -> None: ...
+
+    def finish(self) -> None: ...
+
+    def inspect_gradients(
+        self, want_norm: bool, riders: torch.Tensor | None = None
+    ) -> tuple[bool, float | None]: ...
+
+    def scale_gradients(self, factor: float) -> None: ...
+
+    def update(self, optimizer: torch.optim.Optimizer) -> None: ...
+
+    def register_module(self, module: torch.nn.Module) -> None: ...
+
+    def take_thread_spans(self) -> list[ThreadSpan]: ...
+
+    def sync(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class OptimizerSharding(Protocol):
+    """Where a strategy keeps the optimizer's state and how it moves: adoption of the user's
+    optimizer, bucket rebuilds, checkpoints (``params``: the model's trainable parameters)."""
+
+    optimizer_follows_layout: bool
+
+    def adopt_optimizer(
+        self, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter]
+    ) -> torch.optim.Optimizer: ...
+
+    def carry_optimizer_state(
+        self, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter]
+    ) -> Any: ...
+
+    def rebind_optimizer(
+        self, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], carried: Any
+    ) -> None: ...
+
+    def optimizer_state_dict(
+        self, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter]
+    ) -> dict[str, Any]: ...
+
+    def load_optimizer_state_dict(
+        self,
+        optimizer: torch.optim.Optimizer,
+        params: list[torch.nn.Parameter],
+        state: dict[str, Any],
+    ) -> None: ...
+
+    def optimizer_shards(
+        self, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter]
+    ) -> tuple[dict[int, dict[str, Any]], list[dict[str, Any]]]: ...
+
+    def owned_ranges(
+        self, params: list[torch.nn.Parameter]
+    ) -> dict[int, list[tuple[int, int]]]: ...
+
+    def load_optimizer_shards(
+        self,
+        optimizer: torch.optim.Optimizer,
+        params: list[torch.nn.Parameter],
+        state: dict[int, dict[str, Any]],
+        groups: list[dict[str, Any]],
+    ) -> None: ...
+
+    def optimizer_bytes(self, optimizer: torch.optim.Optimizer) -> int: ...
 
 
 STRATEGIES: Registry[Strategy] = Registry("exchange strategy")

@@ -5,16 +5,18 @@ dedicated servers (world = workers + servers); ``servers = 0`` makes every rank 
 partition. A server keeps the master copy of its partitions and their optimizer state in CPU
 memory.
 
-Phases per bucket (one job on the communication thread, started as soon as backward fills the
-bucket, so buckets are served layer by layer while backward continues, F8):
-  Phase 1 (push): every worker sends each partition to its server, either directly (``star``:
+Per bucket, one job on the communication thread: launched in the Engine's Phase 2 as soon as
+backward fills the bucket, so buckets are served layer by layer while backward continues (F8);
+the Engine's Phase 4 waits for every push, its Phase 5 for every update (pulls end in the
+background). The job's stages:
+  Push: every worker sends each partition to its server, either directly (``star``:
     every worker's messages to every server at once) or summed pairwise up a binary tree rooted
     at the server (``tree``, F9, one partition after another).
-  Phase 2 (update): the server steps the optimizer on that partition only, as soon as every
+  Update: the server steps the optimizer on that partition only, as soon as every
     worker's gradient for it has arrived.
-  Phase 3 (pull): the server sends the updated partition back to every worker (``star``: all
+  Pull: the server sends the updated partition back to every worker (``star``: all
     servers to all workers at once) or down the same tree. A layer's next forward waits only
-    for its own bucket's pull. ``step`` returns once every server stepped (Phase 2), so a
+    for its own bucket's pull. ``step`` returns once every server stepped (Update), so a
     learning-rate scheduler stepped afterwards never changes the rate of an update still in
     flight.
 """
@@ -157,18 +159,18 @@ class ParameterServer(OwnerUpdateStrategy):
         """Runs on the communication thread."""
         owners = self._owners()
         grads = self._host(bucket.flat)
-        if self.config.reduce == "star":  # Phase 1: push
+        if self.config.reduce == "star":  # Push
             summed = self._push_star(bucket.index, grads)
         else:
             summed = {m: self._push_tree(bucket.index, grads, m) for m in range(len(owners))}
         pushed.set()  # the gradient buffer may be reused from here on
-        for m, owner in enumerate(owners):  # Phase 2: update
+        for m, owner in enumerate(owners):  # Update
             if owner == self.ctx.rank:
                 self._update(bucket, m, summed[m])
         updated.set()  # the optimizer's hyperparameters may change from here on
         started = time.perf_counter()
         flat = self.sharded.flats[bucket.index]
-        if self.config.reduce == "star":  # Phase 3: pull
+        if self.config.reduce == "star":  # Pull
             self._pull_star(bucket.index, flat)
         else:
             for m, owner in enumerate(owners):

@@ -1,10 +1,10 @@
 """``partitioned``: reduce each partition to its owner, update there, send it back (F4, F5).
 
-Phases per bucket:
-  Phase 1 (launch, during backward): reduce every partition to its owner, as a job on the
+Phases per bucket (the Engine's step numbers, as in phalanx.exchange.base):
+  Phase 2 (launch, during backward): reduce every partition to its owner, as a job on the
     communication thread, so it runs while backward continues.
-  Phase 2 (finish): wait until every owned partition is fully reduced.
-  Phase 3 (update): each owner steps the optimizer on its partitions only (optimizer state
+  Phase 4 (finish): wait until every owned partition is fully reduced.
+  Phase 5 (update): each owner steps the optimizer on its partitions only (optimizer state
     lives only there), then each bucket's partitions are sent back to every rank in the
     background: a layer's forward pre-hook waits only for the bucket(s) holding its own
     parameters, so the next forward overlaps the send-back.
@@ -211,7 +211,7 @@ class Partitioned(OwnerUpdateStrategy):
         plan_class = _schedule_class(config, backend, codec.wire_dtype is not None)
         return world_size if plan_class is CollectiveSchedule else 1
 
-    # -- phases 1 and 2: reduce ---------------------------------------------------------------
+    # -- phases 2 and 4: reduce ---------------------------------------------------------------
     def launch(self, bucket: Bucket) -> None:
         comm = self.comm_thread()
         self._wait_params(bucket.index)  # its parameters must have arrived before they change
@@ -262,7 +262,7 @@ class Partitioned(OwnerUpdateStrategy):
             out.append(buffer[shard.start - offset : shard.end - offset])
         return out
 
-    # -- phase 3: update and send back --------------------------------------------------------
+    # -- phase 5: update and send back --------------------------------------------------------
     def update(self, optimizer: torch.optim.Optimizer) -> None:
         grads = {b: buffer for b, (buffer, _) in self._reduced.items()}
         offsets = {b: offset for b, (_, offset) in self._reduced.items()}

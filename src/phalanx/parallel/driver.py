@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from phalanx.exchange.base import Strategy
+from phalanx.exchange.base import GradientExchange
 from phalanx.exchange.buckets import GradientBuckets
 from phalanx.faults import fault_at
 from phalanx.guard import NonfiniteGuard
@@ -33,7 +33,7 @@ class PipelineDriver:
         self,
         pipeline: PipelineParallel,
         buckets: GradientBuckets,
-        strategy: Strategy,
+        strategy: GradientExchange,
         guard: NonfiniteGuard,
         precision: Precision,
         world: Context,
