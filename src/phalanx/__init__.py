@@ -9,9 +9,10 @@ loss = engine.step(inputs, targets)
 from phalanx.config import RunConfig, load_config
 from phalanx.engine import Engine
 from phalanx.errors import CheckpointError, ConfigError, DataError, PhalanxError, WorkerError
-from phalanx.exchange import STRATEGIES, Strategy
+from phalanx.exchange import STRATEGIES, ExchangeConfig, Strategy
 from phalanx.runtime.context import Context, init, shutdown
 from phalanx.runtime.pool import WorkerPool, current_worker
+from phalanx.step_config import StepConfig
 
 __version__ = "0.1.0"
 
@@ -22,8 +23,10 @@ __all__ = [
     "Context",
     "DataError",
     "Engine",
+    "ExchangeConfig",
     "PhalanxError",
     "RunConfig",
+    "StepConfig",
     "Strategy",
     "WorkerError",
     "WorkerPool",
