@@ -14,6 +14,7 @@ from torch import nn
 import phalanx as px
 from phalanx.config import config_from_data
 from phalanx.errors import ConfigError
+from tests.unit.test_lifecycle import Reversed
 
 SGD = functools.partial(torch.optim.SGD, lr=0.1)
 CE = nn.functional.cross_entropy
@@ -71,15 +72,6 @@ def test_a_rebuild_builds_the_strategy_whole_and_hands_over_its_thread(strategy:
     """Layers registered in reverse: the observed order differs, so the buckets rebuild after
     the first update. The new strategy is a new object on the new layout, with the same
     communication thread; the old one is closed."""
-
-    class Reversed(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.head = nn.Linear(8, 3)
-            self.stem = nn.Linear(4, 8)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.head(torch.relu(self.stem(x)))
 
     with px.Engine(Reversed(), CE, SGD, exchange=strategy, first_bucket_mb=0.0001) as engine:
         first, comm = engine.strategy, engine.strategy.comm

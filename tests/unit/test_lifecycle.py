@@ -29,6 +29,19 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(8, 4, generator=g), torch.randint(0, 3, (8,), generator=g)
 
 
+class Reversed(nn.Module):
+    """Layers registered in the reverse of their use: the observed backward order differs from
+    the registration order, so the buckets rebuild after the first update."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(8, 3)
+        self.stem = nn.Linear(4, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.stem(x)))
+
+
 @pytest.fixture(autouse=True)
 def _fresh_world():
     px.shutdown()
@@ -65,15 +78,6 @@ def test_shutdown_closes_open_engines_before_the_group() -> None:
 def test_optimizer_object_survives_rebuilds_and_scheduler_acts(strategy: str) -> None:
     """Buckets rebuild after step 1 (the observed order differs: layers registered in
     reverse) and at every bucket_mb='auto' trial; the optimizer stays the same object."""
-
-    class Reversed(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.head = nn.Linear(8, 3)
-            self.stem = nn.Linear(4, 8)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.head(torch.relu(self.stem(x)))
 
     engine = px.Engine(Reversed(), nn.functional.cross_entropy, SGD, exchange=strategy,
                        bucket_mb="auto", first_bucket_mb=0.0001)  # fmt: skip
