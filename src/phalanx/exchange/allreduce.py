@@ -33,13 +33,9 @@ class AllReduce(Strategy):
         # The last step's backend works: the Python side keeps the last reference to each
         # until the next step (or, at close, until the groups are gone: hold_until_shutdown).
         self._finished_works: list[Any] = []
-        if previous := parts.previous:
-            self._finished_works = getattr(previous, "_finished_works", [])
-            previous._finished_works = []  # type: ignore[attr-defined]
         self._last: Bucket | None = None
         self._gather: GatherExchange | None = None
-        self.compressed = self.codec.wire_dtype is not None  # point-to-point on the thread
-        if self.compressed:
+        if self.codec.wire_dtype is not None:  # compressed: point-to-point on the thread
             self.comm_thread()
 
     def launch(self, bucket: Bucket) -> None:
