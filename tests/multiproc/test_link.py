@@ -33,7 +33,7 @@ def _calibrate_and_agree(ctx: Any, run_dir: str) -> dict[str, Any]:
     # A rank without a backward (a dedicated server) contributes nothing and still agrees.
     again = agree_profile(mine if ctx.rank == 0 else None, ctx.group, ctx.device)
     assert again == agreed
-    choice = choose_bucket_bytes(agreed, link, ctx.world_size)
+    choice = choose_bucket_bytes(agreed.layer_costs(), link, ctx.world_size)
     messages = measure_message_s(ctx.group, ctx.device, repeats=20, pause_s=1e-4)
     return {
         "link": link.to_dict(),

@@ -208,7 +208,7 @@ def test_profile_json_and_backward_profile(tmp_path):
     step = profile([(0.01, 0.02, 100), (0.0, 0.005, 0), (0.02, 0.03, 300)])
     path = step.save(tmp_path / "step.json")
     assert load_step_profile(path) == step
-    backward = step.to_backward_profile()
+    backward = BackwardProfile.from_layers(step.layers)
     assert backward.ready_s == pytest.approx((0.02, 0.055))
     assert backward.nbytes == (100, 300)
     (tmp_path / "bp.json").write_text(json.dumps(backward.to_dict()))

@@ -10,6 +10,8 @@ import pytest
 import torch
 from torch import nn
 
+from phalanx.costs import LayerCost
+from phalanx.errors import ConfigError
 from phalanx.exchange.buckets import FIRST_BUCKET_BYTES
 from phalanx.exchange.link import DEFAULT_SIZES, LinkModel, fit_line, model_from_fit
 from phalanx.exchange.threshold import (
@@ -122,7 +124,9 @@ def test_closed_form_optimum(backward_s: float, alpha: float) -> None:
     grid = [G / 4096 * 4096 ** (k / 2000) for k in range(2001)]
     assert at_b_star <= min(uniform_exposed(b, G, backward_s, alpha, BETA, 2) for b in grid)
     profile = BackwardProfile.uniform(G, 4096, backward_s)
-    choice = choose_bucket_bytes(profile, LinkModel(alpha, BETA, 2), 2, first_bucket_bytes=None)
+    choice = choose_bucket_bytes(
+        profile.layer_costs(), LinkModel(alpha, BETA, 2), 2, first_bucket_bytes=None
+    )
     best = min(x for _, x in choice.candidates)
     assert best == pytest.approx(at_b_star, rel=0.05)
 
@@ -140,8 +144,8 @@ def test_regimes_of_the_closed_form() -> None:
 def test_fast_backward_picks_large_buckets_slow_backward_small() -> None:
     """Nothing to hide behind: few big messages. Plenty of backward: small, early buckets."""
     link = LinkModel(ALPHA, BETA, 2)
-    fast = choose_bucket_bytes(BackwardProfile.uniform(G, 256, 0.0005), link, 2)
-    slow = choose_bucket_bytes(BackwardProfile.uniform(G, 256, 0.2), link, 2)
+    fast = choose_bucket_bytes(BackwardProfile.uniform(G, 256, 0.0005).layer_costs(), link, 2)
+    slow = choose_bucket_bytes(BackwardProfile.uniform(G, 256, 0.2).layer_costs(), link, 2)
     assert fast.bucket_bytes >= G // 2
     assert slow.bucket_bytes <= MIB
     assert slow.predicted_exposed_s < slow.reference_exposed_s / 10
@@ -150,7 +154,7 @@ def test_fast_backward_picks_large_buckets_slow_backward_small() -> None:
 def test_choice_is_monotonic_in_alpha_and_backward_time() -> None:
     profile = BackwardProfile.uniform(G, 256, 0.03)
     alphas = [1e-6, 1e-5, 4e-5, 1e-4, 1e-3, 1e-2]
-    picks = [choose_bucket_bytes(profile, LinkModel(a, BETA, 2), 2) for a in alphas]
+    picks = [choose_bucket_bytes(profile.layer_costs(), LinkModel(a, BETA, 2), 2) for a in alphas]
     assert [c.bucket_bytes for c in picks] == sorted(c.bucket_bytes for c in picks)
     assert picks[0].bucket_bytes < picks[-1].bucket_bytes
     for slower, faster in zip(picks[1:], picks):  # more latency never predicts less exposure
@@ -163,7 +167,9 @@ def test_choice_is_monotonic_in_alpha_and_backward_time() -> None:
     powers = [G // 256 * 2**k for k in range(9)]
     times = [0.001, 0.01, 0.03, 0.1, 0.3]
     picks = [
-        choose_bucket_bytes(BackwardProfile.uniform(G, 256, t), link, 2, candidates=powers)
+        choose_bucket_bytes(
+            BackwardProfile.uniform(G, 256, t).layer_costs(), link, 2, candidates=powers
+        )
         for t in times
     ]
     sizes = [c.bucket_bytes for c in picks]
@@ -178,16 +184,18 @@ def test_one_process_picks_one_bucket() -> None:
     profile = BackwardProfile.uniform(G, 64, 0.03)
     link = LinkModel(alpha_s=0.0, beta_bytes_per_s=math.inf, world_size=1)
     for world in (1,):
-        choice = choose_bucket_bytes(profile, link, world)
+        choice = choose_bucket_bytes(profile.layer_costs(), link, world)
         assert choice.bucket_bytes == G
         assert all(x == 0.0 for _, x in choice.candidates)
     # a calibrated link asked about a world of one also predicts nothing on the wire
-    assert choose_bucket_bytes(profile, LinkModel(ALPHA, BETA, 2), 1).bucket_bytes == G
+    assert (
+        choose_bucket_bytes(profile.layer_costs(), LinkModel(ALPHA, BETA, 2), 1).bucket_bytes == G
+    )
 
 
 def test_choice_reports_inputs_and_candidates() -> None:
     profile = BackwardProfile.uniform(G, 8, 0.018)
-    choice = choose_bucket_bytes(profile, LinkModel(45e-6, 1.2e9, 2), 2)
+    choice = choose_bucket_bytes(profile.layer_costs(), LinkModel(45e-6, 1.2e9, 2), 2)
     assert choice.num_layers == 8 and choice.total_bytes == G and choice.world_size == 2
     sizes = [b for b, _ in choice.candidates]
     assert sizes == sorted(sizes) and sizes[0] == G // 8 and sizes[-1] == G
@@ -203,10 +211,14 @@ def test_choice_reports_inputs_and_candidates() -> None:
     data = choice.to_dict()
     assert data["bucket_bytes"] == choice.bucket_bytes and len(data["candidates"]) == len(sizes)
     json.dumps(data)
-    explicit = choose_bucket_bytes(profile, LinkModel(45e-6, 1.2e9, 2), 2, candidates=[MIB])
+    explicit = choose_bucket_bytes(
+        profile.layer_costs(), LinkModel(45e-6, 1.2e9, 2), 2, candidates=[MIB]
+    )
     assert explicit.bucket_bytes == MIB
     with pytest.raises(ValueError, match="candidates must be >= 1 byte"):
-        choose_bucket_bytes(profile, LinkModel(45e-6, 1.2e9, 2), 2, candidates=[0, MIB])
+        choose_bucket_bytes(
+            profile.layer_costs(), LinkModel(45e-6, 1.2e9, 2), 2, candidates=[0, MIB]
+        )
 
 
 def test_real_profile_groups_like_the_planner() -> None:
@@ -343,3 +355,33 @@ def test_bench_link_report_and_bad_input(capsys: pytest.CaptureFixture[str]) -> 
             main(["bench", "link", *argv])
         assert exit_info.value.code == 2
         assert message in capsys.readouterr().err
+
+
+def test_the_threshold_reads_layer_costs_from_either_producer():
+    """The recorder's profile and the per-layer cost type convert both ways; the choice from the
+    profiler's layers (no gradients in some, several in others) is the choice from the replay."""
+    profile = BackwardProfile(
+        ready_s=(0.001, 0.001, 0.004),
+        nbytes=(MIB, 2 * MIB, 3 * MIB),
+        backward_s=0.006,
+        param_indices=(2, 0, 1),
+    )
+    layers = profile.layer_costs(forward_s=0.003)
+    assert [x.name for x in layers] == ["grad2", "grad0", "grad1", "tail"]
+    assert sum(x.forward_s for x in layers) == pytest.approx(0.003)
+    again = BackwardProfile.from_layers(layers)
+    assert again.ready_s == pytest.approx(profile.ready_s)
+    assert again.nbytes == profile.nbytes and again.backward_s == pytest.approx(0.006)
+    grouped = [
+        LayerCost(name="loss", backward_s=0.001),
+        LayerCost(name="head", backward_s=0.002, grad_bytes=(MIB, 2 * MIB)),
+        LayerCost(name="body", backward_s=0.003, grad_bytes=(3 * MIB,)),
+    ]
+    replay = BackwardProfile.from_layers(grouped)
+    assert replay.ready_s == pytest.approx((0.003, 0.003, 0.006))
+    link = LinkModel(45e-6, 1.2e9, 2)
+    assert choose_bucket_bytes(grouped, link, 2) == choose_bucket_bytes(
+        replay.layer_costs(), link, 2
+    )
+    with pytest.raises(ConfigError, match="no layer has gradients"):
+        choose_bucket_bytes([LayerCost(name="x", backward_s=1.0)], link, 2)

@@ -154,7 +154,7 @@ def _representative(links: list[LinkModel]) -> int:
 
 def _threshold(name: str, data: dict[str, Any], link: LinkModel, world: int) -> dict[str, Any]:
     profile = BackwardProfile.from_dict(data)
-    choice = choose_bucket_bytes(profile, link, world)
+    choice = choose_bucket_bytes(profile.layer_costs(), link, world)
     compared = {
         str(b): predict_exposed(profile, link, world, b)
         for b in (*COMPARED_BYTES, profile.total_bytes)

@@ -115,7 +115,7 @@ class AutoBucketing(StepHook):
         profile = agree_profile(mine, self.ctx.group, self.ctx.device)
         first = self.buckets.first_bucket_bytes
         self.threshold = choose_bucket_bytes(
-            profile, self.link, self.ctx.world_size, first_bucket_bytes=first
+            profile.layer_costs(), self.link, self.ctx.world_size, first_bucket_bytes=first
         )
         logger.info("phalanx: %s", self.threshold.describe())
         self._recorder = None

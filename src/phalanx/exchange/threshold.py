@@ -1,10 +1,14 @@
 """The fusion threshold (F12) from measurements: backward profile x link model -> bucket bytes.
 
-``BackwardRecorder`` notes, during the first steps, when each parameter's gradient became ready
-and how many bytes it has; ``BackwardProfile`` is the result (E_b, L, bytes per layer, the ready
-times). ``choose_bucket_bytes(profile, link, P)`` replays the profile through the bucket planner
-of ``phalanx.exchange.buckets`` for a set of candidate thresholds b and predicts, for each, how
-long the exchange runs past the end of backward:
+The threshold reads the one per-layer cost type, ``phalanx.costs.LayerCost`` (layers in backward
+order: each one's backward seconds and the bytes of the gradients ready when it ends), from
+either producer: the one per-layer profiler (``memory/profile.py``, what ``phalanx plan`` uses)
+or, in a live run, ``BackwardRecorder``, which notes during the first steps when each
+parameter's gradient became ready and how many bytes it has (one ``LayerCost`` per gradient).
+``BackwardProfile`` is the replay form of those layers (E_b, L, bytes and ready time per
+gradient; ``from_layers`` / ``layer_costs`` convert). ``choose_bucket_bytes(layers, link, P)``
+replays them through the bucket planner of ``phalanx.exchange.buckets`` for a set of candidate
+thresholds b and predicts, for each, how long the exchange runs past the end of backward:
 
   - a bucket is ready when its last gradient is (the profile's measured ready times);
   - the link serves buckets one at a time, in bucket order; a bucket of s bytes takes
@@ -28,6 +32,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from phalanx.costs import LayerCost
+from phalanx.errors import ConfigError
 from phalanx.exchange.buckets import FIRST_BUCKET_BYTES, plan_buckets
 from phalanx.exchange.link import (
     LinkModel,
@@ -91,6 +97,45 @@ class BackwardProfile:
         sizes[-1] += total_bytes - sum(sizes)
         ready = tuple(min(backward_s, backward_s * (i + 1) / num_layers) for i in range(num_layers))
         return cls(ready_s=ready, nbytes=tuple(sizes), backward_s=backward_s)
+
+    @classmethod
+    def from_layers(cls, layers: Sequence[LayerCost]) -> BackwardProfile:
+        """Layers in backward order: each gradient is ready when its layer's backward ends;
+        E_b is the layers' backward in all (a layer without gradients only adds time)."""
+        ready, sizes, clock = [], [], 0.0
+        for layer in layers:
+            clock += layer.backward_s
+            for n in layer.grad_bytes:
+                ready.append(clock)
+                sizes.append(n)
+        if not sizes:
+            raise ConfigError("backward profile: no layer has gradients: nothing to exchange")
+        return cls(ready_s=tuple(ready), nbytes=tuple(sizes), backward_s=max(clock, ready[-1]))
+
+    def layer_costs(self, forward_s: float = 0.0) -> list[LayerCost]:
+        """One ``LayerCost`` per gradient, in backward order, whose backward runs from the
+        previous gradient's ready time to its own; backward left after the last gradient (the
+        input gradient of the first layer) is a layer without gradients. ``forward_s`` (which
+        this profile does not measure) is split in proportion to the backward times."""
+        layers, previous = [], 0.0
+        backward_total = max(self.backward_s, 1e-12)
+        for index, ready, nbytes in zip(_indices(self), self.ready_s, self.nbytes):
+            backward = max(0.0, ready - previous)
+            previous = max(previous, ready)
+            layers.append(
+                LayerCost(
+                    name=f"grad{index}",
+                    forward_s=forward_s * backward / backward_total,
+                    backward_s=backward,
+                    grad_bytes=(int(nbytes),),
+                )
+            )
+        tail = max(0.0, self.backward_s - previous)
+        if tail > 0:
+            layers.append(
+                LayerCost(name="tail", forward_s=forward_s * tail / backward_total, backward_s=tail)
+            )
+        return layers
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -290,7 +335,7 @@ class Choice:
 
 
 def choose_bucket_bytes(
-    profile: BackwardProfile,
+    layers: Sequence[LayerCost],
     link: LinkModel,
     world_size: int,
     candidates: Sequence[int] | None = None,
@@ -299,13 +344,14 @@ def choose_bucket_bytes(
 ) -> Choice:
     """The candidate threshold with the smallest predicted exposed exchange (see module doc).
 
-    ``candidates`` (bytes) default to ``default_candidates(profile)``: log-spaced from the
-    smallest gradient to the whole model. ``first_bucket_bytes`` caps the first bucket as
-    ``GradientBuckets`` does (None: no cap). Deterministic: equal inputs give equal choices on
-    every rank.
+    ``layers``: in backward order (``BackwardProfile.from_layers``). ``candidates`` (bytes)
+    default to ``default_candidates``: log-spaced from the smallest gradient to the whole model.
+    ``first_bucket_bytes`` caps the first bucket as ``GradientBuckets`` does (None:
+    no cap). Deterministic: equal inputs give equal choices on every rank.
     """
     if world_size < 1:
         raise ValueError(f"choose_bucket_bytes: world_size must be >= 1, got {world_size}")
+    profile = BackwardProfile.from_layers(layers)
     sizes = sorted(set(default_candidates(profile) if candidates is None else candidates))
     if not sizes or sizes[0] < 1:
         raise ValueError(f"choose_bucket_bytes: candidates must be >= 1 byte, got {candidates}")

@@ -204,7 +204,7 @@ def _thresholds(simulator: Simulator, n: int, threshold: str) -> list[tuple[str,
         return [(f"auto ({total / MIB:.3g} MiB)", total + 1, total + 1)]
     alpha, beta = simulator.cluster.ring_link(n)
     link = LinkModel(alpha_s=alpha, beta_bytes_per_s=beta, world_size=n)
-    choice = choose_bucket_bytes(profile.to_backward_profile(), link, n).bucket_bytes
+    choice = choose_bucket_bytes(profile.layers, link, n).bucket_bytes
     layouts = [
         (choice, FIRST_BUCKET_BYTES),
         (DEFAULT_BUCKET_BYTES, FIRST_BUCKET_BYTES),

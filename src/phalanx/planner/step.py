@@ -93,20 +93,6 @@ class StepProfile:
         ]
         return replace(self, layers=layers, optimizer_s_per_byte=self.optimizer_s_per_byte / speed)
 
-    def to_backward_profile(self) -> Any:
-        """The ``BackwardProfile`` the ``auto`` threshold would have measured for this step."""
-
-        ready, sizes, clock = [], [], 0.0
-        for layer in self.layers:
-            clock += layer.backward_s
-            for n in layer.grad_bytes:
-                ready.append(clock)
-                sizes.append(n)
-        if not sizes:
-            raise ConfigError("step profile: no layer has gradients: nothing to exchange")
-        total = max(self.backward_s, ready[-1])
-        return BackwardProfile(ready_s=tuple(ready), nbytes=tuple(sizes), backward_s=total)
-
     # -- constructors --------------------------------------------------------------------------
     @classmethod
     def from_backward_profile(
@@ -119,29 +105,9 @@ class StepProfile:
         input_s: float = 0.0,
         source: str = "backward profile",
     ) -> StepProfile:
-        """From a measured ``BackwardProfile``: each gradient is a layer whose backward runs from
-        the previous gradient's ready time to its own. The forward time (which that profile does
-        not measure) is split over the layers in proportion to their backward time; backward
-        left after the last gradient (the input gradient of the first layer) is a layer
-        without gradients."""
-        layers, previous = [], 0.0
-        backward_total = max(profile.backward_s, 1e-12)
-        for i, (ready, nbytes) in enumerate(zip(profile.ready_s, profile.nbytes)):
-            backward = max(0.0, ready - previous)
-            previous = max(previous, ready)
-            layers.append(
-                LayerCost(
-                    name=f"grad{i}",
-                    forward_s=forward_s * backward / backward_total,
-                    backward_s=backward,
-                    grad_bytes=(int(nbytes),),
-                )
-            )
-        tail = max(0.0, profile.backward_s - previous)
-        if tail > 0:
-            layers.append(
-                LayerCost(name="tail", forward_s=forward_s * tail / backward_total, backward_s=tail)
-            )
+        """From a measured ``BackwardProfile``: its ``layer_costs`` (each gradient a layer),
+        with the forward time, which that profile does not measure."""
+        layers = profile.layer_costs(forward_s)
         total = max(1, sum(profile.nbytes))
         return cls(
             layers=layers,
