@@ -21,6 +21,7 @@ from phalanx.engine import Engine
 from phalanx.errors import ConfigError, DataError
 from phalanx.exchange.base import StrategyFactory, strategy_factory
 from phalanx.losses import loss_fn
+from phalanx.memory import measure
 from phalanx.memory.manager import MemoryManager
 from phalanx.memory.profile import MemoryProfile, pick_device, profile_model
 from phalanx.models.config import build_model
@@ -37,6 +38,7 @@ __all__ = [
     "loader",
     "loss_fn",
     "memory_manager",
+    "step_peak",
     "model",
     "optimizer_factory",
     "profile_run",
@@ -72,6 +74,16 @@ def sample_microbatch(config: RunConfig, data: Dataset) -> torch.Tensor | None:
         return None
     size = config.data.batch_size // config.train.accumulate_steps
     return data.x_train[: size // config.parallel.num_microbatches]
+
+
+def step_peak(config: RunConfig, device: torch.device) -> measure.StepPeak:
+    """The meter of the peak ``[memory] budget_mb`` is held to, started now (before the memory
+    manager profiles): with the memory manager on, freed host memory goes back to the OS from
+    here on (``release_host_memory``), so the process's resident peak is the step's."""
+    if config.memory.enabled and config.memory.release_host_memory:
+        measure.release_freed_memory()
+        measure.trim()
+    return measure.StepPeak(device)
 
 
 def memory_manager(

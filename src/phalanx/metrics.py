@@ -107,9 +107,12 @@ class Progress:
         self._bar.set_postfix_str(postfix + (f" {extra}" if extra else ""), refresh=False)
         self._bar.update(1)
 
-    def write(self, line: str) -> None:
+    def write(self, line: str, always: bool = False) -> None:
+        """A line above the bar; ``always``: printed also when the bar is off."""
         if self._bar is not None:
             self._bar.write(line)
+        elif always:
+            print(line, flush=True)
 
     def close(self) -> None:
         if self._bar is not None:

@@ -27,6 +27,7 @@ from phalanx.data.pipeline import Pipeline
 from phalanx.data.sources import Dataset
 from phalanx.fileio import atomic_write_text
 from phalanx.losses import loss_fn  # noqa: F401 (its home was here)
+from phalanx.memory import measure
 from phalanx.metrics import JsonlWriter, Progress
 from phalanx.optim.schedule import build_scheduler
 from phalanx.runtime.context import Context, init
@@ -99,7 +100,10 @@ class Trainer:
         self.run_dir = Path(_agree(str(run_dir), self.ctx))
         self.data = build.data(config)
         model = build.model(config)
+        self.peak = build.step_peak(config, self.ctx.device)
         self.memory = build.memory_manager(config, model, self.data, self.ctx.device)
+        if self.memory is not None:
+            measure.trim()  # the profile's freed blocks leave the heap before the first step
         self.engine = build.engine(config, self.ctx, model, self.data, self.memory)
         # Data is sharded over the ranks that train (dedicated parameter servers don't).
         self.shard = (self.engine.data_rank, self.engine.data_world_size)
@@ -137,7 +141,7 @@ class Trainer:
         if is_main and self.engine.pipeline is not None and self.step == 0:
             progress.write(self.engine.pipeline.describe())
         if is_main and self.memory is not None and self.step == 0:
-            progress.write(self.memory.describe())
+            progress.write(self.memory.describe(), always=True)
         restore_handler = self._catch_sigterm()
         try:
             while self.step < self.total_steps and not self.preempted:
@@ -200,16 +204,35 @@ class Trainer:
             "samples_per_s": steps_run * global_batch / train_time if train_time else 0.0,
             "train_time_s": train_time,
             "nonfinite_steps": self.engine.num_nonfinite_steps,
+            **self._memory_summary(),
         }
         if is_main:
             atomic_write_text(self.run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
         return summary
 
+    def _memory_summary(self) -> dict[str, Any]:
+        """The measured peak above the start (the largest over the ranks; collective), next to
+        the budget: one meaning of peak, ``measure.StepPeak``'s."""
+        peak = torch.tensor([0.0], dtype=torch.float64, device=self.ctx.device)
+        peak[0] = float(self.peak.peak_bytes())
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=self.ctx.group)
+        mib = float(2**20)
+        return {
+            "memory_peak_mb": float(peak.item()) / mib,
+            "memory_start_mb": self.peak.start_bytes / mib,
+            "memory_budget_mb": self.config.memory.budget_mb or None,
+            "memory_peak_of": "cuda allocated" if self.ctx.device.type == "cuda" else "resident",
+        }
+
     def _evaluate(self) -> dict[str, float]:
         """Validation on the trained model: the module, or the pipeline stage by stage."""
         pipeline = self.engine.pipeline
         model = self.engine.module if pipeline is None else pipeline.forward
-        return evaluate(model, self.data, self.ctx, shard=self.shard, scores=self.engine.is_trainer)
+        # In batches of the training micro-batch: validation then holds less than a step does
+        # (no saved activations), so it stays within the memory the run was planned for.
+        size = self.config.data.batch_size // self.config.train.accumulate_steps
+        scores = self.engine.is_trainer
+        return evaluate(model, self.data, self.ctx, size, shard=self.shard, scores=scores)
 
     def _threshold_chosen_now(self) -> bool:
         """bucket_mb = "auto" just chose its threshold: keep the link fit and the choice."""

@@ -14,10 +14,10 @@ from tests.unit.test_cli import assert_one_line_error, run_main
 
 TINY = bench.MemoryBenchConfig(
     batch_size=32,
-    channels=4,
-    image_size=16,
+    channels=16,  # activations well above the spill tier's 8 MiB staging buffer
+    image_size=32,
     blocks=6,  # activations dominate the kernels' workspace, so half of the peak can be met
-    budgets=(0.5, 0.05),  # 0.05: below the planner's floor, reported instead of run
+    budgets=(0.75, 0.05),  # 0.05: below the planner's floor, reported instead of run
     rounds=1,
     steps=1,
     warmup=0,
@@ -33,9 +33,9 @@ def test_tiny_run_measures_every_variant() -> None:
     result = bench.run_benchmark(TINY)
     (only,) = result["rounds"]
     assert only["order"] == [
-        "none", "checkpoint", "save_on_cpu", "phalanx@0.5", "phalanx@0.05", "phalanx@min"
+        "none", "checkpoint", "save_on_cpu", "phalanx@0.75", "phalanx@0.05", "phalanx@min"
     ]  # fmt: skip
-    for name in ("none", "checkpoint", "save_on_cpu", "phalanx@0.5", "phalanx@min"):
+    for name in ("none", "checkpoint", "save_on_cpu", "phalanx@0.75", "phalanx@min"):
         run = only["variants"][name]
         assert _positive(run["peak_bytes"]), (name, run)
         assert _positive(run["median_step_s"]) and len(run["step_s"]) == 1
@@ -44,8 +44,8 @@ def test_tiny_run_measures_every_variant() -> None:
         assert _positive(row["time_vs_none"]) and _positive(row["time_vs_checkpoint"])
     assert result["meta"]["same_losses"]  # offload and recomputation change no number
     assert _positive(result["meta"]["unmanaged_predicted_bytes"])
-    half = result["summary"]["phalanx@0.5"]
-    assert half["budget_bytes"] == pytest.approx(0.5 * result["meta"]["unmanaged_predicted_bytes"])
+    half = result["summary"]["phalanx@0.75"]
+    assert half["budget_bytes"] == pytest.approx(0.75 * result["meta"]["unmanaged_predicted_bytes"])
     assert half["predicted_peak_bytes"] <= half["budget_bytes"]
     assert half["spill_bytes_written"] == half["spill_bytes_read"]
     assert "cannot be met" in result["summary"]["phalanx@0.05"]["error"]
@@ -57,7 +57,8 @@ def test_tiny_run_measures_every_variant() -> None:
         for line in report.splitlines()
     )
     lines = [t["line"] for t in result["targets"]]
-    assert lines[0].startswith(("PASS  step time at the 50% budget", "MISS  step time"))
+    # (the 50% target is reported as not applicable: 0.5 is not among this run's budgets)
+    assert lines[0].startswith("n/a   overhead at the 50% budget")
     assert lines[-1].startswith("MISS  budget 5%: not run")
     assert "phalanx's smallest plan:" in lines[-1]
 

@@ -45,7 +45,7 @@ def test_managed_runs_equal_the_unmanaged_run(
     unmanaged = train(tmp_path, "none")
     offloaded = train(tmp_path, "offload", 'memory.offload=["1", "2", "7"]')
     recomputed = train(tmp_path, "recompute", 'memory.recompute=["4", "8"]')  # 8: dropout
-    budgeted = train(tmp_path, "budget", "memory.budget_mb=12", "train.progress=true")
+    budgeted = train(tmp_path, "budget", "memory.budget_mb=120", "train.progress=true")
     host = train(
         tmp_path,
         "host",
@@ -58,7 +58,7 @@ def test_managed_runs_equal_the_unmanaged_run(
     assert host == unmanaged and mirror == unmanaged
     printed = "".join(capsys.readouterr())
     assert "optimizer: fp32 master parameters, state and arithmetic on the host" in printed
-    assert "memory plan: predicted peak" in printed and "budget 12.0 MiB" in printed
+    assert "memory plan: predicted peak" in printed and "budget 120.0 MiB" in printed
     assert "optimizer state: in the tier between steps, streamed in chunks of 0.05 MiB" in printed
 
 

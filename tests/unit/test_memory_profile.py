@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -265,11 +266,11 @@ def test_the_cpu_allocator_peak_sees_a_workspace_the_accounting_does_not() -> No
     manager = MemoryManager.build(
         layers, MemoryConfig(budget_mb=64), torch.device("cpu"), sample, loss_fn, ADAM
     )
-    assert manager.plan.unmanaged_peak >= profile.measured_peak_bytes - 2**16
-    assert (
-        "kernels' workspaces and temporaries beyond the saved tensors: 8.0 MiB"
-        in manager.describe()
-    )
+    # (the plan's peaks are above the start, which holds the parameters)
+    assert manager.plan.unmanaged_peak >= profile.measured_peak_bytes - profile.param_bytes - 2**16
+    # measured as the budget is (the process's resident peak): the scratch, give or take pages
+    found = re.search(r"beyond the saved tensors: ([0-9.]+) MiB", manager.describe())
+    assert found is not None and 7.9 <= float(found.group(1)) <= 9.0, manager.describe()
     manager.close()
 
 

@@ -214,3 +214,23 @@ def _print_summary(summary: dict) -> None:
         f"{summary['samples_per_s']:,.0f} samples/s on {summary['world_size']} process(es) | "
         f"{summary['steps']} steps | run directory {summary['run_dir']}"
     )
+    _print_memory(summary)
+
+
+def _print_memory(summary: dict) -> None:
+    """The measured peak against the budget (a warning line when over it)."""
+    peak, budget = summary.get("memory_peak_mb"), summary.get("memory_budget_mb")
+    if peak is None or not budget:
+        return
+    of = summary.get("memory_peak_of", "resident")
+    line = (
+        f"memory: measured peak {peak:.1f} MiB above the start ({of}; "
+        f"{summary['memory_start_mb']:.1f} MiB at the start), budget {budget:.1f} MiB"
+    )
+    print(line)
+    if peak > budget:
+        print(
+            f"{PROG}: warning: the measured peak {peak:.1f} MiB is over memory.budget_mb "
+            f"{budget:.1f} MiB: set a lower budget_mb to leave the plan more margin",
+            file=sys.stderr,
+        )

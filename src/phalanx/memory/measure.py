@@ -4,15 +4,25 @@ or the CUDA allocator's peak on GPUs; and the CPU allocator's peak over a block 
 
 On a CPU-only machine "device memory" is the process's RSS. ``reset_peak()`` resets the kernel's
 high-water mark (writing 5 to /proc/self/clear_refs, Linux >= 4.0) so ``peak_bytes()`` covers
-only what ran since. Freed tensors only lower RSS when the allocator returns them to the kernel:
-glibc keeps small and mid-size blocks in its heap, so measuring processes should start with
-``MALLOC_MMAP_THRESHOLD_`` set low (``allocator_env()``), which makes every large tensor its own
-mapping, unmapped when freed.
+only what ran since. ``StepPeak`` is the one meaning of "peak" a memory budget is held to: the
+high-water mark above what the process held when it started (CUDA: ``max_memory_allocated``
+above ``memory_allocated``; CPU: VmHWM above VmRSS, what ``/usr/bin/time`` shows minus the
+start).
+
+Freed tensors only lower RSS when the allocator returns them to the kernel: glibc keeps small
+and mid-size blocks in its heap, and after a large block is freed it raises its mmap threshold
+(up to 32 MiB), so later tensors of that size stay in the heap too. ``release_freed_memory()``
+fixes glibc's mmap threshold at 64 KiB (``mallopt``, as ``MALLOC_MMAP_THRESHOLD_`` does for a
+process that starts with it: ``allocator_env()``): every larger tensor is its own mapping,
+unmapped when freed. ``trim()`` hands the heap's free pages back (``malloc_trim``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
+import logging
 import os
 import sys
 from collections.abc import Iterator
@@ -24,6 +34,65 @@ MMAP_THRESHOLD = 1 << 16  # bytes: blocks above this get their own mapping (free
 _STATUS = Path("/proc/self/status")
 _CLEAR_REFS = Path("/proc/self/clear_refs")
 _CGROUP_PEAK = Path("/sys/fs/cgroup/memory.peak")
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter numbers (malloc.h)
+_M_TRIM_THRESHOLD = -1
+logger = logging.getLogger("phalanx")
+
+
+def _libc() -> ctypes.CDLL | None:
+    """glibc, where this process runs on it (its mallopt/malloc_trim); None elsewhere."""
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return None
+    try:
+        libc = ctypes.CDLL(name)
+        libc.mallopt, libc.malloc_trim  # noqa: B018  # musl and macOS have neither
+    except (OSError, AttributeError):
+        return None
+    return libc
+
+
+def release_freed_memory() -> bool:
+    """From now on, freed host tensors go back to the kernel: glibc's mmap threshold fixed at
+    ``MMAP_THRESHOLD`` (no dynamic raise) and its heap trimmed above it. A threshold the user
+    set (``MALLOC_MMAP_THRESHOLD_``) is left alone. Returns whether the setting is in force."""
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ:
+        return True
+    libc = _libc()
+    if libc is None:
+        return False
+    ok = libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1
+    ok = libc.mallopt(_M_TRIM_THRESHOLD, 2 * MMAP_THRESHOLD) == 1 and ok
+    return bool(ok)
+
+
+def trim() -> None:
+    """Hand the heap's free pages back to the kernel (glibc ``malloc_trim``; no-op elsewhere)."""
+    libc = _libc()
+    if libc is not None:
+        libc.malloc_trim(0)
+
+
+class StepPeak:
+    """The peak a memory budget is held to: the high-water mark since ``start`` above what was
+    held at ``start`` (bytes). CUDA: ``max_memory_allocated`` above ``memory_allocated``; CPU:
+    the process's VmHWM above its VmRSS (the kernel's mark reset at ``start`` where Linux
+    allows; otherwise the mark since the process began, which can only over-count)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        self.start_bytes = current_bytes(device)
+        self.exact = reset_peak(device)
+        self._resets = len(_RESETS)  # marks cleared later (a profile's) still count
+
+    def peak_bytes(self) -> int:
+        """The high-water mark so far, above the start (0 where it cannot be read)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        high = max([peak_bytes(self.device), *_RESETS[self._resets :]])
+        return max(0, high - self.start_bytes)
 
 
 def allocator_env() -> dict[str, str]:
@@ -31,16 +100,30 @@ def allocator_env() -> dict[str, str]:
     return {"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD)}
 
 
+_RESETS: list[int] = []  # the high-water mark each reset_peak cleared, in order (StepPeak's)
+
+
 def reset_peak(device: torch.device | None = None) -> bool:
-    """Start a new peak; returns whether the host peak could be reset (Linux only)."""
+    """Start a new peak; returns whether the host peak could be reset (Linux only). The mark
+    it clears is kept, so a ``StepPeak`` started before still sees it."""
     if device is not None and device.type == "cuda":
+        _RESETS.append(int(torch.cuda.max_memory_allocated(device)))
         torch.cuda.reset_peak_memory_stats(device)
         return True
+    high = _status_bytes("VmHWM")
     try:
         _CLEAR_REFS.write_text("5")
-        return True
     except OSError:
         return False
+    _RESETS.append(high)
+    return True
+
+
+def current_bytes(device: torch.device) -> int:
+    """What the process holds now: CUDA's allocated bytes on a GPU, else its resident set."""
+    if device.type == "cuda":
+        return int(torch.cuda.memory_allocated(device))
+    return current_rss_bytes()
 
 
 def current_rss_bytes() -> int:

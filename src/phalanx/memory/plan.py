@@ -11,12 +11,15 @@ bandwidth of the next tier:
   (torch.utils.checkpoint): costs one forward of the layer. Beyond the document: chosen where
   it is cheaper than the transfer.
 
-The predicted peak is the fixed bytes (parameters, gradients, optimizer state) plus the saved
-activations still on the device at the end of forward, plus the transfer window (the two
-largest offloaded layers: in backward the one computing and the one prefetched are back at
-once). For each cap on the size of an offloaded layer, the planner adds the choice that frees
-the most bytes per predicted second until the peak fits, and keeps the cheapest plan that fits
-(the smallest-peak plan too is a candidate); when none fits it says so in one line.
+Every peak here is the step's peak above the memory held before the first step (the parameters
+and buffers are in that start; ``measure.StepPeak`` measures the same thing): the fixed bytes
+(gradients, optimizer state, backward's transient gradients, kernels' workspaces) plus the
+larger of the saved activations still on the device at the end of forward and, at each layer's
+backward, those of the layers before it, its own all back (read, rematerialized or kept) and
+the read of the layer before it ahead of need (``predict_peak``). For each cap on the size of
+an offloaded layer, the planner adds the choice that frees the most bytes per predicted second
+until the peak fits, and keeps the cheapest plan that fits (the smallest-peak plan too is a
+candidate); when none fits it says so in one line.
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ class Plan:
     def describe(self) -> str:
         mib = 2**20
         head = (
-            f"memory plan: predicted peak {self.predicted_peak / mib:.1f} MiB "
+            f"memory plan: predicted peak {self.predicted_peak / mib:.1f} MiB above the start "
             f"(unmanaged {self.unmanaged_peak / mib:.1f} MiB"
             + (f", budget {self.budget / mib:.1f} MiB" if self.budget else "")
             + f"), predicted overhead {1e3 * self.predicted_overhead_s:.1f} ms per step"
@@ -90,20 +93,25 @@ def predict_peak(
     offload_overhead_bytes: int = 0,
     prefetch_bytes: int | None = None,
 ) -> int:
-    """Fixed bytes (parameters, gradients, optimizer state and backward's transient gradients)
-    + activations on the device at the end of forward + the transfer window: in backward two
-    offloaded layers are back at once (the one computing and the one prefetched for the
-    next, at most ``prefetch_bytes`` of it), so the two largest count; + the tier's own
-    buffers when anything is offloaded."""
-    offloaded = sorted(
-        (layer.saved_bytes for layer in layers if choices.get(layer.name) == OFFLOAD),
-        reverse=True,
-    )
-    overhead = offload_overhead_bytes if offloaded else 0
-    window = offloaded[:1] + [
-        b if prefetch_bytes is None else min(b, prefetch_bytes) for b in offloaded[1:2]
-    ]
-    return fixed_bytes + _resident(layers, choices) + sum(window) + overhead
+    """Fixed bytes (gradients, optimizer state, backward's transient gradients, workspaces)
+    + the tier's own buffers when anything is offloaded + the larger of: the activations on
+    the device at the end of forward, and at each layer's backward the activations of the
+    layers before it, its own saved tensors all back (read from the tier, rematerialized by
+    recomputation, or kept) and the read of the layer before it ahead of need (at most
+    ``prefetch_bytes`` of it, when it is offloaded)."""
+    offloads = any(choices.get(layer.name) == OFFLOAD for layer in layers)
+    overhead = offload_overhead_bytes if offloads else 0
+    resident = [_resident([layer], choices) for layer in layers]
+    highest = sum(resident)  # the end of forward
+    before = 0
+    for i, layer in enumerate(layers):
+        ahead = 0
+        if i and choices.get(layers[i - 1].name) == OFFLOAD:
+            saved = layers[i - 1].saved_bytes
+            ahead = saved if prefetch_bytes is None else min(saved, prefetch_bytes)
+        highest = max(highest, before + layer.saved_bytes + ahead)
+        before += resident[i]
+    return fixed_bytes + overhead + highest
 
 
 def _resident(layers: list[LayerCost], choices: dict[str, str]) -> int:
@@ -128,9 +136,12 @@ def make_plan(
     offload: list[str] | None = None,
     recompute: list[str] | None = None,
     offload_overhead_bytes: int = 0,
+    margin: float = 0.0,
 ) -> Plan:
-    """The cheapest plan whose predicted peak fits ``budget_bytes`` (None: only the choices
-    given by name). ``offload``/``recompute`` name layers that must take that choice."""
+    """The cheapest plan whose predicted peak fits ``budget_bytes`` less ``margin`` of it (None:
+    only the choices given by name). ``offload``/``recompute`` name layers that must take that
+    choice."""
+    fit_bytes = None if budget_bytes is None else int(budget_bytes * (1 - margin))
     names = [layer.name for layer in layers]
     for key, given in (("offload", offload), ("recompute", recompute)):
         for name in given or []:
@@ -163,15 +174,15 @@ def make_plan(
         return sum(costs[(name, c)] for name, c in plan.items() if c != KEEP)
 
     unmanaged = peaks(None)({})
-    floor = min(peaks(0)(plan) for plan in _floor_plans(layers, {}))
+    floor = min([unmanaged, *(peaks(0)(plan) for plan in _floor_plans(layers, {}))])
     # Whole-layer prefetch first; only when no plan fits, a layer read ahead in part.
     best: tuple[float, dict[str, str], int | None] | None = None
-    for prefetch in _prefetch_caps(layers, budget_bytes):
+    for prefetch in _prefetch_caps(layers, fit_bytes):
         peak_of, costs = peaks(prefetch), costs_of(prefetch)
         plan = choices
-        if budget_bytes is not None:
-            plan = _cheapest_fit(layers, choices, costs, peak_of, budget_bytes)
-        if budget_bytes is None or peak_of(plan) <= budget_bytes:
+        if fit_bytes is not None:
+            plan = _cheapest_fit(layers, choices, costs, peak_of, fit_bytes)
+        if fit_bytes is None or peak_of(plan) <= fit_bytes:
             if best is None or total(costs, plan) < best[0]:
                 best = (total(costs, plan), plan, prefetch)
             if prefetch is None:
@@ -180,9 +191,10 @@ def make_plan(
         assert budget_bytes is not None  # without a budget, the first (None) prefetch fits
         raise ConfigError(
             f"memory.budget_mb: {budget_bytes / 2**20:.1f} MiB cannot be met: the smallest "
-            f"predicted peak is {floor / 2**20:.1f} MiB (parameters, gradients, optimizer state, "
-            f"backward's transient gradients and kernels' workspaces alone take "
-            f"{fixed_bytes / 2**20:.1f} MiB)"
+            f"predicted peak is {floor / 2**20:.1f} MiB above the start (gradients, optimizer "
+            f"state, backward's transient gradients and kernels' workspaces alone take "
+            f"{fixed_bytes / 2**20:.1f} MiB"
+            + (f"; plans fit {100 * (1 - margin):.0f}% of the budget)" if margin else ")")
         )
     overhead, choices, prefetch = best
     if not any(c == OFFLOAD for c in choices.values()):

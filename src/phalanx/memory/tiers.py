@@ -97,6 +97,7 @@ class Tier:
         self.bytes_written = 0
         self.bytes_read = 0
         self.io_seconds = 0.0  # time spent moving bytes (the I/O thread's busy time)
+        self.overhead_bytes = 0  # device memory the tier itself holds (its staging buffers)
         self._lock = threading.Lock()
         self._closed = False
 
@@ -321,6 +322,7 @@ class SpillFileTier(Tier):
         self._staging = mmap.mmap(-1, 2 * round_up(max(staging_bytes // 2, ALIGN)))
         self._staging_view = memoryview(self._staging)
         self._staging_tensor = torch.frombuffer(self._staging, dtype=torch.uint8)
+        self.overhead_bytes = len(self._staging)
         self.direct = direct_io != "off" and self._try_direct()
         if direct_io == "on" and not self.direct:
             self._release_buffers()
