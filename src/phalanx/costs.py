@@ -24,6 +24,9 @@ class LayerCost:
     param_bytes: int = 0  # its own parameters
     output_bytes: int = 0  # its output activation (what a pipeline boundary after it carries)
     saved_bytes: int = 0  # what autograd saves in its forward (offload / recompute frees it)
+    # what its backward allocates above what it started with, at its highest (its input's
+    # gradient, temporaries); 0: not measured (the plan then counts input + output instead)
+    backward_work_bytes: int = 0
     input_bytes: int = 0  # its input activation (what recompute keeps instead)
     # each of its gradients' bytes, in the order they are ready when its backward ends (the
     # planner's step: a "layer" there may be a group of layers)

@@ -37,7 +37,7 @@ def test_tiny_run_measures_every_variant() -> None:
     ]  # fmt: skip
     for name in ("none", "checkpoint", "save_on_cpu", "phalanx@0.75", "phalanx@min"):
         run = only["variants"][name]
-        assert _positive(run["peak_bytes"]), (name, run)
+        assert "error" not in run and _positive(run["peak_bytes"]), (name, run)
         assert _positive(run["median_step_s"]) and len(run["step_s"]) == 1
         row = result["summary"][name]
         assert _positive(row["median_step_s"]) and _positive(row["median_peak_bytes"])

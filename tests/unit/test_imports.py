@@ -162,7 +162,6 @@ LAZY = {
     "phalanx.runtime.spawn": "rank processes: only benches and tests start them",
     "phalanx.pool_training": "only the WorkerPool training flow",
     "phalanx.memory.profile": "the per-layer profiler: only [memory], profile, plan, split = auto",
-    "phalanx.memory.measure": "peak counters (/proc, cgroups, the profiler): only memory benches",
     "phalanx.memory.offload": "saved-tensor hooks and tiers: only a plan that offloads",
 }
 

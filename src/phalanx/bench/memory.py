@@ -75,6 +75,7 @@ from torch import nn
 from phalanx.bench import machine_meta
 from phalanx.errors import ConfigError
 from phalanx.fields import option
+from phalanx.memory import measure
 from phalanx.memory.manager import MemoryConfig, MemoryManager
 from phalanx.memory.tiers import TierConfig
 from phalanx.runtime.context import RuntimeConfig
@@ -208,8 +209,6 @@ def measure_variant(
     (module docstring). ``budget_mb``: phalanx's budget. ``probe``: afterwards, also plan with
     an unbounded budget and return the planner's unmanaged peak (``unmanaged_predicted_bytes``).
     A budget the planner cannot meet returns ``{"variant", "error"}`` instead of raising."""
-    from phalanx.memory import measure
-
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     allocator = _Allocator()
@@ -347,9 +346,7 @@ class _Allocator:
         self._set(self.REUSE_MMAP, self.REUSE_TRIM)
 
     def measuring(self) -> None:
-        from phalanx.memory.measure import MMAP_THRESHOLD
-
-        self._set(MMAP_THRESHOLD, self.MEASURING_TRIM)
+        self._set(measure.MMAP_THRESHOLD, self.MEASURING_TRIM)
 
     def trim(self) -> None:
         if self.available:
@@ -365,10 +362,8 @@ class _Allocator:
 def _allocator_env() -> Iterator[None]:
     """``allocator_env()`` in os.environ while the measuring processes are spawned: glibc reads
     it when a process starts (``run_ranks(env=...)`` sets variables too late for that)."""
-    from phalanx.memory.measure import allocator_env
-
-    saved = {key: os.environ.get(key) for key in allocator_env()}
-    os.environ.update(allocator_env())
+    saved = {key: os.environ.get(key) for key in measure.allocator_env()}
+    os.environ.update(measure.allocator_env())
     try:
         yield
     finally:

@@ -34,6 +34,7 @@ from phalanx.bench import machine_meta
 from phalanx.bench.memory import _Allocator, _allocator_env
 from phalanx.errors import ConfigError
 from phalanx.fields import option
+from phalanx.memory import measure
 from phalanx.memory.manager import MemoryConfig, MemoryManager
 from phalanx.memory.tiers import TierConfig
 from phalanx.runtime.context import RuntimeConfig
@@ -80,8 +81,6 @@ def _model(cfg: OptimizerBenchConfig) -> nn.Sequential:
 def measure_variant(cfg: OptimizerBenchConfig, variant: str) -> dict[str, Any]:
     """Train ``variant`` in this process: peak RSS over ``peak_steps`` steps after the first,
     then the median of ``steps`` timed steps after ``warmup``."""
-    from phalanx.memory import measure
-
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     allocator = _Allocator()

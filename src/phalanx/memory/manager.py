@@ -311,8 +311,7 @@ def _costs(
     costs = [_extrapolate(a, b, sizes, full) for a, b in zip(fits[0][0], fits[-1][0])]
     transient = max(0, round(_line(fits[0][1], fits[-1][1], sizes, full)))
     grads = sum(p.numel() * p.element_size() for p in _trainable(layers))
-    # In backward the gradient arriving at a layer and the one it produces live together.
-    moving = max(cost.input_bytes + cost.output_bytes for cost in costs)
+    moving = _moving(costs)
     notes.append(
         f"the process's own growth in its first steps (code, caches, arenas): "
         f"{retained / 2**20:.1f} MiB, in every peak"
@@ -323,6 +322,14 @@ def _costs(
             "profile stays within the budget; no copy of the model)"
         )
     return costs, grads + state + moving + transient + retained, transient
+
+
+def _moving(costs: list[LayerCost]) -> int:
+    """Backward's gradients in flight where the layers' backward work was not measured: the
+    gradient arriving at a layer and the one it produces live together."""
+    if any(cost.backward_work_bytes for cost in costs):
+        return 0  # the plan counts them per layer
+    return max(cost.input_bytes + cost.output_bytes for cost in costs)
 
 
 def _probe_bytes(costs: list[LayerCost], budget_mb: float) -> int:
@@ -354,18 +361,22 @@ def _slice_costs(
         steps = [batch] * (PROFILE_STEPS - 1)
         profile = profile_model(layers, loss_fn, None, steps, device, warmup=1, measure_peak=False)
         measure.trim()
-        start = measure.current_bytes(device)
-        measure.reset_peak(device)
-        profile_model(layers, loss_fn, None, [batch], device, measure_peak=False)
-        peak = measure.peak_bytes(device) - start
+        meter = measure.StepPeak(device)
+        worked = profile_model(
+            layers, loss_fn, None, [batch], device, measure_peak=False, measure_work=True
+        )
+        peak = meter.peak_bytes()
     finally:
         with torch.no_grad():
             for buffer, saved in buffers:
                 buffer.copy_(saved)
     x = batch[0]
-    costs = profile.layer_costs(input_bytes=x.numel() * x.element_size())
-    moving = max(c.input_bytes + c.output_bytes for c in costs)
-    return costs, float(peak - predict_peak(costs, {}, _grad_bytes(layers) + moving))
+    work = [layer.backward_work_bytes for layer in worked.layers]
+    costs = [
+        replace(cost, backward_work_bytes=w)
+        for cost, w in zip(profile.layer_costs(input_bytes=x.numel() * x.element_size()), work)
+    ]
+    return costs, float(peak - predict_peak(costs, {}, _grad_bytes(layers) + _moving(costs)))
 
 
 def _line(small: float, large: float, sizes: list[int], full: int) -> float:
@@ -383,6 +394,7 @@ def _extrapolate(small: LayerCost, large: LayerCost, sizes: list[int], full: int
 
     return replace(
         large,
+        backward_work_bytes=round(line("backward_work_bytes")),
         forward_s=line("forward_s"),
         backward_s=line("backward_s"),
         saved_bytes=round(line("saved_bytes")),

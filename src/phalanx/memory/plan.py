@@ -97,8 +97,9 @@ def predict_peak(
     + the tier's own buffers when anything is offloaded + the larger of: the activations on
     the device at the end of forward, and at each layer's backward the activations of the
     layers before it, its own saved tensors all back (read from the tier, rematerialized by
-    recomputation, or kept) and the read of the layer before it ahead of need (at most
-    ``prefetch_bytes`` of it, when it is offloaded)."""
+    recomputation, or kept), the read of the layer before it ahead of need (at most
+    ``prefetch_bytes`` of it, when it is offloaded) and, where measured, the gradient it gets
+    and its backward's work (else ``fixed_bytes`` holds the largest input + output)."""
     offloads = any(choices.get(layer.name) == OFFLOAD for layer in layers)
     overhead = offload_overhead_bytes if offloads else 0
     resident = [_resident([layer], choices) for layer in layers]
@@ -109,7 +110,9 @@ def predict_peak(
         if i and choices.get(layers[i - 1].name) == OFFLOAD:
             saved = layers[i - 1].saved_bytes
             ahead = saved if prefetch_bytes is None else min(saved, prefetch_bytes)
-        highest = max(highest, before + layer.saved_bytes + ahead)
+        # measured: its output's gradient (there when it starts) and what its backward adds
+        work = layer.output_bytes + layer.backward_work_bytes if layer.backward_work_bytes else 0
+        highest = max(highest, before + layer.saved_bytes + ahead + work)
         before += resident[i]
     return fixed_bytes + overhead + highest
 

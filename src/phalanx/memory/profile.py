@@ -77,6 +77,7 @@ class LayerProfile:
     buffer_bytes: int  # its buffers (BatchNorm's running statistics)
     grad_bytes: int  # its parameters' gradients after backward
     optimizer_bytes: int  # its parameters' optimizer state after optimizer.step
+    backward_work_bytes: int = 0  # measured (``measure_work``): see costs.LayerCost
 
 
 @dataclass(kw_only=True)
@@ -180,6 +181,7 @@ class MemoryProfile:
                 saved_bytes=layer.saved_bytes,
                 input_bytes=inputs[i],
                 grad_bytes=(layer.grad_bytes,) if layer.grad_bytes else (),
+                backward_work_bytes=layer.backward_work_bytes,
             )
             for i, layer in enumerate(self.layers)
         ]
@@ -259,7 +261,11 @@ class _StepTrace:
         model_storages: set[tuple[int, int]],
         snapshot: Callable[[], tuple[int, int, int, int | None]],
         device: torch.device,
+        measure_work: bool = False,
     ) -> None:
+        self.measure_work = measure_work
+        self.backward_work = [0] * num_layers
+        self.work_start = 0
         self.model_storages = model_storages
         self.snapshot = snapshot  # -> bytes of (gradients, optimizer, parameters, allocated)
         self.device = device
@@ -343,6 +349,13 @@ class _StepTrace:
     # backward boundaries
     def begin_backward(self) -> None:
         self.pending, self.mark = None, self.now()
+        self.start_work()
+
+    def start_work(self) -> None:
+        """The next layer's backward starts: a new high-water mark from what is held now."""
+        if self.measure_work:
+            self.work_start = measure.current_bytes(self.device)
+            measure.reset_peak(self.device)
 
     def gradient_ready(self, layer: int) -> Callable[[torch.Tensor], None]:
         """Hook for layer ``layer``'s output: its backward starts, the pending one has ended."""
@@ -350,6 +363,7 @@ class _StepTrace:
         def hook(grad: torch.Tensor) -> None:
             self.close_pending()
             self.pending, self.mark = layer, self.now()
+            self.start_work()
 
         return hook
 
@@ -359,6 +373,9 @@ class _StepTrace:
             self.loss_backward_s = elapsed
         else:
             self.backward_s[self.pending] = elapsed
+            if self.measure_work:
+                high = measure.peak_bytes(self.device)
+                self.backward_work[self.pending] = max(0, high - self.work_start)
         self.event("backward", self.pending)
 
 
@@ -404,6 +421,7 @@ def profile_model(
     autocast: Autocast | None = None,
     warmup: int = 1,
     measure_peak: bool = True,
+    measure_work: bool = False,
 ) -> MemoryProfile:
     """Train ``layers`` (applied in order, like the nn.Sequential they come from; moved to
     ``device`` and put in train mode) for one step per batch and profile it.
@@ -418,7 +436,9 @@ def profile_model(
     from its start). ``autocast``: the forward's context (phalanx.precision).
     ``measure_peak``: the allocator's peak over the last step (``measured_peak_bytes``; on the
     CPU that step runs under torch.profiler and is not timed); off, no allocator statistics
-    are reset or read."""
+    are reset or read. ``measure_work``: each layer's backward work (``backward_work_bytes``:
+    the high-water mark during its backward above the bytes at its start, as ``measure``
+    counts them: the resident set on a CPU, CUDA's allocator), over the last step."""
     device = torch.device(device)
     layers = list(layers)
     names = [str(i) for i in range(len(layers))] if names is None else list(names)
@@ -457,7 +477,8 @@ def profile_model(
         cuda_peak = measure_peak and device.type == "cuda"
         if cuda_peak:
             torch.cuda.reset_peak_memory_stats(device)
-        trace = _StepTrace(len(layers), model_storages, snapshot, device)
+        work = measure_work and k == len(batches) - 1
+        trace = _StepTrace(len(layers), model_storages, snapshot, device, work)
         last_on_cpu = device.type == "cpu" and k == len(batches) - 1
         if measure_peak and last_on_cpu and not measure.profiler_running():
             with measure.AllocatorPeak() as allocated:
@@ -489,6 +510,7 @@ def profile_model(
             buffer_bytes=_distinct_bytes(layer.buffers()),
             grad_bytes=_distinct_bytes(p.grad for p in owned[i] if p.grad is not None),
             optimizer_bytes=_distinct_bytes(_state_tensors(optimizer, owned[i])),
+            backward_work_bytes=last.backward_work[i],
         )
         for i, layer in enumerate(layers)
     ]
