@@ -41,17 +41,12 @@ MODELS = {
         + "[data]\nbatch_size = 32\n"
     ),
 }
-COMMON = """source = "text"
-seq_len = 256
-[train]
-steps = 3
-progress = false
-[optimizer]
-name = "adam"
-lr = 0.001
-[checkpoint]
-every = 0
+# (root-level tables first: what follows them is the model's and the data's)
+COMMON = """train = { steps = 3, progress = false }
+optimizer = { name = "adam", lr = 0.001 }
+checkpoint = { every = 0 }
 """
+DATA = 'source = "text"\nseq_len = 256\n'
 
 
 def _train(tmp_path: Path, config: Path, name: str, *sets: str) -> tuple[dict, str]:
@@ -78,7 +73,7 @@ def _weights(tmp_path: Path, name: str) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("model", sorted(MODELS))
 def test_a_budget_of_40_percent_lowers_the_measured_peak(tmp_path: Path, model: str) -> None:
     config = tmp_path / f"{model}.toml"
-    config.write_text(MODELS[model] + COMMON)
+    config.write_text(COMMON + MODELS[model] + DATA)
     unmanaged, _ = _train(tmp_path, config, "none")
     peak = unmanaged["memory_peak_mb"]
     assert peak > 100, unmanaged  # activation-dominated: the step holds hundreds of MiB

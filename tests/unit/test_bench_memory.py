@@ -1,6 +1,6 @@
-"""``phalanx bench memory``: a tiny run end to end in this process (every variant measured, the
-same losses), the summary's ratios and PASS/MISS lines, one-line config errors. No timing
-assertions."""
+"""``phalanx bench memory-layers``: a tiny run end to end, a fresh process per measurement (every
+variant measured, the same losses), the summary's ratios and PASS/MISS lines, one-line config
+errors. No timing assertions."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ TINY = bench.MemoryBenchConfig(
     rounds=1,
     steps=1,
     warmup=0,
-    fresh_processes=False,
+    fresh_processes=True,  # as the bench runs: in-process RSS figures are too noisy for budgets
 )
 
 
@@ -123,5 +123,5 @@ def test_rotation_starts_round_zero_with_none() -> None:
 def test_config_errors_are_one_line(
     args: list[str], fragment: str, capsys: pytest.CaptureFixture
 ) -> None:
-    assert run_main(["bench", "memory", *args]) == 2
+    assert run_main(["bench", "memory-layers", *args]) == 2
     assert_one_line_error(capsys.readouterr().err, fragment)

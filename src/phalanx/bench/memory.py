@@ -1,5 +1,5 @@
-"""``phalanx bench memory``: phalanx's memory manager against torch's own tools, on a model whose
-saved activations dominate the peak.
+"""``phalanx bench memory-layers``: phalanx's memory manager against torch's own tools, on a model
+whose saved activations dominate the peak.
 
 Model: a deep pre-activation ResNet-style conv net at a large batch (``build_layers``): a 3 x 3
 stem convolution, ``blocks`` residual blocks (BatchNorm, ReLU, conv, BatchNorm, ReLU, conv, plus
@@ -89,7 +89,7 @@ M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
 
 @dataclass(frozen=True)
 class MemoryBenchConfig:
-    """Everything one ``phalanx bench memory`` run uses (recorded in the JSON)."""
+    """Everything one ``phalanx bench memory-layers`` run uses (recorded in the JSON)."""
 
     batch_size: int = option(96, "images per step")
     channels: int = option(16, "channels of the blocks")
@@ -214,8 +214,9 @@ def measure_variant(
     allocator = _Allocator()
     allocator.measuring()  # fresh processes start so (the environment): here for in-process runs
     device = torch.device("cpu")
-    layers = build_layers(cfg)
     x, y = make_batch(cfg)
+    _warm_up(cfg, x, y)
+    layers = build_layers(cfg)
     manager: MemoryManager | None = None
     around: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
     if variant == "checkpoint":
@@ -306,6 +307,18 @@ def measure_variant(
         out["smallest_predicted_bytes"] = planner.plan.smallest_peak
         planner.close()
     return out
+
+
+def _warm_up(cfg: MemoryBenchConfig, x: torch.Tensor, y: torch.Tensor) -> None:
+    """One step of a throwaway copy of the model: every variant then starts with what a step
+    loads into the process (the modules an optimizer's first step imports, kernel caches), so
+    the plans' "own growth of the process" is the same in every process as in the probe's."""
+    model = nn.Sequential(*build_layers(cfg))
+    optimizer = _sgd(list(model.parameters()))
+    _loss(model(x[:2]), y[:2]).backward()
+    optimizer.step()
+    del model, optimizer
+    gc.collect()
 
 
 def _save_on_cpu() -> contextlib.AbstractContextManager[Any]:
