@@ -53,7 +53,7 @@ import torch.distributed as dist
 from phalanx.errors import CheckpointError
 from phalanx.fields import option, require
 from phalanx.fileio import atomic_write_text, fsync_dir
-from phalanx.slices import Slices, _boxes, _flat_offset  # noqa: F401 (re-exported)
+from phalanx.slices import LazySlices, Slices, _boxes, _flat_offset  # noqa: F401 (re-exported)
 
 LATEST = "latest.json"
 METADATA = ".metadata"  # DCP's index of the directory, written by rank 0 last
@@ -274,6 +274,8 @@ def _snapshot(value: Any) -> Any:
     """A host-memory copy of a state dict (tensors and Slices copied, other values kept)."""
     if isinstance(value, torch.Tensor):
         return value.detach().to("cpu", copy=True)
+    if isinstance(value, LazySlices):  # read now: the tier it reads may change meanwhile
+        value = value.materialized()
     if isinstance(value, Slices):
         return Slices(value.shape, value.dtype, [(o, _snapshot(t)) for o, t in value.boxes])
     if isinstance(value, Mapping):
@@ -684,7 +686,7 @@ def optimizer_to_dcp(
 
 def _to_dcp(value: Any, p: torch.Tensor) -> Any:
     if not isinstance(value, list):
-        return value
+        return value  # a counter, or Slices already (LazySlices: read as they are written)
     if len(value) == 1 and value[0][0] == 0 and value[0][1].numel() == p.numel():
         return value[0][1].view(p.shape)
     return Slices.from_flat(p.shape, value)

@@ -494,6 +494,11 @@ class Engine:
         tier between steps: ``[memory] optimizer = "host"``)."""
         return nullcontext() if self._mirror is None else self._mirror.resident()
 
+    def lazy_optimizer_shards(self) -> tuple[dict[int, dict[str, Any]], list[Any]] | None:
+        """The optimizer state for a checkpoint that reads it from its memory tier piece by
+        piece (``[memory] optimizer = "host"`` on a CPU), or None: ``optimizer_resident``."""
+        return None if self._mirror is None else self._mirror.lazy_shards(self.trainable)
+
     # -- state (phalanx.engine_state) ---------------------------------------------------------
     def state_dict(self, stored: dict[str, Any] | None = None) -> dict[str, Any]:
         """This rank's part of the Engine's state for torch.distributed.checkpoint (see

@@ -36,8 +36,12 @@ def state_dict(engine: Engine, stored: dict[str, Any] | None = None) -> dict[str
     names = [named[id(p)] for p in engine.trainable]
     model = engine.local_module.state_dict()  # loads in place: the parameters themselves
     if stored is None:
-        with engine.optimizer_resident():  # the returned tensors outlive the block
-            shards, groups = sharding.optimizer_shards(engine.optimizer, engine.trainable)
+        lazy = engine.lazy_optimizer_shards()  # state in a tier: read piece by piece
+        if lazy is not None:
+            shards, groups = lazy
+        else:
+            with engine.optimizer_resident():  # the returned tensors outlive the block
+                shards, groups = sharding.optimizer_shards(engine.optimizer, engine.trainable)
         return {
             "model": model,
             "optimizer": checkpoint.optimizer_to_dcp(shards, groups, engine.trainable, names),

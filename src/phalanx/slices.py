@@ -1,12 +1,13 @@
 """Pieces of a tensor that several ranks each hold parts of (sharded optimizer state), as
-checkpoints store them: ``Slices`` and the boxes a flat range of a tensor covers.
+checkpoints store them: ``Slices`` and the boxes a flat range of a tensor covers; ``LazySlices``,
+whose pieces are read when written.
 
 Below both ``phalanx.checkpoint`` and its DCP planners (``phalanx._dcp``), which import it."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -89,6 +90,40 @@ class Slices:
             if torch.Size(offsets) == index.offset:
                 return tensor
         raise ValueError(f"{index.fqn}: no piece at {index.offset}")
+
+
+class LazySlices(Slices):
+    """Slices whose pieces are read only when the checkpoint writer asks for each:
+    ``load(flat start, numel)`` returns that 1-D range of the tensor. State kept out of memory
+    (the optimizer mirror's tier) is so written one piece at a time; the boxes hold meta
+    tensors of their sizes (no memory). ``materialized()`` reads every piece (async saves)."""
+
+    def __init__(
+        self,
+        shape: Sequence[int],
+        dtype: torch.dtype,
+        ranges: list[tuple[int, int]],
+        load: Callable[[int, int], torch.Tensor],
+    ) -> None:
+        boxes = [
+            (offsets, torch.empty(sizes, dtype=dtype, device="meta"))
+            for lo, hi in ranges
+            for offsets, sizes in _boxes(shape, lo, hi)
+        ]
+        super().__init__(shape, dtype, boxes)
+        self._load = load
+
+    def piece(self, index: Any) -> torch.Tensor:
+        placeholder = super().piece(index)
+        start = _flat_offset(self.shape, index.offset)
+        return self._load(start, placeholder.numel()).view(placeholder.shape)
+
+    def materialized(self) -> Slices:
+        boxes = [
+            (o, self._load(_flat_offset(self.shape, o), t.numel()).view(t.shape))
+            for o, t in self.boxes
+        ]
+        return Slices(self.shape, self.dtype, boxes)
 
 
 def _flat_offset(shape: Sequence[int], offsets: Sequence[int]) -> int:

@@ -17,6 +17,7 @@ from phalanx.bench.pipeline import PipelineBenchConfig
 from phalanx.bench.planner import PlannerBenchConfig
 from phalanx.bench.port import PortBenchConfig
 from phalanx.bench.rnn import RnnBenchConfig
+from phalanx.bench.train_memory import TrainMemoryBenchConfig
 from phalanx.cli import build_parser
 from phalanx.commands.bench import exchange, link
 from phalanx.commands.bench.flags import add_config_flags, config_from_flags
@@ -25,7 +26,8 @@ from phalanx.errors import ConfigError
 PLAIN = {
     "rnn": RnnBenchConfig,
     "optimizer": OptimizerBenchConfig,
-    "memory": MemoryBenchConfig,
+    "memory": TrainMemoryBenchConfig,
+    "memory-layers": MemoryBenchConfig,
     "pipeline": PipelineBenchConfig,
     "port": PortBenchConfig,
     "planner": PlannerBenchConfig,

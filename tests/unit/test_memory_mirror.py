@@ -128,7 +128,7 @@ def test_mirror_on_cuda_keeps_state_in_pinned_host_memory() -> None:
 
 @pytest.mark.parametrize("place", ["host", "mirror"])
 def test_engine_with_host_optimizer_on_a_tied_batchnorm_model_with_an_unused_layer(
-    place: str,
+    place: str, tmp_path
 ) -> None:
     """As a user writes it (no close(), defaults otherwise): tied embedding/head weights,
     BatchNorm, a layer forward never uses; parameters equal plain torch's AdamW, with the
@@ -171,3 +171,62 @@ def test_engine_with_host_optimizer_on_a_tied_batchnorm_model_with_an_unused_lay
     assert type(engine.memory.mirror).__name__ == kind
     for (name, a), b in zip(engine.module.state_dict().items(), reference.state_dict().values()):
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+    # A checkpoint (the state read from the tier piece by piece where it lives there) resumes
+    # an Engine without the memory manager: its optimizer state is plain AdamW's.
+    from phalanx import checkpoint
+
+    resident = [v for s in engine.optimizer.state.values() for v in s.values()
+                if torch.is_tensor(v) and v.dim() > 0]  # fmt: skip
+    assert (place == "host") == (engine.lazy_optimizer_shards() is not None)
+    checkpoint.save(tmp_path / "ckpt", 4, {"engine": engine})
+    if place == "host":  # nothing was brought back into memory for the save
+        assert resident == [] and engine.memory.mirror.num_resident == 0
+    again = px.Engine(Net(), nn.functional.cross_entropy, lambda ps: torch.optim.AdamW(ps, lr=1e-2))
+    checkpoint.restore(tmp_path / "ckpt", {"engine": again})
+    got, expected = again.optimizer.state_dict(), plain.state_dict()
+    assert got["state"].keys() == expected["state"].keys()
+    for index, state in expected["state"].items():
+        for key, value in state.items():
+            torch.testing.assert_close(got["state"][index][key], value, rtol=0, atol=0)
+
+
+def big_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 128), nn.Tanh(), nn.Linear(128, 128), nn.Linear(128, 4))
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_a_parameter_larger_than_a_chunk_is_stepped_in_pieces(name: str, tmp_path) -> None:
+    """A 128 x 128 weight holds more state than a chunk: it steps in element ranges, with its
+    group's hyperparameters; the parameters and the whole state (checkpoint view, mid-run and at
+    the end) equal the plain optimizer's bit for bit."""
+    net = big_model()
+    plain = OPTIMIZERS[name](list(net.parameters()))
+    train(net, plain, 2, unused=True)
+    expected_mid = copy.deepcopy(plain.state_dict())
+    expected = train(net, plain, 2, unused=True)
+    net = big_model()
+    opt = OPTIMIZERS[name](list(net.parameters()))
+    with SpillFileTier(directory=tmp_path) as tier:
+        mirror = OptimizerMirror(opt, tier, chunk_bytes=20_000)
+        train(net, opt, 2, unused=True)
+        pieces = [x for chunk in mirror._chunks for x in chunk if x.param is net[2].weight]
+        assert len(pieces) >= 3 and all(x.view is not x.param for x in pieces)
+        with mirror.resident():
+            _assert_same_state(opt.state_dict(), expected_mid)
+        got = train(net, opt, 2, unused=True)
+        for a, b in zip(got, expected):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+        with mirror.resident():
+            _assert_same_state(opt.state_dict(), plain.state_dict())
+        mirror.close()
+    assert set(opt.state) == set(net.parameters())  # keyed by the parameters again
+
+
+def _assert_same_state(got: dict, expected: dict) -> None:
+    assert got["param_groups"] == expected["param_groups"]
+    assert got["state"].keys() == expected["state"].keys()
+    for index, state in expected["state"].items():
+        assert got["state"][index].keys() == state.keys(), index
+        for key, value in state.items():
+            torch.testing.assert_close(got["state"][index][key], value, rtol=0, atol=0)

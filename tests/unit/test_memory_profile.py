@@ -267,10 +267,11 @@ def test_the_cpu_allocator_peak_sees_a_workspace_the_accounting_does_not() -> No
         layers, MemoryConfig(budget_mb=64), torch.device("cpu"), sample, loss_fn, ADAM
     )
     # (the plan's peaks are above the start, which holds the parameters)
-    assert manager.plan.unmanaged_peak >= profile.measured_peak_bytes - profile.param_bytes - 2**16
-    # measured as the budget is (the process's resident peak): the scratch, give or take pages
+    # (the plan measures the resident set, page-granular: within 1 MiB of the allocator's count)
+    assert manager.plan.unmanaged_peak >= profile.measured_peak_bytes - profile.param_bytes - 2**20
+    # measured as the budget is (the resident peak, less the accounted bytes): 8 MiB, +- pages
     found = re.search(r"beyond the saved tensors: ([0-9.]+) MiB", manager.describe())
-    assert found is not None and 7.9 <= float(found.group(1)) <= 9.0, manager.describe()
+    assert found is not None and 7.5 <= float(found.group(1)) <= 9.0, manager.describe()
     manager.close()
 
 

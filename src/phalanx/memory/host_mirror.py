@@ -315,6 +315,10 @@ class HostMirror:
                 }
         self.host.state.clear()
 
+    def lazy_shards(self, params: list[Any]) -> None:
+        """The host's state is in memory already: checkpoints read it through ``resident``."""
+        del params
+
     def stored_bytes(self) -> int:
         """Bytes the mirror holds on the host: masters, gradient buffers and optimizer state."""
         state = sum(

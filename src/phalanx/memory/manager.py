@@ -168,6 +168,8 @@ class MemoryManager:
                 raise ConfigValueError(
                     f"memory.{key}", f"unknown layer {unknown[0]!r}; layers: 0..{len(names) - 1}"
                 )
+        if config.enabled and config.release_host_memory:
+            measure.release_freed_memory()  # the profile measures the resident set: frees show
         devices = [device] if device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):  # the run's random streams stay untouched
             notes: list[str] = []

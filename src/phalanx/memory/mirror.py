@@ -15,15 +15,16 @@ Phases of ``step``:
     about ``chunk_bytes`` of state; the read of chunk 0's state is queued.
   Phase 2 (per chunk i): wait for chunk i's state and queue chunk i+1's read (prefetch: the tier
     reads while this chunk steps); the state tensors are views into the loaded buffer.
-  Phase 3: step the optimizer with only chunk i's gradients visible; it updates the views, so
-    the same buffer, now holding the new state, is queued for writing and dropped from the
-    optimizer. At most two writes are in flight: the write of chunk i overlaps chunk i+1's step.
-  Phase 4: gradients are restored; the last writes complete before the next read of the same
-    state (the tier serves requests in order).
+  Phase 3: step the optimizer over chunk i's pieces alone (each a view of its parameter's
+    elements and of its gradient's); it updates the state views, so the same buffer, now holding
+    the new state, is queued for writing and dropped from the optimizer. At most two writes are
+    in flight: the write of chunk i overlaps chunk i+1's step.
+  Phase 4: the groups' parameter lists are restored; the last writes complete before the next
+    read of the same state (the tier serves requests in order).
 
 Tensors cross the tier as 1-D uint8 (each state tensor's bytes at a 64-byte aligned offset) on
-the optimizer's device; ``materialize()`` brings every state back (checkpoints, bucket
-rebuilds), ``evict()`` sends it out again.
+the optimizer's device; ``materialize()`` brings every state back, whole per parameter
+(checkpoints, bucket rebuilds), ``evict()`` cuts it into pieces and sends it out again.
 """
 
 from __future__ import annotations
@@ -33,21 +34,35 @@ from collections.abc import Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
 
 from phalanx.memory.tiers import Loaded, Slot, Tier
+from phalanx.slices import LazySlices
 
 ALIGN_BYTES = 64  # every state tensor starts at a multiple of this in a chunk's buffer
 MIN_OFFLOAD_ELEMENTS = 2  # smaller state (step counters) stays resident
+MIN_PIECE = 1 << 12  # elements: a parameter is not cut finer (a chunk may exceed its bytes by it)
+
+
+@dataclass(eq=False)
+class _Piece:
+    """Elements ``[start, end)`` of ``param`` (flattened): ``view`` is what the optimizer steps
+    (a flat view of the parameter's data), its state is the piece's own."""
+
+    param: torch.Tensor
+    start: int
+    end: int
+    view: torch.Tensor
 
 
 @dataclass(frozen=True)
 class _Entry:
-    """One offloaded state tensor: its parameter, key, dtype, shape and byte range."""
+    """One offloaded state tensor: its piece, key, dtype, shape and byte range."""
 
-    param: torch.Tensor
+    param: _Piece
     key: str
     dtype: torch.dtype
     shape: torch.Size
@@ -72,10 +87,12 @@ class OptimizerMirror:
         self.optimizer = optimizer
         self.tier = tier
         self.chunk_bytes = chunk_bytes
-        self._chunks: list[list[torch.Tensor]] = []  # fixed at the first eviction
+        self._chunks: list[list[_Piece]] = []  # fixed at the first eviction
+        self._params: list[torch.Tensor] = []  # the optimizer's parameters the pieces cut
         self._stored: dict[int, _Stored] = {}  # chunk index -> its state in the tier
         self._loaded: dict[int, torch.Tensor] = {}  # chunk index -> buffer its state views
         self._writes: list[Future] = []
+        self._read_cache: tuple[int, torch.Tensor] | None = None  # lazy_shards' last chunk
         self.num_chunks_stepped = 0
         self.num_resident = 0  # resident() blocks entered (checkpoints, sharded rebuilds)
         self._original_step = optimizer.step
@@ -86,47 +103,64 @@ class OptimizerMirror:
 
     # -- the step -----------------------------------------------------------------------------
     def step(self) -> None:
-        # Phase 1: the chunks holding a parameter with a gradient.
+        # Phase 1: the pieces, and which chunks hold a gradient.
+        self._read_cache = None  # the state changes: a checkpoint's read of it is stale
         self._refresh_chunks()
-        todo = [i for i, c in enumerate(self._chunks) if any(p.grad is not None for p in c)]
-        grads = {id(p): p.grad for c in self._chunks for p in c}
-        for c in self._chunks:
-            for p in c:
-                p.grad = None
+        todo = [i for i, c in enumerate(self._chunks) if any(x.param.grad is not None for x in c)]
+        groups = self.optimizer.param_groups
+        params = [g["params"] for g in groups]
+        group_of = {id(p): k for k, g in enumerate(groups) for p in g["params"]}
         try:
             load = self._queue_load(todo[0]) if todo else None
             for k, i in enumerate(todo):
                 # Phase 2: this chunk's state in, the next one's read queued.
                 self._install(i, load)
                 load = self._queue_load(todo[k + 1]) if k + 1 < len(todo) else None
-                # Phase 3: step this chunk alone, then send its state out.
-                for p in self._chunks[i]:
-                    p.grad = grads[id(p)]
+                # Phase 3: step this chunk's pieces alone, then send their state out.
+                for g in groups:
+                    g["params"] = []
+                cut = [x for x in self._chunks[i] if x.view is not x.param]
+                for piece in self._chunks[i]:
+                    grad = piece.param.grad
+                    if grad is None:
+                        continue
+                    if piece.view is not piece.param:
+                        piece.view.grad = grad.detach().view(-1)[piece.start : piece.end]
+                    groups[group_of[id(piece.param)]]["params"].append(piece.view)
                 self._original_step()
-                for p in self._chunks[i]:
-                    p.grad = None
+                for piece in cut:
+                    piece.view.grad = None
                 self._evict_chunk(i)
                 self.num_chunks_stepped += 1
         finally:
-            # Phase 4: every gradient back where it was.
-            for c in self._chunks:
-                for p in c:
-                    p.grad = grads[id(p)]
+            # Phase 4: every group's parameters back.
+            for g, kept in zip(groups, params):
+                g["params"] = kept
 
     def _refresh_chunks(self) -> None:
-        """Consecutive parameters in the optimizer's order, about ``chunk_bytes`` of state per
-        chunk; recomputed (with every state resident) when the parameters changed."""
+        """Pieces of about ``chunk_bytes`` of state, in the optimizer's order; recomputed (with
+        every state resident) when the parameters changed."""
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        if [id(p) for c in self._chunks for p in c] == [id(p) for p in params]:
+        if [id(p) for p in self._params] == [id(p) for p in params]:
             return
         assert not self._stored, "materialize() before the optimizer's parameters change"
-        self._chunks, size = [], self.chunk_bytes
+        self._params, self._chunks, room = params, [], 0
         for p in params:
-            if size >= self.chunk_bytes:
-                self._chunks.append([])
-                size = 0
-            self._chunks[-1].append(p)
-            size += _state_bytes_estimate(self.optimizer, p)
+            per_element = max(1, _state_bytes_estimate(self.optimizer, p) // max(1, p.numel()))
+            flat = p.detach().view(-1) if p.is_contiguous() else None
+            start = 0
+            while start < p.numel() or (start == 0 and p.numel() == 0):
+                if room <= 0:
+                    self._chunks.append([])
+                    room = self.chunk_bytes
+                take = p.numel() - start if flat is None else max(MIN_PIECE, room // per_element)
+                end = min(p.numel(), start + take)
+                view = p if flat is None or (start, end) == (0, p.numel()) else flat[start:end]
+                self._chunks[-1].append(_Piece(p, start, end, view))
+                room -= (end - start) * per_element
+                if end == start:
+                    break
+                start = end
 
     def _queue_load(self, i: int) -> tuple[_Stored, Future] | None:
         stored = self._stored.pop(i, None)
@@ -143,7 +177,7 @@ class OptimizerMirror:
         self.tier.free(stored.slot)
         for e in stored.entries:
             view = data[e.offset : e.offset + e.nbytes].view(e.dtype).view(e.shape)
-            self.optimizer.state[e.param][e.key] = view
+            self.optimizer.state[e.param.view][e.key] = view
         self._loaded[i] = data
 
     def _evict_chunk(self, i: int) -> None:
@@ -151,11 +185,11 @@ class OptimizerMirror:
         updates state in place, so the buffer loaded for this step usually holds the new state
         already and is written as is; otherwise the tensors are packed into a new one."""
         entries, tensors, offset = [], [], 0
-        for p in self._chunks[i]:
-            for key, value in self.optimizer.state.get(p, {}).items():
+        for piece in self._chunks[i]:
+            for key, value in self.optimizer.state.get(piece.view, {}).items():
                 if torch.is_tensor(value) and value.numel() >= MIN_OFFLOAD_ELEMENTS:
                     nbytes = value.numel() * value.element_size()
-                    entries.append(_Entry(p, key, value.dtype, value.shape, offset, nbytes))
+                    entries.append(_Entry(piece, key, value.dtype, value.shape, offset, nbytes))
                     tensors.append(value)
                     offset += -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES
         loaded = self._loaded.pop(i, None)
@@ -168,23 +202,66 @@ class OptimizerMirror:
         self._writes.append(slot.written)
         self._stored[i] = _Stored(slot, entries)
         for e in entries:
-            del self.optimizer.state[e.param][e.key]
+            del self.optimizer.state[e.param.view][e.key]
 
     # -- outside the step ---------------------------------------------------------------------
     def materialize(self) -> None:
-        """Every state tensor back in the optimizer (for code that reads or replaces it)."""
+        """Every state tensor back in the optimizer, whole per parameter (for code that reads
+        or replaces it)."""
+        self._read_cache = None
+        state = self.optimizer.state
+        # A cut parameter's state is joined into tensors of its own as each chunk arrives, so
+        # at most one chunk's buffer is held beside the joined state.
+        joined: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
         for i in sorted(self._stored):
-            self._install(i, self._queue_load(i))
+            stored, future = self._queue_load(i) or (None, None)
+            assert stored is not None and future is not None
+            data = future.result().use()
+            self.tier.free(stored.slot)
+            for e in stored.entries:
+                value = data[e.offset : e.offset + e.nbytes].view(e.dtype).view(e.shape)
+                piece = e.param
+                if piece.view is piece.param:
+                    state[piece.param][e.key] = value  # a view of this chunk's buffer
+                    continue
+                into = joined.setdefault(piece.param, {})
+                if e.key not in into:
+                    into[e.key] = torch.empty(
+                        piece.param.numel(), dtype=e.dtype, device=data.device
+                    )
+                into[e.key][piece.start : piece.end].copy_(value.reshape(-1))
+            del data
         self._loaded.clear()  # new tensors may replace the views: pack afresh next time
         self._wait_writes()
+        for p, pieces in self._pieces_by_param().items():
+            if all(x.view is p for x in pieces):
+                continue  # a whole parameter: its state is keyed by it already
+            small = [state.pop(x.view, {}) for x in pieces]  # counters stayed resident
+            whole = {k: v.view(p.shape) for k, v in joined.pop(p, {}).items()}
+            if whole or small[0]:
+                state[p] = {**small[0], **whole}
 
     def evict(self) -> None:
-        """Every resident state tensor out to the tier again."""
+        """Every resident state tensor cut into its pieces and out to the tier again."""
         self._refresh_chunks()
+        state = self.optimizer.state
+        for p, pieces in self._pieces_by_param().items():
+            whole = state.get(p)
+            if whole and not all(x.view is p for x in pieces):
+                del state[p]
+                for piece in pieces:
+                    state[piece.view] = _cut(whole, piece)
         for i in range(len(self._chunks)):
             if i not in self._stored:
                 self._evict_chunk(i)
         self._wait_writes()
+
+    def _pieces_by_param(self) -> dict[torch.Tensor, list[_Piece]]:
+        found: dict[torch.Tensor, list[_Piece]] = {}
+        for chunk in self._chunks:
+            for piece in chunk:
+                found.setdefault(piece.param, []).append(piece)
+        return found
 
     @contextmanager
     def resident(self) -> Iterator[None]:
@@ -209,6 +286,62 @@ class OptimizerMirror:
 
     def scale_gradients(self, factor: float) -> None:
         del factor
+
+    def lazy_shards(
+        self, params: list[torch.Tensor]
+    ) -> tuple[dict[int, dict[str, Any]], list[dict[str, Any]]] | None:
+        """The state as ``OptimizerSharding.optimizer_shards`` gives it, for a checkpoint that
+        reads it from the tier one piece at a time (``LazySlices``): a save then holds a piece
+        at a time, not the whole state. None where the optimizer's parameters are not
+        ``params`` (a sharded strategy's flat shards) or state is resident (``resident()``
+        is used then)."""
+        index = {id(p): i for i, p in enumerate(params)}
+        if any(id(p) not in index for p in self._params):
+            return None
+        state = self.optimizer.state
+        for entry in state.values():
+            if any(torch.is_tensor(v) and v.dim() > 0 for v in entry.values()):
+                return None
+        self._wait_writes()
+        ranges: dict[tuple[int, str], list[tuple[_Piece, int, _Entry]]] = {}
+        for i, stored in self._stored.items():
+            for e in stored.entries:
+                ranges.setdefault((index[id(e.param.param)], e.key), []).append((e.param, i, e))
+        shards: dict[int, dict[str, Any]] = {}
+        for p, pieces in self._pieces_by_param().items():
+            small = state.get(pieces[0].view, {})
+            if small:
+                shards.setdefault(index[id(p)], {}).update(small)
+        for (i, key), found in ranges.items():
+            found.sort(key=lambda item: item[0].start)
+            p, dtype = params[i], found[0][2].dtype
+            spans = [(piece.start, piece.end) for piece, _, _ in found]
+            load = partial(self._read_range, found)
+            shards.setdefault(i, {})[key] = LazySlices(p.shape, dtype, spans, load)
+        groups = [
+            {
+                **{k: v for k, v in g.items() if k != "params"},
+                "params": [index[id(p)] for p in g["params"] if id(p) in index],
+            }
+            for g in self.optimizer.param_groups
+        ]
+        return shards, groups
+
+    def _read_range(
+        self, found: list[tuple[_Piece, int, _Entry]], start: int, numel: int
+    ) -> torch.Tensor:
+        """Elements [start, start + numel) of one state tensor, read from the chunk holding
+        them (the last chunk read is kept for the next range)."""
+        for piece, i, e in found:
+            if piece.start <= start and start + numel <= piece.end:
+                cached = self._read_cache
+                if cached is None or cached[0] != i:
+                    stored = self._stored[i]
+                    data = self.tier.get(stored.slot, tag=("checkpoint", i)).result().use()
+                    cached = self._read_cache = (i, data)
+                flat = cached[1][e.offset : e.offset + e.nbytes].view(e.dtype)
+                return flat[start - piece.start : start - piece.start + numel].clone()
+        raise ValueError(f"optimizer mirror: no stored piece holds elements {start}..")
 
     def stored_bytes(self) -> int:
         """Bytes of optimizer state held in the tier now."""
@@ -253,6 +386,18 @@ def _pack(
     for t, e in zip(tensors, entries):
         blob[e.offset : e.offset + e.nbytes].copy_(t.reshape(-1).view(torch.uint8))
     return blob
+
+
+def _cut(whole: dict[str, Any], piece: _Piece) -> dict[str, Any]:
+    """A piece's state from its parameter's whole state (the inverse of ``_join``)."""
+    numel = piece.param.numel()
+    cut: dict[str, Any] = {}
+    for key, value in whole.items():
+        if torch.is_tensor(value) and value.dim() > 0 and value.numel() == numel:
+            cut[key] = value.detach().reshape(-1)[piece.start : piece.end]  # a view: packed once
+        else:
+            cut[key] = value.clone() if torch.is_tensor(value) else value
+    return cut
 
 
 def _state_bytes_estimate(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> int:

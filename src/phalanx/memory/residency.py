@@ -15,7 +15,8 @@ class OptimizerResidency(Protocol):
       Phase 3 (``scale_gradients``): clipping / fp16 unscaling of what it already holds.
       Phase 4 (``step``): the update, on the tier or the host.
     ``sync`` waits for background work, ``resident`` hands the state back for checkpoints and
-    bucket rebuilds, ``stored_bytes`` is what lives outside device memory."""
+    bucket rebuilds, ``lazy_shards`` describes it for a checkpoint that reads it piece by
+    piece, ``stored_bytes`` is what lives outside device memory."""
 
     num_chunks_stepped: int  # chunks of parameters updated so far (benches, tests)
 
@@ -32,5 +33,13 @@ class OptimizerResidency(Protocol):
     def resident(self) -> AbstractContextManager[None]: ...
 
     def stored_bytes(self) -> int: ...
+
+    def lazy_shards(
+        self, params: list[Any]
+    ) -> tuple[dict[int, dict[str, Any]], list[dict[str, Any]]] | None:
+        """The state in ``OptimizerSharding.optimizer_shards``' form for a checkpoint without
+        bringing it into memory (per-element state as ``LazySlices``), or None where it
+        cannot (then ``resident`` is used)."""
+        ...
 
     def close(self) -> None: ...
