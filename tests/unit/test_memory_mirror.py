@@ -230,3 +230,21 @@ def _assert_same_state(got: dict, expected: dict) -> None:
         assert got["state"][index].keys() == state.keys(), index
         for key, value in state.items():
             torch.testing.assert_close(got["state"][index][key], value, rtol=0, atol=0)
+
+
+def test_a_discarded_state_is_not_brought_back_and_the_optimizer_refuses_to_step(
+    tmp_path,
+) -> None:
+    """``phalanx train`` ends by dropping a state kept in the tier (its last checkpoint holds
+    it): closing then reads nothing back, and the optimizer says why it cannot step."""
+    net = big_model()
+    opt = OPTIMIZERS["adamw"](list(net.parameters()))
+    with SpillFileTier(directory=tmp_path) as tier:
+        mirror = OptimizerMirror(opt, tier, chunk_bytes=20_000)
+        train(net, opt, 2)
+        read = tier.bytes_read
+        mirror.discard_state()
+        mirror.close()
+        assert tier.bytes_read == read and not opt.state
+    with pytest.raises(RuntimeError, match="state was dropped when its run closed"):
+        opt.step()

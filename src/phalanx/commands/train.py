@@ -126,6 +126,8 @@ def _train_here(config: object, run_dir: Path, resume: bool, quiet: bool) -> int
         print(f"{PROG}: restart {restarts} after a worker failed: {where}", file=sys.stderr)
     try:
         summary = trainer.run()
+        if trainer.memory is not None:  # checkpointed: the state in the tier stays there
+            trainer.memory.discard_optimizer_state()
     finally:
         trainer.engine.close()  # its threads, hooks and memory tiers go now, not at exit
     if summary.get("preempted"):

@@ -265,6 +265,12 @@ class MemoryManager:
     def describe(self) -> str:
         return "\n".join([self.plan.describe(), *(f"  {n}" for n in self.plan.notes)])
 
+    def discard_optimizer_state(self) -> None:
+        """At ``close``, drop an optimizer state kept in the tier instead of bringing it back
+        (the run is over and checkpointed); no-op for the host mirror and without a mirror."""
+        if isinstance(self.mirror, OptimizerMirror):
+            self.mirror.discard_state()
+
     def close(self) -> None:
         if self.mirror is not None:
             self.mirror.close()

@@ -93,6 +93,7 @@ class OptimizerMirror:
         self._loaded: dict[int, torch.Tensor] = {}  # chunk index -> buffer its state views
         self._writes: list[Future] = []
         self._read_cache: tuple[int, torch.Tensor] | None = None  # lazy_shards' last chunk
+        self._discard = False  # close() drops the state (discard_state)
         self.num_chunks_stepped = 0
         self.num_resident = 0  # resident() blocks entered (checkpoints, sharded rebuilds)
         self._original_step = optimizer.step
@@ -354,9 +355,16 @@ class OptimizerMirror:
 
     def close(self) -> None:
         """Bring the state back into the optimizer and give it its own ``step`` again (the
-        optimizer then works without the mirror; before the tier closes). At interpreter
-        exit, when Python has already stopped the tier's I/O thread, the state is left where
-        it is: the process is ending."""
+        optimizer then works without the mirror; before the tier closes), unless
+        ``discard_state()`` was called. At interpreter exit, when Python has already stopped
+        the tier's I/O thread, the state is left where it is: the process is ending."""
+        if self._discard:
+            self._stored.clear()
+            self._wait_writes()
+            self.optimizer.state.clear()
+            self.optimizer.step = types.MethodType(_discarded_step, self.optimizer)  # type: ignore[method-assign]
+            del self.optimizer._phalanx_mirror  # type: ignore[attr-defined]
+            return
         try:
             self.materialize()
         except RuntimeError as e:
@@ -365,6 +373,19 @@ class OptimizerMirror:
         if self.optimizer.__dict__.get("step") is not None:
             del self.optimizer.step  # an LR scheduler's wrapper, if any, goes with it
         del self.optimizer._phalanx_mirror  # type: ignore[attr-defined]
+
+    def discard_state(self) -> None:
+        """``close`` drops the state instead of bringing it back (a run that has written its
+        last checkpoint: bringing back gigabytes only to exit would be the process's peak);
+        the optimizer then refuses to step."""
+        self._discard = True
+
+
+def _discarded_step(optimizer: torch.optim.Optimizer, closure: Any = None) -> None:
+    raise RuntimeError(
+        "this optimizer's state was dropped when its run closed (OptimizerMirror."
+        "discard_state); load a checkpoint into a new Engine to train on"
+    )
 
 
 def _mirrored_step(optimizer: torch.optim.Optimizer, closure: Any = None) -> None:
