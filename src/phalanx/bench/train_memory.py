@@ -112,7 +112,7 @@ def run_train(
     command = [sys.executable, "-m", "phalanx", "train", str(config), "--run-dir", str(run_dir)]
     for item in ["train.progress=false", f"train.steps={cfg.steps}", "checkpoint.every=0", *sets]:
         command += ["--set", item]
-    log = run_dir.with_suffix(".log")
+    log = run_dir.parent / f"{run_dir.name}.log"  # (with_suffix would cut "phalanx@0.75")
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "wb") as out:
         proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
@@ -285,7 +285,7 @@ def format_report(result: dict[str, Any]) -> str:
             if "error" in row:
                 lines.append(f"{variant:<14} not run: {row['error']}")
                 continue
-            predicted = row["predicted_peak_mb"]
+            predicted = row["predicted_peak_mb"] if row.get("budget_mb") else None
             lines.append(
                 f"{variant:<14} {row['peak_mb']:>9.1f} {row['process_peak_mb']:>13.1f} "
                 f"{'' if predicted is None else f'{predicted:.1f}':>9} "

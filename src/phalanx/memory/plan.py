@@ -229,20 +229,37 @@ def _cheapest_fit(
     (the transfer window grows with the largest ones), fill greedily; keep the cheapest
     that fits (or the given choices when none does: the caller reports it)."""
     best: tuple[float, dict[str, str]] | None = None
+    candidates = []
     for cap in sorted({0, *(layer.saved_bytes for layer in layers)}):
         choices = dict(given)
         _fill_budget(layers, choices, costs, peak_of, budget_bytes, cap)
+        candidates.append(choices)
+    for choices in [*candidates, *_floor_plans(layers, given)]:
         if peak_of(choices) > budget_bytes:
             continue
+        _keep_what_fits(choices, given, costs, peak_of, budget_bytes)
         total = sum(costs[(name, c)] for name, c in choices.items() if c != KEEP)
         if best is None or total < best[0]:
             best = (total, choices)
-    for floor in _floor_plans(layers, given):
-        if peak_of(floor) <= budget_bytes:
-            total = sum(costs[(name, c)] for name, c in floor.items() if c != KEEP)
-            if best is None or total < best[0]:
-                best = (total, floor)
     return given if best is None else best[1]
+
+
+def _keep_what_fits(
+    choices: dict[str, str],
+    given: dict[str, str],
+    costs: dict[tuple[str, str], float],
+    peak_of: Callable[[dict[str, str]], int],
+    budget_bytes: int,
+) -> None:
+    """Put back to keep, costliest first, every changed layer (not one named) the plan fits
+    without: the greedy fill frees bytes that are not always at the peak (the last layer's
+    activations are back first in backward, whatever is done with them)."""
+    changed = [n for n, c in choices.items() if c != KEEP and given.get(n, KEEP) == KEEP]
+    for name in sorted(changed, key=lambda n: costs[(n, choices[n])], reverse=True):
+        choice = choices[name]
+        choices[name] = KEEP
+        if peak_of(choices) > budget_bytes:
+            choices[name] = choice
 
 
 def _fill_budget(
