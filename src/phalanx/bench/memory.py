@@ -58,7 +58,6 @@ reports +24.1% at -58.2% memory); at every budget phalanx is no slower than full
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import gc
 import os
 import resource
@@ -84,7 +83,6 @@ LR, MOMENTUM, CLASSES = 0.01, 0.9, 10
 BASELINES = ("none", "checkpoint", "save_on_cpu")
 UNBOUNDED_MB = 2.0**40  # a budget every plan fits: the plan keeps every layer, U is its peak
 OVERHEAD_TARGET = 0.24  # at the 50% budget (Layrub: +24.1% step time at -58.2% memory)
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
 
 
 @dataclass(frozen=True)
@@ -349,11 +347,7 @@ class _Allocator:
     REUSE_MMAP, REUSE_TRIM, MEASURING_TRIM = 32 << 20, 2**31 - 1, 128 << 10
 
     def __init__(self) -> None:
-        try:
-            self.libc: Any = ctypes.CDLL(None)
-            self.available = bool(self.libc.mallopt and self.libc.malloc_trim)
-        except (OSError, AttributeError):
-            self.available = False
+        self.available = measure.malloc_settable()
 
     def reuse(self) -> None:
         self._set(self.REUSE_MMAP, self.REUSE_TRIM)
@@ -362,13 +356,10 @@ class _Allocator:
         self._set(measure.MMAP_THRESHOLD, self.MEASURING_TRIM)
 
     def trim(self) -> None:
-        if self.available:
-            self.libc.malloc_trim(0)
+        measure.trim()
 
     def _set(self, mmap_threshold: int, trim_threshold: int) -> None:
-        if self.available:
-            self.libc.mallopt(M_MMAP_THRESHOLD, mmap_threshold)
-            self.libc.mallopt(M_TRIM_THRESHOLD, trim_threshold)
+        measure.set_malloc(mmap_threshold, trim_threshold)
 
 
 @contextlib.contextmanager

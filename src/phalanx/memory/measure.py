@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import ctypes.util
+import functools
 import logging
 import os
 import sys
@@ -39,17 +39,32 @@ _M_TRIM_THRESHOLD = -1
 logger = logging.getLogger("phalanx")
 
 
+@functools.cache
 def _libc() -> ctypes.CDLL | None:
-    """glibc, where this process runs on it (its mallopt/malloc_trim); None elsewhere."""
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return None
+    """The C library this process runs on, where it has glibc's ``mallopt`` / ``malloc_trim``
+    (musl and macOS have neither): None elsewhere."""
     try:
-        libc = ctypes.CDLL(name)
-        libc.mallopt, libc.malloc_trim  # noqa: B018  # musl and macOS have neither
+        libc = ctypes.CDLL(None)
+        libc.mallopt, libc.malloc_trim  # noqa: B018
     except (OSError, AttributeError):
         return None
     return libc
+
+
+def malloc_settable() -> bool:
+    """Whether ``set_malloc`` and ``trim`` act here (glibc)."""
+    return _libc() is not None
+
+
+def set_malloc(mmap_threshold: int, trim_threshold: int) -> bool:
+    """glibc's mmap threshold (blocks from this size up are their own mappings; fixed, no
+    dynamic raise) and trim threshold (free heap above it goes back to the kernel); returns
+    whether both settings took (False where glibc is absent)."""
+    libc = _libc()
+    if libc is None:
+        return False
+    ok = libc.mallopt(_M_MMAP_THRESHOLD, mmap_threshold) == 1
+    return bool(libc.mallopt(_M_TRIM_THRESHOLD, trim_threshold) == 1 and ok)
 
 
 def release_freed_memory() -> bool:
@@ -58,12 +73,7 @@ def release_freed_memory() -> bool:
     set (``MALLOC_MMAP_THRESHOLD_``) is left alone. Returns whether the setting is in force."""
     if "MALLOC_MMAP_THRESHOLD_" in os.environ:
         return True
-    libc = _libc()
-    if libc is None:
-        return False
-    ok = libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1
-    ok = libc.mallopt(_M_TRIM_THRESHOLD, 2 * MMAP_THRESHOLD) == 1 and ok
-    return bool(ok)
+    return set_malloc(MMAP_THRESHOLD, 2 * MMAP_THRESHOLD)
 
 
 def trim() -> None:
