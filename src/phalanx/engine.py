@@ -133,6 +133,7 @@ class Engine:
             assert loss_fn is not None  # refused above with one line
             self.pipeline = build_pipeline(model, loss_fn, parallel, self.ctx, sample_input, stages)
             model, self.ctx = self.pipeline.local, self.pipeline.data_context
+        _check_memory_device(memory, self.ctx.device)
         self.memory = memory
         # This rank's model (a pipeline's stages); reads that must see the updated parameters
         # go through ``module``.
@@ -634,3 +635,12 @@ def _check_kinds(**arguments: tuple[Any, type | tuple[type, ...], str]) -> None:
     for name, (value, kinds, wanted) in arguments.items():
         if value is not None and (isinstance(value, bool) or not isinstance(value, kinds)):
             raise ConfigError(f"{name}: pass {wanted}; got {type(value).__name__} {value!r:.60}")
+
+
+def _check_memory_device(memory: MemoryManager | None, device: torch.device) -> None:
+    """A memory manager plans for one device: the Engine's (its tier and mirror depend on it)."""
+    if memory is not None and memory.device is not None and memory.device.type != device.type:
+        raise ConfigError(
+            f"memory: the MemoryManager was built for {memory.device.type} but the Engine runs "
+            f"on {device}; build it with the Engine's device (phalanx.init().device)"
+        )

@@ -162,6 +162,9 @@ class OptimizerMirror:
                 if end == start:
                     break
                 start = end
+        # Optimizers that create their state at construction (Adagrad before torch 2.12) hold
+        # it keyed by the whole parameter; each piece steps its own part.
+        self._cut_whole_states()
 
     def _queue_load(self, i: int) -> tuple[_Stored, Future] | None:
         stored = self._stored.pop(i, None)
@@ -245,6 +248,14 @@ class OptimizerMirror:
     def evict(self) -> None:
         """Every resident state tensor cut into its pieces and out to the tier again."""
         self._refresh_chunks()
+        self._cut_whole_states()
+        for i in range(len(self._chunks)):
+            if i not in self._stored:
+                self._evict_chunk(i)
+        self._wait_writes()
+
+    def _cut_whole_states(self) -> None:
+        """The state of each parameter stepped in pieces, cut into its pieces' (views)."""
         state = self.optimizer.state
         for p, pieces in self._pieces_by_param().items():
             whole = state.get(p)
@@ -252,10 +263,6 @@ class OptimizerMirror:
                 del state[p]
                 for piece in pieces:
                     state[piece.view] = _cut(whole, piece)
-        for i in range(len(self._chunks)):
-            if i not in self._stored:
-                self._evict_chunk(i)
-        self._wait_writes()
 
     def _pieces_by_param(self) -> dict[torch.Tensor, list[_Piece]]:
         found: dict[torch.Tensor, list[_Piece]] = {}

@@ -236,7 +236,7 @@ class PipelineParallel:
             self._schedule = self._build_schedule()
         self._scale = scale / self.num_microbatches
         self._losses = []
-        args = (inputs,) if self.holds_first else ()
+        args = (_standard_strides(inputs),) if self.holds_first else ()
         target = targets if self.holds_last else None
         self._schedule.step(*args, target=target, losses=[] if self.holds_last else None)
         if not self._losses:
@@ -489,3 +489,14 @@ def split_here(
     costs = profile_layers(layers, sample)
     stage_of = balanced_split([c.seconds for c in costs], parallel.num_stages)
     return stage_of, describe_split(stage_of, costs)
+
+
+def _standard_strides(x: Any) -> Any:
+    """``x`` with the row-major strides of its shape. torch 2.11's stages compare each
+    micro-batch's strides with the traced sample's, size-1 dims included: a batch whose
+    size-1 dim has another stride (a view, a resumed loader's batch) is copied once."""
+    if not isinstance(x, torch.Tensor):
+        return x
+    if x.stride() == torch.empty(x.shape, device="meta").stride():
+        return x
+    return x.clone(memory_format=torch.contiguous_format)
