@@ -11,7 +11,9 @@ predicted.
 
 Phases of ``make_plan``:
   Phase 1: the setups (strategies from the registry, the config's own options for its
-    strategy, the thresholds, the compressions).
+    strategy, the thresholds, the compressions). A strategy that exchanges per unit
+    (``fsdp``: its units are the layers) has no threshold: one setup per compression; a
+    compression a strategy refuses is left out and named in the plan's note.
   Phase 2: per N, per setup, the simulation; setups the simulation cannot afford (a ``ps``
     star on hundreds of ranks) or that cannot run on N devices (``ps`` with as many servers)
     are listed as skipped with the reason.
@@ -96,7 +98,7 @@ class Plan:
     profile: StepProfile
     devices: list[int]
     rows: list[PlanRow] = field(default_factory=list)
-    # "strategy / compression: why" for the cells a strategy cannot run (fsdp with fp16)
+    # "strategy / compression (why)" for the cells a strategy cannot run (fsdp with fp16)
     not_applicable: list[str] = field(default_factory=list)
 
     @property
@@ -170,7 +172,7 @@ def _specs(
         layouts = [schedule.unit_label] if schedule.unit_label else list(thresholds)
         for compress in compressions:
             if why := schedule.refuses(make_codec(compress)):
-                refused.append(f"{name} / {compress}: {why}")
+                refused.append(f"{name} / {compress} ({why})")
                 continue
             specs += [(name, options, layout, compress) for layout in layouts]
     return specs, refused

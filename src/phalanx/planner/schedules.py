@@ -13,6 +13,11 @@ communication stream:
   Phase 3 (``return_phases``): owners send the updated parameters back, bucket after bucket in
     forward order, while the next forward runs (``partitioned``'s send-back: ``gates =
     FORWARD``, each layer waits for its own bucket), or before it starts (``gates = STEP``).
+A strategy that shards the parameters themselves (``fsdp``) has no buckets: its
+``unit_phases`` say what it communicates around each unit's compute (one unit per layer: an
+all-gather before the unit's forward and, resharded, before its backward; a reduce-scatter
+after its backward), and the optimizer runs on 1/P. ``Phase.scale`` converts a unit's float32
+bytes into the bytes a phase moves (mixed precision).
 
 Rounds are in each rank's program order: a rank takes part in the rounds that name it, one
 after another, and its messages within one round run at the same time (a ring step sends and
@@ -371,7 +376,8 @@ class Schedule(ABC):
         return None
 
     def refuses(self, codec: WireCodec) -> str | None:
-        """Why this strategy cannot run with ``codec`` (None: it can)."""
+        """Why this strategy cannot run with ``codec`` (None: it can): a sentence for
+        ``exchange.compress``'s one-line error and the plan's note."""
         del codec
         return None
 
@@ -669,8 +675,8 @@ class FullyShardedSchedule(Schedule):
         if not codec.compresses:
             return None
         return (
-            f"exchange.compress: fsdp reduces gradients in its reduce_dtype, not with "
-            f"{codec.name} (set exchange.options.reduce_dtype instead)"
+            f"fsdp reduce-scatters gradients in its reduce_dtype, not with {codec.name} "
+            "compression (set exchange.options.reduce_dtype instead)"
         )
 
     def on_thread(self, codec: WireCodec, last: bool) -> bool:

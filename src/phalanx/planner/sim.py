@@ -22,6 +22,13 @@ batch size; the exchange of a bucket is simulated message by message over all ra
   Phase 5 (send back): owners send the updated buckets back in forward order; the next forward
     overlaps them (Phase 1 of the next step, waking ``handoff_s`` after a job it waited for),
     or waits for all of them (``gates = STEP``).
+Strategies that shard parameters per unit (``Schedule.unit_phases``: ``fsdp``) replace
+Phases 2, 3 and 5 (``_Timeline.step_units``): one unit per layer with gradients; before a
+unit's forward its all-gather, issued ``prefetch`` units ahead on the communication stream
+(the compute waits when it is late); before its backward the same again (resharded); after
+its backward its reduce-scatter, overlapping the next units' backward; the step waits for the
+last one, then the optimizer runs on this rank's shard. One communication stream serves all
+of them in the order they are issued.
 Two steps are simulated; the second is the steady state that is reported (its forward meets the
 first step's send-back as every later step would). Its events (and the first step's that
 overlap it) are what trace.py writes.
@@ -244,7 +251,7 @@ class Simulator:
         schedule.check_world(world)
         network = self.network(setup.compress)
         if why := schedule.refuses(network.codec):
-            raise ConfigError(why)
+            raise ConfigError(f"exchange.compress: {why}")
         units = schedule.unit_phases(world)
         if units is not None:
             return self._run_units(world, setup, schedule, network, units)
