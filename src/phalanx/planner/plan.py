@@ -422,7 +422,8 @@ def compare_with_trace(plan: Plan, path: Path, exchange: Any) -> str:
     measured = read_trace(path)
     world = len({e["pid"] for e in measured})
     label = "auto" if exchange.bucket_mb == AUTO else f"{float(exchange.bucket_mb):g} MiB"
-    label = make_schedule(exchange.strategy, exchange.options).unit_label or label
+    if exchange.strategy in SCHEDULES:  # else: no row, said below
+        label = make_schedule(exchange.strategy, exchange.options).unit_label or label
     rows = [
         r
         for r in plan.rows
