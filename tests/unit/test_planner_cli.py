@@ -44,9 +44,19 @@ def test_plan_with_profile_writes_json_plot_and_traces(tmp_path, capsys, step_js
     plan = json.loads(out_json.read_text())
     assert plan["devices"] == [1, 2]
     strategies = {r["strategy"] for r in plan["rows"]}
-    assert {"allreduce", "tree", "partitioned", "ps"} <= strategies
+    assert {"allreduce", "tree", "partitioned", "ps", "fsdp"} <= strategies
     assert {r["compress"] for r in plan["rows"]} == {"none", "fp16"}
-    assert {r["threshold"].split(" ")[0] for r in plan["rows"]} == {"25", "auto"}
+    bucketed = [r for r in plan["rows"] if r["strategy"] != "fsdp"]
+    assert {r["threshold"].split(" ")[0] for r in bucketed} == {"25", "auto"}
+    # fsdp: one row per N (its units are the layers; fp16 is not one of its options)
+    fsdp = [
+        (r["devices"], r["threshold"], r["compress"])
+        for r in plan["rows"]
+        if r["strategy"] == "fsdp"
+    ]
+    assert fsdp == [(1, "per layer", "none"), (2, "per layer", "none")]
+    assert [x.split(" (")[0] for x in plan["not_applicable"]] == ["fsdp / fp16"]
+    assert "not planned: fsdp / fp16" in out
     one = [r for r in plan["rows"] if r["devices"] == 1]
     assert all(r["speedup"] == pytest.approx(1.0) for r in one if r["strategy"] != "ps")
     best = plan["best"]["2"]

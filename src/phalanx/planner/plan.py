@@ -11,7 +11,9 @@ predicted.
 
 Phases of ``make_plan``:
   Phase 1: the setups (strategies from the registry, the config's own options for its
-    strategy, the thresholds, the compressions).
+    strategy, the thresholds, the compressions). A strategy that exchanges per unit
+    (``fsdp``: its units are the layers) has no threshold: one setup per compression; a
+    compression a strategy refuses is left out and named in the plan's note.
   Phase 2: per N, per setup, the simulation; setups the simulation cannot afford (a ``ps``
     star on hundreds of ranks) or that cannot run on N devices (``ps`` with as many servers)
     are listed as skipped with the reason.
@@ -28,12 +30,11 @@ from pathlib import Path
 from typing import Any
 
 from phalanx.errors import ConfigError
-from phalanx.exchange.base import STRATEGIES
 from phalanx.exchange.buckets import FIRST_BUCKET_BYTES
 from phalanx.exchange.link import LinkModel
 from phalanx.exchange.threshold import choose_bucket_bytes
 from phalanx.planner.cluster import ClusterConfig, from_link, load_cluster
-from phalanx.planner.schedules import SCHEDULES
+from phalanx.planner.schedules import SCHEDULES, make_codec, make_schedule
 from phalanx.planner.sim import (
     DEFAULT_BUCKET_BYTES,
     MAX_ROUNDS,
@@ -52,9 +53,10 @@ DEFAULT_COMPRESSIONS = ("none", "fp16")
 
 
 def default_strategies() -> list[str]:
-    """The phalanx exchange strategies the planner has a schedule for (registry order)."""
+    """The phalanx exchange strategies the planner has a schedule for (registry order): every
+    schedule but the models of other systems (``Schedule.models_strategy``)."""
 
-    return [name for name in STRATEGIES.names() if name in SCHEDULES]
+    return [name for name in SCHEDULES.names() if make_schedule(name).models_strategy]
 
 
 @dataclass(kw_only=True)
@@ -96,6 +98,8 @@ class Plan:
     profile: StepProfile
     devices: list[int]
     rows: list[PlanRow] = field(default_factory=list)
+    # "strategy / compression (why)" for the cells a strategy cannot run (fsdp with fp16)
+    not_applicable: list[str] = field(default_factory=list)
 
     @property
     def single_device_s(self) -> float:
@@ -121,6 +125,7 @@ class Plan:
                 "single_device_step_s": self.single_device_s,
             },
             "devices": self.devices,
+            "not_applicable": self.not_applicable,
             "rows": [r.to_dict() for r in self.rows],
             "best": best,
         }
@@ -141,13 +146,8 @@ def make_plan(
     simulator = Simulator(profile, cluster, max_rounds=max_rounds or MAX_ROUNDS)
     plan = Plan(cluster=cluster, profile=profile, devices=list(devices))
     single = plan.single_device_s
+    specs, plan.not_applicable = _specs(strategies, thresholds, compressions)
     for n in devices:
-        specs = [
-            (name, options, threshold, compress)
-            for name, options in strategies
-            for threshold in thresholds
-            for compress in compressions
-        ]
         simulator.prefetch(n, [s for spec in specs for s in _setups(simulator, n, *spec)])
         for spec in specs:  # Phases 1 and 2
             row = _row(simulator, n, *spec)
@@ -158,10 +158,35 @@ def make_plan(
     return plan
 
 
+def _specs(
+    strategies: list[tuple[str, dict[str, Any]]],
+    thresholds: Sequence[str],
+    compressions: Sequence[str],
+) -> tuple[list[tuple[str, dict, str, str]], list[str]]:
+    """(strategy, options, threshold, compression) per cell of the table, and the cells left
+    out because the strategy cannot run that compression. A strategy that exchanges per unit
+    (``Schedule.unit_label``) has one threshold: its units."""
+    specs, refused = [], []
+    for name, options in strategies:
+        schedule = make_schedule(name, options)
+        layouts = [schedule.unit_label] if schedule.unit_label else list(thresholds)
+        for compress in compressions:
+            if why := schedule.refuses(make_codec(compress)):
+                refused.append(f"{name} / {compress} ({why})")
+                continue
+            specs += [(name, options, layout, compress) for layout in layouts]
+    return specs, refused
+
+
 def _setups(
     simulator: Simulator, n: int, name: str, options: dict, threshold: str, compress: str
 ) -> list[ExchangeSetup]:
-    """The setups one threshold spec stands for (``auto``: the autotuner's candidates)."""
+    """The setups one threshold spec stands for (``auto``: the autotuner's candidates; a
+    per-unit strategy's label: its units, no threshold)."""
+    if threshold == make_schedule(name, options).unit_label:
+        layouts = [(threshold, DEFAULT_BUCKET_BYTES, FIRST_BUCKET_BYTES)]
+    else:
+        layouts = _thresholds(simulator, n, threshold)
     return [
         ExchangeSetup(
             strategy=name,
@@ -171,7 +196,7 @@ def _setups(
             compress=compress,
             threshold_label=label,
         )
-        for label, bucket_bytes, first in _thresholds(simulator, n, threshold)
+        for label, bucket_bytes, first in layouts
     ]
 
 
@@ -235,6 +260,7 @@ def format_plan(plan: Plan) -> str:
         f"{plan.single_device_s * 1e3:.1f} ms/step (forward {p.forward_s * 1e3:.1f}, backward "
         f"{p.backward_s * 1e3:.1f}, optimizer {p.optimizer_s * 1e3:.1f})",
     ]
+    lines += [f"not planned: {why}" for why in plan.not_applicable]
     header = (
         "N",
         "strategy",
@@ -396,6 +422,8 @@ def compare_with_trace(plan: Plan, path: Path, exchange: Any) -> str:
     measured = read_trace(path)
     world = len({e["pid"] for e in measured})
     label = "auto" if exchange.bucket_mb == AUTO else f"{float(exchange.bucket_mb):g} MiB"
+    if exchange.strategy in SCHEDULES:  # else: no row, said below
+        label = make_schedule(exchange.strategy, exchange.options).unit_label or label
     rows = [
         r
         for r in plan.rows

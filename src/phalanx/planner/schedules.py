@@ -13,6 +13,11 @@ communication stream:
   Phase 3 (``return_phases``): owners send the updated parameters back, bucket after bucket in
     forward order, while the next forward runs (``partitioned``'s send-back: ``gates =
     FORWARD``, each layer waits for its own bucket), or before it starts (``gates = STEP``).
+A strategy that shards the parameters themselves (``fsdp``) has no buckets: its
+``unit_phases`` say what it communicates around each unit's compute (one unit per layer: an
+all-gather before the unit's forward and, resharded, before its backward; a reduce-scatter
+after its backward), and the optimizer runs on 1/P. ``Phase.scale`` converts a unit's float32
+bytes into the bytes a phase moves (mixed precision).
 
 Rounds are in each rank's program order: a rank takes part in the rounds that name it, one
 after another, and its messages within one round run at the same time (a ring step sends and
@@ -39,12 +44,12 @@ import numpy as np
 
 from phalanx.errors import ConfigError
 from phalanx.exchange import schedule as cyclic
-from phalanx.exchange.base import strategy_config
+from phalanx.exchange.base import STRATEGIES, strategy_config
 from phalanx.exchange.compression import SCALE_BYTES
 from phalanx.exchange.param_server import star_turn
 from phalanx.exchange.ring import GATHER_MAX_BYTES
 from phalanx.exchange.tree import tree_parent
-from phalanx.fields import ConfigValueError
+from phalanx.fields import ConfigValueError, from_dict, require, require_choice
 from phalanx.registry import Registry
 
 GRAD, FORWARD, PARAM = 0, 1, 2  # message kinds (indices into WireCodec's tables)
@@ -168,6 +173,29 @@ class Phase:
     table: RoundTable | None = None
     update_fraction: float = 0.0
     gates: str = STEP
+    # bytes moved per byte of the bucket (or unit): mixed precision's all-gather moves
+    # param_dtype, its reduce-scatter reduce_dtype, of float32 parameters and gradients
+    scale: float = 1.0
+
+
+@dataclass(frozen=True)
+class UnitPhases:
+    """What a strategy that shards parameters per unit (``fsdp``: one unit per layer)
+    communicates around each unit's compute, instead of fusion buckets after it (sim.py):
+    ``gather`` before the unit's forward and ``regather`` before its backward (its parameters,
+    all-gathered; ``regather`` empty when they stay gathered from forward to backward), each
+    issued ``prefetch`` units ahead so that it overlaps the compute of the units before it;
+    ``reduce`` after the unit's backward (its gradients, reduce-scattered), overlapping the
+    next units' backward. Sizes: the unit's float32 bytes times each phase's ``scale``."""
+
+    gather: list[Phase]
+    regather: list[Phase]
+    reduce: list[Phase]
+    prefetch: int
+
+    @property
+    def phases(self) -> list[Phase]:
+        return self.gather + self.regather + self.reduce
 
 
 # -- the rounds of the algorithms ----------------------------------------------------------------
@@ -312,6 +340,12 @@ class Schedule(ABC):
     last forward and its backward (phalanx.engine): a synchronisation of the compute stream."""
 
     agrees_before_backward = False
+    # whether ``phalanx plan`` sweeps it by default (``ring``, ``tree_ps``: models of other
+    # systems, planned when asked for)
+    models_strategy = True
+    # what replaces the fusion threshold for a strategy that exchanges per unit (``fsdp``:
+    # one unit per layer); None: buckets formed by the threshold
+    unit_label: str | None = None
 
     def check_world(self, world: int) -> None:
         """One-line ConfigError if this schedule cannot run on ``world`` ranks."""
@@ -334,6 +368,18 @@ class Schedule(ABC):
         """Phase 3: per bucket, after the optimizer, overlapping the next forward."""
         del world
         return []
+
+    def unit_phases(self, world: int) -> UnitPhases | None:
+        """A strategy that shards parameters per unit (one layer's parameters): what it
+        communicates around each unit's compute instead of ``bucket_phases``. None: buckets."""
+        del world
+        return None
+
+    def refuses(self, codec: WireCodec) -> str | None:
+        """Why this strategy cannot run with ``codec`` (None: it can): a sentence for
+        ``exchange.compress``'s one-line error and the plan's note."""
+        del codec
+        return None
 
     def on_thread(self, codec: WireCodec, last: bool) -> bool:
         """Whether a bucket's exchange (``last``: the step's last bucket) and the send-back run
@@ -390,6 +436,8 @@ class AllReduceSchedule(Schedule):
 @SCHEDULES.register("ring")
 class RingSchedule(Schedule):
     """phalanx's point-to-point ring (exchange/ring.py) for every bucket: 2(p-1) steps."""
+
+    models_strategy = False  # the transport of compressed ``allreduce``, not a strategy
 
     def bucket_phases(self, world: int, codec: WireCodec, nbytes: float) -> list[Phase]:
         return [Phase("ring", ring_rounds(world))] if world > 1 else []
@@ -512,6 +560,8 @@ class TreeServerSchedule(Schedule):
     updated parameters from the server. Not a phalanx strategy: modelled to compare with that
     paper (phalanx's ``tree`` sends the sum back down the tree instead, overlapped)."""
 
+    models_strategy = False
+
     def bucket_phases(self, world: int, codec: WireCodec, nbytes: float) -> list[Phase]:
         if world < 2:
             return []
@@ -526,6 +576,120 @@ class TreeServerSchedule(Schedule):
 
     def on_thread(self, codec: WireCodec, last: bool) -> bool:
         return False  # another system's server (its own threads are not phalanx's)
+
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # fsdp's param/reduce dtypes
+PARAM_DTYPE_BYTES = 4  # the profile's parameters and gradients are float32 (step.py)
+
+
+@dataclass(frozen=True, kw_only=True)
+class FsdpOptions:
+    """``fsdp``'s options as the planner reads them: the strategy's own Config when the
+    strategy is registered (exchange/fsdp.py), else these defaults and checks, so that the
+    planner models ``fsdp`` whether or not this build has it."""
+
+    reshard_after_forward: bool = True
+    prefetch: int = 1
+    param_dtype: str | None = None  # None: the parameters' own (float32)
+    reduce_dtype: str | None = None  # None: param_dtype (torch's MixedPrecisionPolicy)
+
+    def __post_init__(self) -> None:
+        require(self.prefetch >= 0, "prefetch", f"must be >= 0, got {self.prefetch}")
+        for key in ("param_dtype", "reduce_dtype"):
+            value = getattr(self, key)
+            if value is not None:
+                require_choice(value, key, tuple(DTYPE_BYTES))
+
+    @property
+    def gather_scale(self) -> float:
+        """All-gathered bytes per float32 parameter byte."""
+        return DTYPE_BYTES[self.param_dtype or "float32"] / PARAM_DTYPE_BYTES
+
+    @property
+    def reduce_scale(self) -> float:
+        """Reduce-scattered bytes per float32 gradient byte."""
+        dtype = self.reduce_dtype or self.param_dtype or "float32"
+        return DTYPE_BYTES[dtype] / PARAM_DTYPE_BYTES
+
+
+def _dtype_name(value: Any) -> str | None:
+    """A dtype option as a name of ``DTYPE_BYTES`` (the strategy may hold a torch.dtype)."""
+    return None if value is None else str(value).removeprefix("torch.")
+
+
+def _fsdp_options(options: dict[str, Any] | None) -> FsdpOptions:
+    """``fsdp``'s options: through the strategy's Config when registered (its keys, its
+    errors), else checked here; one-line ConfigError naming ``exchange.options.KEY``."""
+    if "fsdp" in STRATEGIES:
+        config = _strategy_options("fsdp", options)
+        defaults = FsdpOptions()
+        options = {
+            "reshard_after_forward": bool(
+                getattr(config, "reshard_after_forward", defaults.reshard_after_forward)
+            ),
+            "prefetch": int(getattr(config, "prefetch", defaults.prefetch)),
+            "param_dtype": _dtype_name(getattr(config, "param_dtype", None)),
+            "reduce_dtype": _dtype_name(getattr(config, "reduce_dtype", None)),
+        }
+    try:
+        return cast(FsdpOptions, from_dict(FsdpOptions, dict(options or {}), "options"))
+    except ConfigError as e:
+        raise ConfigError(f"exchange.{e}") from None
+
+
+@SCHEDULES.register("fsdp")
+class FullyShardedSchedule(Schedule):
+    """Fully sharded data parallel (torch's ``fully_shard``, one unit per layer): each rank
+    holds 1/p of every unit's parameters, gradients and optimizer state. Before a unit's
+    forward its parameters are all-gathered (ring: p-1 steps of 1/p), ``prefetch`` units
+    ahead; with ``reshard_after_forward`` they are freed after it and all-gathered again before
+    its backward; after its backward its gradients are reduce-scattered (ring, p-1 steps), and
+    the optimizer updates 1/p of the parameters. Nothing is sent back. Per rank and step:
+    (p-1)/p of the parameters' bytes per all-gather and of the gradients' per reduce-scatter."""
+
+    unit_label = "per layer"
+
+    def __init__(self, **options: Any) -> None:
+        self.config = _fsdp_options(options)
+
+    def bucket_phases(self, world: int, codec: WireCodec, nbytes: float) -> list[Phase]:
+        return self.unit_phases(world).reduce  # a unit's gradients (sim.py runs unit_phases)
+
+    def unit_phases(self, world: int) -> UnitPhases:
+        c = self.config
+        if world < 2:
+            return UnitPhases([], [], [], c.prefetch)
+        table = ring_rounds(world, reduce=False, gather=True, grad=False)
+        gather = Phase("all-gather", table, scale=c.gather_scale)
+        regather = Phase("all-gather (backward)", table, scale=c.gather_scale)
+        # torch's reduce-scatter: the backend's collective, its adds inside the calibration
+        reduce_table = ring_rounds(world, reduce=True, gather=False, backend=True)
+        reduce = Phase("reduce-scatter", reduce_table, scale=c.reduce_scale)
+        regathers = [regather] if c.reshard_after_forward else []
+        return UnitPhases([gather], regathers, [reduce], c.prefetch)
+
+    def optimizer_fraction(self, world: int) -> float:
+        return 1.0 / world  # each rank steps its own shard
+
+    def refuses(self, codec: WireCodec) -> str | None:
+        if not codec.compresses:
+            return None
+        return (
+            f"fsdp reduce-scatters gradients in its reduce_dtype, not with {codec.name} "
+            "compression (set exchange.options.reduce_dtype instead)"
+        )
+
+    def on_thread(self, codec: WireCodec, last: bool) -> bool:
+        return False  # torch's own collectives, issued from the compute thread's hooks
+
+    def describe(self) -> str:
+        c = self.config
+        dtypes = f", param {c.param_dtype}" if c.param_dtype else ""
+        dtypes += f", reduce {c.reduce_dtype}" if c.reduce_dtype else ""
+        return (
+            f"fsdp (reshard_after_forward={str(c.reshard_after_forward).lower()}, "
+            f"prefetch={c.prefetch}{dtypes})"
+        )
 
 
 def make_schedule(name: str, options: dict[str, Any] | None = None) -> Schedule:

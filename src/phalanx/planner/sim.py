@@ -22,6 +22,13 @@ batch size; the exchange of a bucket is simulated message by message over all ra
   Phase 5 (send back): owners send the updated buckets back in forward order; the next forward
     overlaps them (Phase 1 of the next step, waking ``handoff_s`` after a job it waited for),
     or waits for all of them (``gates = STEP``).
+Strategies that shard parameters per unit (``Schedule.unit_phases``: ``fsdp``) replace
+Phases 2, 3 and 5 (``_Timeline.step_units``): one unit per layer with gradients; before a
+unit's forward its all-gather, issued ``prefetch`` units ahead on the communication stream
+(the compute waits when it is late); before its backward the same again (resharded); after
+its backward its reduce-scatter, overlapping the next units' backward; the step waits for the
+last one, then the optimizer runs on this rank's shard. One communication stream serves all
+of them in the order they are issued.
 Two steps are simulated; the second is the steady state that is reported (its forward meets the
 first step's send-back as every later step would). Its events (and the first step's that
 overlap it) are what trace.py writes.
@@ -47,6 +54,8 @@ from phalanx.planner.schedules import (
     FORWARD_PASS,
     STEP,
     Phase,
+    Schedule,
+    UnitPhases,
     agreement_phases,
     make_codec,
     make_schedule,
@@ -119,6 +128,21 @@ def plan_step_buckets(
         BucketPlan(index=b, grads=tuple(g), nbytes=sum(sizes[i] for i in g) + FLAG_BYTES * len(g))
         for b, g in enumerate(groups)
     ]
+
+
+def unit_plans(profile: StepProfile) -> list[BucketPlan]:
+    """One unit per layer that has gradients (``Schedule.unit_phases``): its gradients and
+    their bytes, which are its float32 parameters' bytes (no usage flags: units are not the
+    Engine's buckets)."""
+    sizes, first = profile.grad_sizes, 0
+    plans: list[BucketPlan] = []
+    for layer in profile.layers:
+        count = len(layer.grad_bytes)
+        if count:
+            grads = tuple(range(first, first + count))
+            plans.append(BucketPlan(len(plans), grads, sum(sizes[g] for g in grads)))
+        first += count
+    return plans
 
 
 @dataclass(kw_only=True)
@@ -205,6 +229,8 @@ class Simulator:
         for setup in setups:
             schedule = make_schedule(setup.strategy, setup.options)
             network = self.network(setup.compress)
+            if schedule.refuses(network.codec) or schedule.unit_phases(world) is not None:
+                continue  # refused by ``run``; units are simulated by ``run`` alone
             buckets = plan_step_buckets(self.profile, setup.bucket_bytes, setup.first_bucket_bytes)
             for b in buckets:
                 for phase in schedule.bucket_phases(world, network.codec, b.nbytes) + (
@@ -224,6 +250,11 @@ class Simulator:
         schedule = make_schedule(setup.strategy, setup.options)
         schedule.check_world(world)
         network = self.network(setup.compress)
+        if why := schedule.refuses(network.codec):
+            raise ConfigError(f"exchange.compress: {why}")
+        units = schedule.unit_phases(world)
+        if units is not None:
+            return self._run_units(world, setup, schedule, network, units)
         if setup.fusion_cycle_s > 0:
             return self._run_fused(world, setup, schedule, network)
         buckets = plan_step_buckets(self.profile, setup.bucket_bytes, setup.first_bucket_bytes)
@@ -249,12 +280,44 @@ class Simulator:
                 schedule.optimizer_fraction(world),
             )
         moved = [
-            network.bytes(p.table, world, b.nbytes)
+            network.bytes(p.table, world, b.nbytes * p.scale)
             for b, ps in zip(buckets, phases)
             for p in ps + returns
             if p.table is not None
         ]
         return self._result(world, setup, schedule, timeline, moved, [b.nbytes for b in buckets])
+
+    def _run_units(
+        self,
+        world: int,
+        setup: ExchangeSetup,
+        schedule: Schedule,
+        network: Network,
+        units: UnitPhases,
+    ) -> StepResult:
+        """A strategy that shards parameters per unit (``Schedule.unit_phases``): one unit per
+        layer with parameters, its all-gathers around its compute, its reduce-scatter after
+        its backward (``_Timeline.step_units``)."""
+        plans = unit_plans(self.profile)
+
+        def timed(phases: list[Phase]) -> list[list[tuple[Phase, float]]]:
+            seconds = self._durations(network, world, plans, [phases] * len(plans))
+            return [list(zip(phases, unit)) for unit in seconds]
+
+        gather, regather, reduce = timed(units.gather), timed(units.regather), timed(units.reduce)
+        timeline = _Timeline(self.profile, plans, self._layer_of_grad)
+        timeline.comm_rate = self.cluster.comm_rate_beside_compute(world)
+        for step in range(NUM_STEPS):
+            timeline.step_units(
+                step, gather, regather, reduce, units.prefetch, schedule.optimizer_fraction(world)
+            )
+        moved = [
+            network.bytes(p.table, world, b.nbytes * p.scale)
+            for b in plans
+            for p in units.phases
+            if p.table is not None
+        ]
+        return self._result(world, setup, schedule, timeline, moved, [b.nbytes for b in plans])
 
     def _result(
         self,
@@ -368,7 +431,7 @@ class Simulator:
                 if phase.table is not None:
                     if why := self._over_budget(phase, world, "bucket"):
                         raise TooLarge(why)
-                    by_table.setdefault(phase.table.key, []).append(bucket.nbytes)
+                    by_table.setdefault(phase.table.key, []).append(bucket.nbytes * phase.scale)
                     tables[phase.table.key] = phase.table
         seconds = {
             key: dict(zip(sizes, network.seconds(tables[key], world, sizes)))
@@ -377,7 +440,7 @@ class Simulator:
         optimizer = self.profile.optimizer_s_per_byte
         return [
             [
-                seconds[p.table.key][b.nbytes]
+                seconds[p.table.key][b.nbytes * p.scale]
                 if p.table is not None
                 else optimizer * p.update_fraction * b.nbytes
                 for p in bucket_phases
@@ -553,19 +616,8 @@ class _Timeline:
     def _forward(self, step: int) -> float:
         """Phase 1: input, then forward in the reverse of backward order; returns the time
         spent waiting for parameters."""
-        profile, layers = self.profile, self.profile.layers
-        parameter_wait = 0.0
-        if profile.input_s > 0:
-            self._event(LANE_INPUT, "input", self.now, self.now + profile.input_s, step)
-            self.now += profile.input_s
-        if profile.engine_s > 0:
-            self._event(LANE_COMPUTE, "engine", self.now, self.now + profile.engine_s, step)
-            self.now += profile.engine_s
-        if self.all_params_ready > self.now:
-            resume = self.all_params_ready + (self.handoff_s if self.returns_on_thread else 0.0)
-            self._event(LANE_WAIT, "parameters", self.now, resume, step)
-            parameter_wait += resume - self.now
-            self.now = resume
+        layers = self.profile.layers
+        parameter_wait = self._prologue(step)
         segment = self.now
         for index in reversed(range(len(layers))):
             need = max((self.params_ready[b] for b in self.layer_buckets[index]), default=0.0)
@@ -578,6 +630,24 @@ class _Timeline:
                 self.now = segment = need
             self.now += layers[index].forward_s
         self._event(LANE_COMPUTE, "forward", segment, self.now, step)
+        return parameter_wait
+
+    def _prologue(self, step: int) -> float:
+        """The step's start: input wait, the loop's own work, and a wait for return phases that
+        gate the whole step; returns the time spent waiting for parameters."""
+        profile = self.profile
+        parameter_wait = 0.0
+        if profile.input_s > 0:
+            self._event(LANE_INPUT, "input", self.now, self.now + profile.input_s, step)
+            self.now += profile.input_s
+        if profile.engine_s > 0:
+            self._event(LANE_COMPUTE, "engine", self.now, self.now + profile.engine_s, step)
+            self.now += profile.engine_s
+        if self.all_params_ready > self.now:
+            resume = self.all_params_ready + (self.handoff_s if self.returns_on_thread else 0.0)
+            self._event(LANE_WAIT, "parameters", self.now, resume, step)
+            parameter_wait += resume - self.now
+            self.now = resume
         return parameter_wait
 
     def _params_on_thread(self, layer: int) -> bool:
@@ -672,6 +742,94 @@ class _Timeline:
                     next_ready[b] = clock
             self.comm_free = clock
         self.params_ready = next_ready
+
+    def step_units(
+        self,
+        step: int,
+        gather: list[list[tuple[Phase, float]]],
+        regather: list[list[tuple[Phase, float]]],
+        reduce: list[list[tuple[Phase, float]]],
+        prefetch: int,
+        optimizer_fraction: float,
+    ) -> None:
+        """One step of a strategy that shards parameters per unit (``Schedule.unit_phases``;
+        ``self.buckets`` are the units): forward gathers each unit before its compute,
+        backward gathers it again (``regather``) and reduce-scatters its gradients after it;
+        the step waits for the last reduce-scatter, then the optimizer runs on this rank's
+        share. Phases are (phase, seconds) per unit."""
+        layers = self.profile.layers
+        start = self.now
+        self.step_starts.append(start)
+        parameter_wait = self._prologue(step)
+        forward = [(i, layers[i].forward_s) for i in reversed(range(len(layers)))]
+        parameter_wait += self._unit_pass(step, "forward", forward, gather, prefetch, None)
+        backward = [(i, layers[i].backward_s) for i in range(len(layers))]
+        parameter_wait += self._unit_pass(step, "backward", backward, regather, prefetch, reduce)
+        step_done = max(self.now, self.comm_free)  # the last reduce-scatter
+        self._finish(step, start, step_done, optimizer_fraction, parameter_wait)
+
+    def _unit_pass(
+        self,
+        step: int,
+        label: str,
+        order: list[tuple[int, float]],
+        fetch: list[list[tuple[Phase, float]]],
+        prefetch: int,
+        after: list[list[tuple[Phase, float]]] | None,
+    ) -> float:
+        """One pass over (layer, compute seconds) in ``order``: before a unit's compute, its
+        ``fetch`` and that of the next ``prefetch`` units are issued (torch's explicit
+        prefetch), and the compute waits for its own; ``after`` is issued when its compute
+        ends. Returns the time spent waiting for parameters."""
+        unit_of = {i: min(units) for i, units in enumerate(self.layer_buckets) if units}
+        queue = [unit_of[layer] for layer, _ in order if layer in unit_of]  # pass order
+        ready: dict[int, float] = {}
+        wait, remaining, position = 0.0, sum(s for _, s in order), 0
+        segment = self.now
+        for layer, compute_s in order:
+            unit = unit_of.get(layer)
+            if unit is not None:
+                for ahead in queue[len(ready) : position + prefetch + 1]:
+                    ready[ahead] = self._issue(step, ahead, fetch[ahead], remaining)
+                position += 1
+                if ready[unit] > self.now:
+                    self._event(LANE_COMPUTE, label, segment, self.now, step)
+                    self._event(LANE_WAIT, "parameters", self.now, ready[unit], step, unit=unit)
+                    wait += ready[unit] - self.now
+                    self.now = segment = ready[unit]
+            self.now += compute_s
+            remaining -= compute_s
+            if unit is not None and after is not None:
+                self._issue(step, unit, after[unit], remaining)
+        self._event(LANE_COMPUTE, label, segment, self.now, step)
+        return wait
+
+    def _issue(
+        self, step: int, unit: int, phases: list[tuple[Phase, float]], remaining: float
+    ) -> float:
+        """Queue ``phases`` of ``unit`` on the communication stream now; returns when they
+        end (0.0 when there is nothing to send: nothing to wait for). The compute stream is
+        taken as busy for the ``remaining`` seconds of its pass (its later waits are not known
+        yet), which slows the phases on CPU ranks (``comm_rate``)."""
+        if not phases:
+            return 0.0
+        clock = max(self.now, self.comm_free)
+        busy = [(self.now, self.now + remaining)]
+        nbytes = self.buckets[unit].nbytes
+        for phase, duration in phases:
+            end = _progress(clock, duration, busy, self.comm_rate)
+            self._event(
+                LANE_EXCHANGE,
+                f"u{unit} {phase.name}",
+                clock,
+                end,
+                step,
+                bucket=unit,
+                bytes=nbytes * phase.scale,
+            )
+            clock = end
+        self.comm_free = clock
+        return clock
 
     def events_of_last_step(self) -> list[TraceEvent]:
         """The last step's events, with the earlier step's that overlap it clipped to its start;
