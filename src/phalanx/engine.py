@@ -152,8 +152,14 @@ class Engine:
         self.num_updates = 0  # steps whose update was applied (the auto layout's schedule)
         broadcast_together([*model.parameters(), *model.buffers()], self.ctx.group)
         self.trainable = [p for p in self.local_module.parameters() if p.requires_grad]
+        shards_parameters = self.factory.cls.shards_parameters  # no buckets: it exchanges itself
+        if shards_parameters and bucket_mb == AUTO:
+            raise ConfigError(
+                f"bucket_mb: {self.factory.name!r} exchanges each unit's gradients itself, with "
+                "no fusion buckets to size; leave bucket_mb at a size"
+            )
         self.buckets = GradientBuckets(
-            self.trainable,
+            [] if shards_parameters else self.trainable,
             int((DEFAULT_BUCKET_MB if bucket_mb == AUTO else float(bucket_mb)) * 2**20),
             launch=lambda bucket: None,  # the strategy's, once built
             align=self.factory.bucket_alignment(self.ctx.world_size, self.ctx.backend, self._codec),
@@ -199,12 +205,17 @@ class Engine:
                 "exchange.strategy: dedicated parameter servers train no stage; with pipeline "
                 "> 1 every rank must train (ps with servers = 0)"
             )
-        return self.strategy.adopt_optimizer(user_optimizer, self.trainable)
+        adopted = self.strategy.adopt_optimizer(user_optimizer, self.trainable)
+        if factory.cls.shards_parameters:  # the model's parameters are the shards now
+            self.trainable = [p for p in self.local_module.parameters() if p.requires_grad]
+        return adopted
 
     def _build_strategy(self, previous: Strategy | None) -> Strategy:
         """The strategy whole, on the buckets' current layout (``previous``: the one it
         replaces; its thread and listeners carry over). The buckets launch into it."""
-        parts = StrategyParts(codec=self._codec, group_of=self._group_of, previous=previous)
+        parts = StrategyParts(
+            codec=self._codec, group_of=self._group_of, previous=previous, module=self.local_module
+        )
         strategy = self.factory(self.ctx, self.buckets.buckets, parts)
         self.buckets.launch = strategy.launch
         return strategy
@@ -212,7 +223,7 @@ class Engine:
     def _build_hooks(self, bucket_mb: float | str, trace: TraceConfig | None) -> None:
         """The step's components, in the order they run at each hook point."""
         rebuild = _weak_method(self._rebuild)  # a component must not keep the Engine alive
-        order = ObservedOrder(self.ctx, self.buckets, len(self.trainable), rebuild)
+        order = ObservedOrder(self.ctx, self.buckets, len(self.buckets.params), rebuild)
         # bucket_mb = "auto" (F12): measure the link now, profile backward in the first steps,
         # then choose the threshold and time the candidate layouts.
         self.auto: AutoBucketing | None = None
@@ -222,7 +233,11 @@ class Engine:
         if trace is not None and trace.enabled:
             tracer = StepTracer(trace, self.ctx.rank, self.ctx.device)
         self.trace = StepTrace(tracer, self.strategy, self.buckets, self.world)
-        self.hooks: list[StepHook] = [order, *([self.auto] if self.auto else []), self.trace]
+        self.hooks: list[StepHook] = [
+            *([order] if self.buckets.params else []),  # a layout to observe
+            *([self.auto] if self.auto else []),
+            self.trace,
+        ]
 
     def _check_rescaling(self) -> None:
         problem = rescaling_problem(
@@ -363,6 +378,7 @@ class Engine:
             if last and self.guard.agrees_before_backward(self.strategy):
                 trace.backward_started = trace.span("wait", "agree", trace.backward_started)
             self.buckets.arm(launch=last)
+            self.strategy.before_backward(last)
             for hook in self.hooks:
                 hook.before_backward(last)
             (loss * scale).backward()
@@ -530,7 +546,15 @@ class Engine:
         """The wrapped model, holding the updated parameters (waits for any still arriving)."""
         if not self._closed:
             self._sync_parameters()
-        return self.local_module
+        return self.strategy.read_module(self.local_module)
+
+    @property
+    def forward_module(self) -> torch.nn.Module:
+        """The module that runs this rank's forward outside a step (validation): the model
+        itself, or with ``fsdp`` its shards (each unit gathered as it runs, on every rank)."""
+        if not self._closed:
+            self._sync_parameters()
+        return self.strategy.forward_module(self.local_module)
 
     def close(self) -> None:
         """Wait for pending parameters, remove hooks and stop background work (idempotent; the

@@ -79,7 +79,7 @@ def load_state_dict(engine: Engine, state: dict[str, Any]) -> None:
     with torch.no_grad():  # in place: parameters may be views of strategy buffers
         for name, value in state["model"].items():
             target = targets[name]
-            if target.data_ptr() != value.data_ptr() or target.shape != value.shape:
+            if value is not target and not _same_storage(target, value):
                 target.copy_(value)
     with engine.optimizer_resident():
         _load_optimizer(engine, state["optimizer"])
@@ -119,3 +119,13 @@ def _check_model_state(state: dict[str, Any], targets: dict[str, torch.Tensor]) 
                 f"load_state_dict: {name!r} has shape {tuple(value.shape)} in the state and "
                 f"{tuple(targets[name].shape)} in the model; it is from another model"
             )
+
+
+def _same_storage(target: torch.Tensor, value: Any) -> bool:
+    """Whether DCP loaded ``value`` into ``target`` in place (a DTensor: its local rows)."""
+    local = getattr(target, "to_local", None)
+    t = local() if callable(local) else target
+    v = value.to_local() if callable(getattr(value, "to_local", None)) else value
+    if not isinstance(v, torch.Tensor):
+        return False
+    return t.data_ptr() == v.data_ptr() and t.shape == v.shape

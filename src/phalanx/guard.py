@@ -85,6 +85,7 @@ class NonfiniteGuard:
         local_bad = strategy.is_trainer and not bool(torch.isfinite(loss))
         if not strategy.updates_during_exchange:
             buckets.poison = local_bad
+            strategy.local_loss_bad = local_bad
             return False
         flag = torch.tensor([float(local_bad)], device=loss.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)

@@ -227,7 +227,7 @@ class Trainer:
     def _evaluate(self) -> dict[str, float]:
         """Validation on the trained model: the module, or the pipeline stage by stage."""
         pipeline = self.engine.pipeline
-        model = self.engine.module if pipeline is None else pipeline.forward
+        model = self.engine.forward_module if pipeline is None else pipeline.forward
         # In batches of the training micro-batch: validation then holds less than a step does
         # (no saved activations), so it stays within the memory the run was planned for.
         size = self.config.data.batch_size // self.config.train.accumulate_steps

@@ -2,6 +2,7 @@
 
 from phalanx.exchange import (  # noqa: F401  (register the built-in strategies)
     allreduce,
+    fsdp,
     param_server,
     partitioned,
     tree,

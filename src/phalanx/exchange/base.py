@@ -140,6 +140,9 @@ class StrategyParts:
     # id(parameter) -> index of the user's optimizer group: sharded strategies cut their
     # shards where the group changes (None: replicated optimizers need none)
     group_of: dict[int, int] | None = None
+    # The Engine's model (this rank's part): strategies that shard the parameters themselves
+    # (``shards_parameters``) wrap it at construction.
+    module: torch.nn.Module | None = None
     # The strategy of the previous bucket layout (a rebuild): the new one takes over its
     # communication thread, listeners and unread thread spans; the Engine then closes it.
     previous: Strategy | None = None
@@ -164,6 +167,10 @@ class Strategy(ABC):
     # True where ``inspect_gradients`` all-reduces over the data group (no rank holds the
     # whole gradient): the Engine's global loss then rides in that message ("riders").
     verdict_all_reduces: bool = False
+    # True where the strategy shards the parameters themselves (the model's tensors become
+    # shards at construction): the Engine then builds no gradient buckets for it and reads
+    # the trainable parameters after it was built.
+    shards_parameters: bool = False
     Config: type | None = None  # the options' dataclass, for strategies that take options
 
     def __init__(self, ctx: Context, buckets: list[Bucket], parts: StrategyParts) -> None:
@@ -171,6 +178,9 @@ class Strategy(ABC):
         self.buckets = buckets
         self.codec: Codec = parts.codec
         self.group_of = parts.group_of
+        # Set by the non-finite guard in Phase 2: this rank's loss is inf/NaN (strategies
+        # without buckets to poison carry it in their verdict).
+        self.local_loss_bad = False
         self.bytes_sent = 0  # this step, counted by the strategy
         self.bytes_received = 0
         # This step's forward waits for parameters still arriving: (bucket, start, end) in
@@ -236,6 +246,18 @@ class Strategy(ABC):
     def data_parallel(self) -> tuple[int, int]:
         """(index, count) of this rank among the ranks that train on data."""
         return self.ctx.rank, self.ctx.world_size
+
+    def before_backward(self, last: bool) -> None:
+        """Phase 2, before each micro-batch's backward (``last``: the one that exchanges)."""
+        del last
+
+    def read_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        """The module to read the updated model from (``Engine.module``; after ``sync``)."""
+        return module
+
+    def forward_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        """The module that runs this rank's forward outside a step (validation)."""
+        return module
 
     def register_module(self, module: torch.nn.Module) -> None:
         """Hook into the model if the strategy needs to (e.g. wait for parameters in forward)."""
@@ -428,6 +450,7 @@ class GradientExchange(Protocol):
 
     updates_during_exchange: bool
     verdict_all_reduces: bool
+    local_loss_bad: bool
     codec: Codec
     bytes_sent: int
     bytes_received: int
@@ -455,6 +478,12 @@ class GradientExchange(Protocol):
     def update(self, optimizer: torch.optim.Optimizer) -> None: ...
 
     def register_module(self, module: torch.nn.Module) -> None: ...
+
+    def before_backward(self, last: bool) -> None: ...
+
+    def read_module(self, module: torch.nn.Module) -> torch.nn.Module: ...
+
+    def forward_module(self, module: torch.nn.Module) -> torch.nn.Module: ...
 
     def take_thread_spans(self) -> list[ThreadSpan]: ...
 
