@@ -87,7 +87,8 @@ def main() -> None:
         if ctx.is_main and step % 20 == 0:
             print(f"step {step}: loss {float(loss):.3f}")
     if ctx.is_main:
-        torch.save(model.state_dict(), out)
+        # engine.module: the whole model under every strategy (fsdp shards `model` itself)
+        torch.save(engine.module.state_dict(), out)
         print(f"saved {out}")
 
 

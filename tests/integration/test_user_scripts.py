@@ -24,7 +24,7 @@ sys.path.insert(0, str(SCRIPTS))
 from user_model import reference  # noqa: E402
 
 STRATEGIES = ["allreduce", "tree", "partitioned", "ps"]
-SPECS = [f"{s}:{c}" for s in STRATEGIES for c in ("none", "fp16")]
+SPECS = [f"{s}:{c}" for s in STRATEGIES for c in ("none", "fp16")] + ["fsdp:none"]
 
 
 @pytest.mark.timeout(300)
@@ -96,7 +96,7 @@ def _port_gpt_reference(world_size: int) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("strategy", ["allreduce", "partitioned"])
+@pytest.mark.parametrize("strategy", ["allreduce", "partitioned", "fsdp"])
 def test_the_ported_gpt_example_equals_one_process(tmp_path: Path, strategy: str) -> None:
     """The README's "Port a training script" example as users run it: its own AdamW groups,
     its own loss, per-group LR every step, clipping, only rank 0 saving."""

@@ -38,11 +38,15 @@ def main(out: Path, spec: str, index: int, raise_on: int | None) -> None:
     if rank == raise_on:
         raise RuntimeError(f"user code failed on rank {rank} after training")
     if rank == 0:
-        weights = engine.module.state_dict() if index % 2 == 0 else model.state_dict()
+        # fsdp shards the model itself (as torch's fully_shard does): reads go through
+        # engine.module, which gathers a plain copy.
+        plain = strategy != "fsdp"
+        weights = model.state_dict() if index % 2 and plain else engine.module.state_dict()
         torch.save(weights, out / f"{strategy}_{compress}.pt")
-        model.eval()
+        evaluated = model if plain else engine.module
+        evaluated.eval()
         with torch.no_grad():
-            model(shard(0, 0, 1)[0])  # an evaluation only rank 0 runs
+            evaluated(shard(0, 0, 1)[0])  # an evaluation only rank 0 runs
 
 
 if __name__ == "__main__":
