@@ -106,10 +106,15 @@ def _equivalence(ctx: px.Context) -> dict[str, Any]:
     local = sum(p.to_local().numel() * 4 for p in engine.trainable)  # type: ignore[attr-defined]
     out["bytes"] = local + engine.optimizer_bytes()
     engine.close()
-    # two micro-batches and clipping
-    engine = px.Engine(_model(), nn.functional.cross_entropy, _adamw, exchange="fsdp",
+    # two micro-batches and clipping; units kept gathered between forward and backward
+    options = {"reshard_after_forward": False, "prefetch": 2}
+    exchange = px.ExchangeConfig(strategy="fsdp", options=options)
+    engine = px.Engine(_model(), nn.functional.cross_entropy, _adamw, exchange=exchange,
                        accumulate_steps=2, max_grad_norm=0.05)  # fmt: skip
     _train(engine, batches, ctx)
+    with torch.no_grad():  # a forward outside a step (validation) on every rank
+        engine.forward_module(_shard(batches[0], ctx.rank, ctx.world_size)[0])
+    assert engine.state_dict()["model"].keys() == out["plain"].keys()
     out["clipped"] = _weights(engine)
     engine.close()
 

@@ -157,6 +157,12 @@ class FullyShardedStrategy(Strategy):
             if p.grad is not None:
                 p.grad.mul_(factor)
 
+    def sync(self) -> None:
+        """The sharded parameters registered again: a forward outside a step (validation,
+        with ``reshard_after_forward = false``) leaves the gathered ones in their place."""
+        for unit in [*self.units, self.root]:
+            unit.reshard()
+
     def update(self, optimizer: torch.optim.Optimizer) -> None:
         optimizer.step()  # parameters no rank used kept grad = None: the optimizer skips them
 
@@ -185,6 +191,7 @@ class FullyShardedStrategy(Strategy):
         rank may read alone, since ``close`` on the others makes the same gathers."""
         del module
         if not self._read_fresh:
+            self.sync()
             self.reader.fill(self.module)
             self._read_fresh = True
         return self.reader.module
