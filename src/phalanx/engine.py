@@ -214,7 +214,11 @@ class Engine:
         """The strategy whole, on the buckets' current layout (``previous``: the one it
         replaces; its thread and listeners carry over). The buckets launch into it."""
         parts = StrategyParts(
-            codec=self._codec, group_of=self._group_of, previous=previous, module=self.local_module
+            codec=self._codec,
+            group_of=self._group_of,
+            previous=previous,
+            module=self.local_module,
+            entries=None if self.pipeline is None else list(self.pipeline.stages.values()),
         )
         strategy = self.factory(self.ctx, self.buckets.buckets, parts)
         self.buckets.launch = strategy.launch

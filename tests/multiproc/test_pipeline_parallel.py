@@ -113,6 +113,13 @@ LAYOUTS_4 = [
         [0, 0, 0, 0, 1, 1, 1],
         "adam",
     ),
+    (  # 2 x 2: fully_shard on the data axis, stages on the pipeline axis
+        "1f1b fsdp",
+        {"schedule": "1f1b", "microbatches": 4},
+        {"exchange": "fsdp"},
+        [0, 0, 0, 1, 1, 1, 1],
+        "adam",
+    ),
 ]
 
 

@@ -143,6 +143,9 @@ class StrategyParts:
     # The Engine's model (this rank's part): strategies that shard the parameters themselves
     # (``shards_parameters``) wrap it at construction.
     module: torch.nn.Module | None = None
+    # The submodules the step calls directly, where that is not ``module`` itself (a
+    # pipeline's stages); None: ``module``.
+    entries: list[torch.nn.Module] | None = None
     # The strategy of the previous bucket layout (a rebuild): the new one takes over its
     # communication thread, listeners and unread thread spans; the Engine then closes it.
     previous: Strategy | None = None

@@ -100,7 +100,7 @@ class FullyShardedStrategy(Strategy):
         before = {id(p): name for name, p in module.named_parameters(remove_duplicate=False)}
         self.reader = _Reader(module)  # a plain copy of the module's structure (no tensors)
         self.mesh = _mesh(ctx)
-        self.root, self.units = _shard(module, self.mesh, config)
+        self.roots, self.units = _shard(module, parts.entries or [module], self.mesh, config)
         after = dict(module.named_parameters(remove_duplicate=False))
         self.renamed = {old: after[name] for old, name in before.items()}  # id -> DTensor
         self.params = [p for p in module.parameters() if p.requires_grad]
@@ -121,7 +121,8 @@ class FullyShardedStrategy(Strategy):
         self.reader.drop()
 
     def before_backward(self, last: bool) -> None:
-        self.root.set_requires_gradient_sync(last)  # reduce-scatter on the last micro-batch
+        for root in self.roots:  # reduce-scatter on the last micro-batch only
+            root.set_requires_gradient_sync(last)
 
     def launch(self, bucket: Bucket) -> None:
         raise AssertionError("fsdp has no gradient buckets")
@@ -160,7 +161,7 @@ class FullyShardedStrategy(Strategy):
     def sync(self) -> None:
         """The sharded parameters registered again: a forward outside a step (validation,
         with ``reshard_after_forward = false``) leaves the gathered ones in their place."""
-        for unit in [*self.units, self.root]:
+        for unit in [*self.units, *self.roots]:
             unit.reshard()
 
     def update(self, optimizer: torch.optim.Optimizer) -> None:
@@ -280,9 +281,13 @@ def _mesh(ctx: Context) -> Any:
     return DeviceMesh.from_group(ctx.group, ctx.device.type)
 
 
-def _shard(module: nn.Module, mesh: Any, config: FsdpConfig) -> tuple[Any, list[Any]]:
-    """``fully_shard`` on each unit (bottom-up), then on the root; prefetch set between units
-    in forward order and in backward order. Returns (root, units in forward order)."""
+def _shard(
+    module: nn.Module, entries: list[nn.Module], mesh: Any, config: FsdpConfig
+) -> tuple[list[Any], list[Any]]:
+    """``fully_shard`` on each unit (bottom-up), then on the modules the step calls (the
+    model, or a pipeline's stages: torch's stages drive a root's gradient sync themselves),
+    which hold what no unit does; prefetch set between units in forward order and in backward
+    order. Returns (roots, units in forward order)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     policy = MixedPrecisionPolicy(
@@ -294,7 +299,10 @@ def _shard(module: nn.Module, mesh: Any, config: FsdpConfig) -> tuple[Any, list[
         fully_shard(
             unit, mesh=mesh, reshard_after_forward=config.reshard_after_forward, mp_policy=policy
         )
-    root = fully_shard(module, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
+    roots = [
+        fully_shard(entry, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
+        for entry in entries
+    ]
     if config.prefetch > 0 and len(units) > 1:
         for i, unit in enumerate(units):
             ahead = units[i + 1 : i + 1 + config.prefetch]
@@ -303,7 +311,7 @@ def _shard(module: nn.Module, mesh: Any, config: FsdpConfig) -> tuple[Any, list[
                 unit.set_modules_to_forward_prefetch(ahead)
             if behind:
                 unit.set_modules_to_backward_prefetch(behind)
-    return root, units
+    return roots, units
 
 
 def _units(module: nn.Module, names: list[str]) -> list[nn.Module]:
