@@ -134,6 +134,8 @@ class Engine:
             self.pipeline = build_pipeline(model, loss_fn, parallel, self.ctx, sample_input, stages)
             model, self.ctx = self.pipeline.local, self.pipeline.data_context
         _check_memory_device(memory, self.ctx.device)
+        if memory is not None and self.factory.cls.shards_parameters:
+            _check_sharded_memory(memory, self.factory.name)
         self.memory = memory
         # This rank's model (a pipeline's stages); reads that must see the updated parameters
         # go through ``module``.
@@ -671,4 +673,13 @@ def _check_memory_device(memory: MemoryManager | None, device: torch.device) -> 
         raise ConfigError(
             f"memory: the MemoryManager was built for {memory.device.type} but the Engine runs "
             f"on {device}; build it with the Engine's device (phalanx.init().device)"
+        )
+
+
+def _check_sharded_memory(memory: MemoryManager, strategy: str) -> None:
+    """A strategy that shards the optimizer state over the ranks keeps it where its shards are."""
+    if memory.optimizer_place != "device":
+        raise ConfigError(
+            f"memory.optimizer: {strategy!r} shards the optimizer state over the data ranks "
+            "already; use memory.optimizer = 'device' (activation offload and recompute work)"
         )

@@ -176,7 +176,7 @@ class ActivationOffloader:
         self._io_at_start = self.tier.io_seconds
         self._by_layer = [[ref for ref in refs if ref() is not None] for refs in self._by_layer]
         self._param_storages = {
-            t.untyped_storage().data_ptr()
+            _local(t).untyped_storage().data_ptr()
             for layer in self.layers
             for t in (*layer.parameters(), *layer.buffers())
         }
@@ -399,3 +399,9 @@ def _tensors(value: Any) -> Iterator[torch.Tensor]:
     elif isinstance(value, dict):
         for item in value.values():
             yield from _tensors(item)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a sharded parameter (fsdp's DTensors), else the tensor itself."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
