@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from phalanx.bench import optimizer, pipeline, planner, port, rnn
+from phalanx.bench import fsdp, optimizer, pipeline, planner, port, rnn
 from phalanx.commands.bench import data, exchange, link, memory
 from phalanx.commands.bench.flags import add_plain_target
 
@@ -52,6 +52,15 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         port.run_benchmark,
         port._check,
         port.format_table,
+    )
+    add_plain_target(
+        targets,
+        "fsdp",
+        "fsdp vs torch's FSDP2 loop vs partitioned vs allreduce",
+        fsdp.FsdpBenchConfig,
+        fsdp.run_benchmark,
+        fsdp._check,
+        fsdp.format_table,
     )
     add_plain_target(targets, "planner", "the planner's predicted step time vs measured here",
                      planner.PlannerBenchConfig, planner.run_benchmark, planner._check,
