@@ -5,7 +5,7 @@ TORCH ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.phalanx-installed
 
-.PHONY: demo test test-fast test-integration lint format bench drill drill-exit clean install
+.PHONY: demo test test-fast test-integration test-cuda lint format bench drill drill-exit clean install
 
 install: $(STAMP)
 
@@ -31,6 +31,11 @@ test-fast: $(STAMP)
 
 test-integration: $(STAMP)
 	$(BIN)/python -m pytest -q -m integration tests/integration
+
+# On a machine with a GPU, in an environment that has torch (no venv is made: GPU machines often
+# cannot download): the CUDA-only tests and the benchmarks' GPU parts, report in cuda-report.md.
+test-cuda:
+	$(PYTHON) tools/test_cuda.py --out cuda-report.md
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests examples tools

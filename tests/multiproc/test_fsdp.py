@@ -7,6 +7,7 @@ a checkpoint resumed from ``allreduce`` (world 2) into ``fsdp`` (world 3) and ba
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -240,3 +241,36 @@ def test_fsdp_equals_one_process_and_resumes_across_strategies_and_worlds(tmp_pa
                 weights[key], value, atol=2e-6, rtol=1e-5,
                 msg=lambda m, s=steps, k=key: f"after {s} steps {k}: {m}",
             )  # fmt: skip
+
+
+def _on_gpu(ctx: px.Context) -> dict[str, Any]:
+    """World 1 on this GPU (NCCL): fp32 equals the plain loop on the same device; bf16
+    gathered parameters with fp32 reduction train to a finite, falling loss."""
+    assert ctx.device.type == "cuda", ctx.device
+    batches = [(x.to(ctx.device), y.to(ctx.device)) for x, y in _batches()]
+    reference = _model().to(ctx.device)
+    opt = _adamw(reference.parameters())
+    for x, y in batches:
+        opt.zero_grad()
+        nn.functional.cross_entropy(reference(x), y).backward()
+        opt.step()
+    engine = px.Engine(_model(), nn.functional.cross_entropy, _adamw, exchange="fsdp")
+    _train(engine, batches, ctx)
+    got, expected = _weights(engine), reference.state_dict()
+    worst = max(float((got[k] - v).abs().max()) for k, v in expected.items())
+    engine.close()
+    options = {"param_dtype": "bfloat16", "reduce_dtype": "float32"}
+    mixed = px.Engine(_model(), nn.functional.cross_entropy, _adamw,
+                      exchange=px.ExchangeConfig(strategy="fsdp", options=options))  # fmt: skip
+    losses = _train(mixed, batches * 3, ctx)
+    mixed.close()
+    return {"worst": worst, "losses": losses}
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (NCCL, fully_shard on a GPU)")
+def test_fsdp_on_a_gpu_equals_the_plain_loop() -> None:
+    (out,) = run_ranks(_on_gpu, 1)
+    assert out["worst"] < 1e-5, out
+    losses = out["losses"]
+    assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0], losses

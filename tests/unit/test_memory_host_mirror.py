@@ -195,6 +195,7 @@ def test_close_gives_the_optimizer_back() -> None:
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (pinned host, side stream)")
 def test_host_mirror_on_cuda_steps_on_the_host_and_overlaps_forward() -> None:
     """On a GPU: masters and state in pinned host memory, the device optimizer holds nothing,

@@ -103,6 +103,7 @@ def test_mirror_refuses_a_closure(tmp_path) -> None:
             opt.step(lambda: torch.zeros(()))
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (pinned host tier)")
 def test_mirror_on_cuda_keeps_state_in_pinned_host_memory() -> None:
     """On a GPU the state lives in pinned host memory between steps (the pinned_host tier,

@@ -389,6 +389,7 @@ def test_tier_config_and_bandwidth(tmp_path):
         ActivationOffloader([nn.Linear(2, 2)], {1}, tier)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_pinned_host_tier_gradients_exact():
     device = torch.device("cuda")

@@ -221,6 +221,7 @@ def test_device_stage_on_cpu_returns_cpu_tensors():
         assert a[0].device.type == "cpu" and torch.equal(a[0], b[0])
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (pinned + stream path)")
 def test_device_stage_on_cuda_matches_the_host_batches():
     with pipeline(4, device="cuda", seed=3, preprocess=noisy) as pipe:
