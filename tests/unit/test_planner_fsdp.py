@@ -3,13 +3,10 @@ backward, prefetch, resharding, mixed precision, bytes per rank, and its options
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
 
 from phalanx.costs import LayerCost
 from phalanx.errors import ConfigError
-from phalanx.exchange.base import STRATEGIES
 from phalanx.planner.cluster import ClusterConfig, LinkConfig
 from phalanx.planner.plan import default_strategies, make_plan
 from phalanx.planner.schedules import make_schedule
@@ -179,11 +176,16 @@ def test_fp16_compression_is_refused_and_left_out_of_plans():
     assert "fsdp" in default_strategies()
 
 
-def test_options_without_the_strategy_registered(monkeypatch):
-    monkeypatch.delitem(STRATEGIES._entries, "fsdp", raising=False)
+def test_options_are_the_strategys_config():
+    """The planner reads fsdp's options through the strategy's own Config (its keys, its
+    one-line errors)."""
+    from phalanx.planner.schedules import gather_scale, reduce_scale
+
     schedule = make_schedule("fsdp", {"prefetch": 2, "reshard_after_forward": False})
     assert schedule.config.prefetch == 2 and not schedule.config.reshard_after_forward
     assert make_schedule("fsdp").config.prefetch == 1  # defaults
+    mixed = make_schedule("fsdp", {"param_dtype": "bfloat16"}).config
+    assert gather_scale(mixed) == 0.5 and reduce_scale(mixed) == 0.5  # reduce: param_dtype's
     for options, key in [
         ({"prefetch": -1}, "prefetch"),
         ({"param_dtype": "int8"}, "param_dtype"),
@@ -191,30 +193,3 @@ def test_options_without_the_strategy_registered(monkeypatch):
     ]:
         with pytest.raises(ConfigError, match=rf"^exchange\.options\.{key}: "):
             make_schedule("fsdp", options)
-
-
-def test_options_through_the_strategys_config(monkeypatch):
-    """Once the strategy is registered its Config reads the options (its keys, its errors);
-    dtypes may come back as torch dtypes."""
-    import torch
-
-    @dataclass
-    class Config:
-        reshard_after_forward: bool = True
-        prefetch: int = 1
-        param_dtype: str | None = None
-        reduce_dtype: str | None = None
-
-        def __post_init__(self) -> None:
-            self.param_dtype = getattr(torch, self.param_dtype) if self.param_dtype else None
-
-    class FakeFsdp:
-        pass
-
-    FakeFsdp.Config = Config  # type: ignore[attr-defined]
-    monkeypatch.setitem(STRATEGIES._entries, "fsdp", FakeFsdp)
-    schedule = make_schedule("fsdp", {"param_dtype": "bfloat16", "prefetch": 2})
-    assert schedule.config.param_dtype == "bfloat16" and schedule.config.prefetch == 2
-    assert schedule.config.gather_scale == 0.5
-    with pytest.raises(ConfigError, match=r"^exchange\.options\.nope: unknown key"):
-        make_schedule("fsdp", {"nope": 1})

@@ -44,12 +44,13 @@ import numpy as np
 
 from phalanx.errors import ConfigError
 from phalanx.exchange import schedule as cyclic
-from phalanx.exchange.base import STRATEGIES, strategy_config
+from phalanx.exchange.base import strategy_config
 from phalanx.exchange.compression import SCALE_BYTES
+from phalanx.exchange.fsdp import DTYPES, FsdpConfig
 from phalanx.exchange.param_server import star_turn
 from phalanx.exchange.ring import GATHER_MAX_BYTES
 from phalanx.exchange.tree import tree_parent
-from phalanx.fields import ConfigValueError, from_dict, require, require_choice
+from phalanx.fields import ConfigValueError
 from phalanx.registry import Registry
 
 GRAD, FORWARD, PARAM = 0, 1, 2  # message kinds (indices into WireCodec's tables)
@@ -578,63 +579,20 @@ class TreeServerSchedule(Schedule):
         return False  # another system's server (its own threads are not phalanx's)
 
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # fsdp's param/reduce dtypes
+DTYPE_BYTES = {name: dtype.itemsize for name, dtype in DTYPES.items()}  # fsdp's dtypes
 PARAM_DTYPE_BYTES = 4  # the profile's parameters and gradients are float32 (step.py)
 
 
-@dataclass(frozen=True, kw_only=True)
-class FsdpOptions:
-    """``fsdp``'s options as the planner reads them: the strategy's own Config when the
-    strategy is registered (exchange/fsdp.py), else these defaults and checks, so that the
-    planner models ``fsdp`` whether or not this build has it."""
-
-    reshard_after_forward: bool = True
-    prefetch: int = 1
-    param_dtype: str | None = None  # None: the parameters' own (float32)
-    reduce_dtype: str | None = None  # None: param_dtype (torch's MixedPrecisionPolicy)
-
-    def __post_init__(self) -> None:
-        require(self.prefetch >= 0, "prefetch", f"must be >= 0, got {self.prefetch}")
-        for key in ("param_dtype", "reduce_dtype"):
-            value = getattr(self, key)
-            if value is not None:
-                require_choice(value, key, tuple(DTYPE_BYTES))
-
-    @property
-    def gather_scale(self) -> float:
-        """All-gathered bytes per float32 parameter byte."""
-        return DTYPE_BYTES[self.param_dtype or "float32"] / PARAM_DTYPE_BYTES
-
-    @property
-    def reduce_scale(self) -> float:
-        """Reduce-scattered bytes per float32 gradient byte."""
-        dtype = self.reduce_dtype or self.param_dtype or "float32"
-        return DTYPE_BYTES[dtype] / PARAM_DTYPE_BYTES
+def gather_scale(config: FsdpConfig) -> float:
+    """All-gathered bytes per float32 parameter byte (``param_dtype``)."""
+    return DTYPE_BYTES[config.param_dtype or "float32"] / PARAM_DTYPE_BYTES
 
 
-def _dtype_name(value: Any) -> str | None:
-    """A dtype option as a name of ``DTYPE_BYTES`` (the strategy may hold a torch.dtype)."""
-    return None if value is None else str(value).removeprefix("torch.")
-
-
-def _fsdp_options(options: dict[str, Any] | None) -> FsdpOptions:
-    """``fsdp``'s options: through the strategy's Config when registered (its keys, its
-    errors), else checked here; one-line ConfigError naming ``exchange.options.KEY``."""
-    if "fsdp" in STRATEGIES:
-        config = _strategy_options("fsdp", options)
-        defaults = FsdpOptions()
-        options = {
-            "reshard_after_forward": bool(
-                getattr(config, "reshard_after_forward", defaults.reshard_after_forward)
-            ),
-            "prefetch": int(getattr(config, "prefetch", defaults.prefetch)),
-            "param_dtype": _dtype_name(getattr(config, "param_dtype", None)),
-            "reduce_dtype": _dtype_name(getattr(config, "reduce_dtype", None)),
-        }
-    try:
-        return cast(FsdpOptions, from_dict(FsdpOptions, dict(options or {}), "options"))
-    except ConfigError as e:
-        raise ConfigError(f"exchange.{e}") from None
+def reduce_scale(config: FsdpConfig) -> float:
+    """Reduce-scattered bytes per float32 gradient byte (``reduce_dtype``, else
+    ``param_dtype``: torch's MixedPrecisionPolicy)."""
+    dtype = config.reduce_dtype or config.param_dtype or "float32"
+    return DTYPE_BYTES[dtype] / PARAM_DTYPE_BYTES
 
 
 @SCHEDULES.register("fsdp")
@@ -650,7 +608,7 @@ class FullyShardedSchedule(Schedule):
     unit_label = "per layer"
 
     def __init__(self, **options: Any) -> None:
-        self.config = _fsdp_options(options)
+        self.config = cast(FsdpConfig, _strategy_options("fsdp", options))
 
     def bucket_phases(self, world: int, codec: WireCodec, nbytes: float) -> list[Phase]:
         return self.unit_phases(world).reduce  # a unit's gradients (sim.py runs unit_phases)
@@ -660,11 +618,11 @@ class FullyShardedSchedule(Schedule):
         if world < 2:
             return UnitPhases([], [], [], c.prefetch)
         table = ring_rounds(world, reduce=False, gather=True, grad=False)
-        gather = Phase("all-gather", table, scale=c.gather_scale)
-        regather = Phase("all-gather (backward)", table, scale=c.gather_scale)
+        gather = Phase("all-gather", table, scale=gather_scale(c))
+        regather = Phase("all-gather (backward)", table, scale=gather_scale(c))
         # torch's reduce-scatter: the backend's collective, its adds inside the calibration
         reduce_table = ring_rounds(world, reduce=True, gather=False, backend=True)
-        reduce = Phase("reduce-scatter", reduce_table, scale=c.reduce_scale)
+        reduce = Phase("reduce-scatter", reduce_table, scale=reduce_scale(c))
         regathers = [regather] if c.reshard_after_forward else []
         return UnitPhases([gather], regathers, [reduce], c.prefetch)
 
