@@ -90,6 +90,6 @@ def _pipeline(config: RunConfig, model: Any, world_size: int) -> tuple[Any, list
         f"{parallel.num_stages} stages, schedule {parallel.schedule}, {m} micro-batches of "
         f"{len(sample)} (bubble in theory {100 * bubble:.1f}%)",
         *([f"  split = auto measured: {measured}"] if measured else []),
-        describe_stages(stage_of, boundaries, p),
+        describe_stages(stage_of, boundaries, parallel.rank_of_stage),
     ]
-    return pipelined_view(layers, stage_of, boundaries), lines
+    return pipelined_view(layers, stage_of, boundaries, parallel.rank_of_stage), lines

@@ -205,6 +205,14 @@ class GradientBuckets:
             if self.launch_enabled:
                 self._launch_ready()
 
+    def written(self, params: list[torch.nn.Parameter]) -> None:
+        """Phase 2 for gradients written past autograd's accumulation (a zero-bubble
+        pipeline's weight-gradient pass assigns or adds to ``.grad`` itself, so the hooks never
+        fire): what the hook does, for each of ``params`` this rank trains."""
+        for p in params:
+            if id(p) in self._bucket_of:
+                self._on_grad(p)
+
     def _launch_ready(self) -> None:
         while self._next_launch < len(self.buckets) and self.buckets[self._next_launch].ready:
             self._launch_bucket(self.buckets[self._next_launch])
