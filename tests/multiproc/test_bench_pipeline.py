@@ -24,6 +24,9 @@ def test_bench_pipeline_reports_every_figure() -> None:
     assert row["bubble_theory"] == pytest.approx(1 / 3)
     assert row["transfer_bytes_per_step"] == 2 * 2 * activation  # 2 x M x activation
     assert zbv["bubble_theory"] == 0.0  # the claim
+    # Zero bubble splits backward into input and weight passes (stage 0's W is a full one).
+    assert sorted(row["pass_ms"]) == ["forward", "full"]
+    assert sorted(zbv["pass_ms"]) == ["forward", "full", "input", "weight"]
     # 4 stages in a V: 0 -> 1 and 2 -> 3 cross between the ranks; 1 -> 2 stays on rank 1.
     assert zbv["transfer_bytes_per_step"] == 2 * 2 * 2 * activation
     assert dualpipev == {

@@ -124,6 +124,7 @@ LAYOUTS_4 = [
         [0, 0, 0, 0, 1, 1, 1],
         "adam",
     ),
+    ("zbv 2 replicas", {"schedule": "zbv", "microbatches": 4}, {}, [0, 1, 1, 2, 2, 3, 3], "adam"),
 ]
 
 

@@ -154,11 +154,16 @@ def _measure(
         baseline.step(x, y)
     ours, theirs, bubbles = [], [], []
 
+    passes: dict[str, list[float]] = {}  # pass kind -> [seconds, count] over the timed blocks
+
     def our_block() -> None:
         busy = 0.0
         for _ in range(cfg.steps):
             engine.step(x, y)
             busy += pipeline.busy_s
+            for kind, (seconds, count) in pipeline.busy_by_pass.items():
+                total = passes.setdefault(kind, [0.0, 0])
+                total[0], total[1] = total[0] + seconds, total[1] + count
         our_busy.append(busy)
 
     def their_block() -> None:
@@ -181,6 +186,7 @@ def _measure(
     shares = [None] * ctx.world_size
     dist.all_gather_object(shares, local / total, group=ctx.group)
     transfer = _transfer_time(ctx, pipeline, m)
+    pass_ms = _pass_means(ctx, passes)
     step_s, torch_s = statistics.median(ours), statistics.median(theirs)
     kind = pipeline.kind
     engine.close()
@@ -196,6 +202,7 @@ def _measure(
         "bubble_theory": kind.bubble_fraction(cfg.nproc, m, parallel.stages_per_rank),
         "bubble_1f1b": (cfg.nproc - 1) / (m + cfg.nproc - 1),
         "param_share_per_rank": shares,
+        "pass_ms": pass_ms,
         "transfer_bytes_per_step": transfer["bytes"],
         "transfer_s_per_step": transfer["seconds"],
         "transfer_share": transfer["seconds"] / step_s,
@@ -213,6 +220,23 @@ def _timed(ctx: Any, work: Any) -> float:
     elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=ctx.device)
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=ctx.group)
     return float(elapsed.item())
+
+
+PASS_LETTERS = {"forward": "F", "full": "B", "input": "I", "weight": "W"}
+
+
+def _pass_means(ctx: Any, passes: dict[str, list[float]]) -> dict[str, float]:
+    """Milliseconds per pass of one stage over one micro-batch, by kind (forward, full
+    backward, input backward, weight backward), over every rank's stages: the zero-bubble
+    claims assume forward = input = weight."""
+    gathered: list[Any] = [None] * ctx.world_size
+    dist.all_gather_object(gathered, passes, group=ctx.group)
+    totals: dict[str, list[float]] = {}
+    for rank_passes in gathered:
+        for kind, (seconds, count) in rank_passes.items():
+            total = totals.setdefault(kind, [0.0, 0])
+            total[0], total[1] = total[0] + seconds, total[1] + count
+    return {kind: 1e3 * seconds / count for kind, (seconds, count) in totals.items() if count}
 
 
 def _mean_over_ranks(ctx: Any, value: float) -> float:
@@ -310,7 +334,8 @@ def format_report(result: dict[str, Any]) -> str:
     lines = [
         f"pipeline over {meta['nproc']} processes, {meta['model']}, batch {meta['batch_size']}",
         f"{'schedule':<14} {'M':>3} {'phalanx ms':>11} {'torch ms':>9} {'ratio':>6} "
-        f"{'bubble':>7} {'theory':>7} {'1F1B':>6} {'params/rank':>12} {'transfer':>16}",
+        f"{'bubble':>7} {'theory':>7} {'1F1B':>6} {'params/rank':>12} {'transfer':>16}  "
+        "passes (ms per stage and micro-batch)",
     ]
     measured = [r for r in result["rows"] if "refused" not in r]
     for r in result["rows"]:
@@ -324,8 +349,12 @@ def format_report(result: dict[str, Any]) -> str:
             f"{r['schedule']:<14} {r['microbatches']:>3} {1e3 * r['phalanx_step_s']:>11.1f} "
             f"{1e3 * r['torch_step_s']:>9.1f} {r['throughput_ratio']:>6.3f} "
             f"{100 * r['bubble_measured']:>6.1f}% {100 * r['bubble_theory']:>6.1f}% "
-            f"{100 * r['bubble_1f1b']:>5.1f}% {share:>12} {transfer:>16}"
+            f"{100 * r['bubble_1f1b']:>5.1f}% {share:>12} {transfer:>16}  {_passes(r['pass_ms'])}"
         )
+    lines.append(
+        "passes: F forward, B full backward, I input backward, W weight backward (zero-bubble "
+        "schedules split B into I and W; torch runs stage 0's W as a full backward)"
+    )
     lines.append(
         "bubble: measured; theory: the schedule's own (zero-bubble schedules: their claim with "
         "forward = input backward = weight backward); 1F1B: (P-1)/(M+P-1)"
@@ -342,6 +371,11 @@ def format_report(result: dict[str, Any]) -> str:
         f"{min(ratios):.3f}-{max(ratios):.3f}"
     )
     return "\n".join(lines)
+
+
+def _passes(pass_ms: dict[str, float]) -> str:
+    order = [k for k in PASS_LETTERS if k in pass_ms] + sorted(set(pass_ms) - set(PASS_LETTERS))
+    return " ".join(f"{PASS_LETTERS.get(k, k)} {pass_ms[k]:.1f}" for k in order)
 
 
 def _check(result: dict[str, Any]) -> None:

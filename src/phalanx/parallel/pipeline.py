@@ -205,6 +205,9 @@ class PipelineParallel:
         # step, which makes the bubble measurable; off in training (on CUDA it synchronizes).
         self.measure_busy = False
         self.busy_s = 0.0
+        # The same time per pass kind ("forward", and torch's backward types "full", "input",
+        # "weight"): [seconds, passes]; zero-bubble claims assume forward = input = weight.
+        self.busy_by_pass: dict[str, list[float]] = {}
         for stage in self.stages.values():
             stage.register_forward_pre_hook(self._start_busy)
             stage.register_forward_hook(self._stop_busy)
@@ -234,14 +237,19 @@ class PipelineParallel:
         for t in self.transfers:
             t.reset_counts()
         self.busy_s = 0.0
+        self.busy_by_pass = {}
 
     def _start_busy(self, *args: Any) -> None:
         if self.measure_busy:
             self._busy_since = self._clock()
 
-    def _stop_busy(self, *args: Any) -> None:
+    def _stop_busy(self, *args: Any, kind: str = "forward") -> None:
         if self.measure_busy:
-            self.busy_s += self._clock() - self._busy_since
+            seconds = self._clock() - self._busy_since
+            self.busy_s += seconds
+            total = self.busy_by_pass.setdefault(kind, [0.0, 0])
+            total[0] += seconds
+            total[1] += 1
 
     def _clock(self) -> float:
         if self.world.device.type == "cuda":
@@ -438,7 +446,8 @@ def _notifying_stage_class() -> type:
         ) -> Any:
             self._owner.before_backward(last_backward)
             self._owner._start_busy()
-            params = list(self.submod.parameters())
+            # torch's weight-gradient pass assigns or adds to .grad itself, past the hooks.
+            params = list(self.submod.parameters()) if backward_type == "weight" else []
             before = [_grad_version(p) for p in params]
             try:
                 if takes_last_backward:
@@ -448,8 +457,8 @@ def _notifying_stage_class() -> type:
                 else:
                     result = super().backward_maybe_with_nosync(backward_type, bwd_kwargs)
             finally:
-                self._owner._stop_busy()
-            if backward_type == "weight":  # torch assigned or added to .grad, past the hooks
+                self._owner._stop_busy(kind=str(backward_type))
+            if params:
                 written = [p for p, v in zip(params, before) if _grad_version(p) != v]
                 self._owner.grads_written(written)
             return result
