@@ -184,3 +184,25 @@ def test_a_schedule_this_torch_lacks_is_refused_by_name(monkeypatch: pytest.Monk
                        r"interleaved_zb, looped_bfs, zbv$"):  # fmt: skip
         run_config([None] * 5, schedule="dualpipev", microbatches=4)
     run_config([None] * 5, schedule="dualpipev", microbatches=4, pipeline=1)  # no pipeline
+
+
+def test_gradients_written_past_the_hooks_reach_the_buckets() -> None:
+    from phalanx.exchange.buckets import GradientBuckets
+
+    layer = nn.Linear(3, 2)
+    launched: list = []
+    buckets = GradientBuckets(list(layer.parameters()), 1 << 20, launched.append)
+    buckets.zero()
+    buckets.arm(launch=False)
+    layer.weight.grad = torch.ones_like(layer.weight)  # as torch's weight pass: no hook fires
+    buckets.written([layer.weight])
+    buckets.flush()
+    (bucket,) = launched
+    assert bucket.flags.tolist() == [0.0, 1.0]  # bias unused, weight used (backward order)
+    assert layer.weight.grad.tolist() == [[1.0] * 3] * 2  # kept, not zeroed as unused
+    assert layer.weight.grad.data_ptr() == bucket.views[1].data_ptr()
+    # Where the hooks did fire in the same pass, a report must not count the gradient twice.
+    buckets.arm(launch=False)
+    layer(torch.ones(1, 3)).sum().backward()
+    buckets.written(list(layer.parameters()))
+    assert bucket.num_pending == 0 and sorted(buckets.ready_order) == [0, 1]

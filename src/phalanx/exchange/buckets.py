@@ -208,9 +208,13 @@ class GradientBuckets:
     def written(self, params: list[torch.nn.Parameter]) -> None:
         """Phase 2 for gradients written past autograd's accumulation (a zero-bubble
         pipeline's weight-gradient pass assigns or adds to ``.grad`` itself, so the hooks never
-        fire): what the hook does, for each of ``params`` this rank trains."""
+        fire): what the hook does, for each of ``params`` this rank trains whose hook has not
+        fired since the last ``arm`` (a torch that does accumulate through autograd must not
+        count a gradient twice)."""
+        fired = set(self.ready_order)
         for p in params:
-            if id(p) in self._bucket_of:
+            entry = self._bucket_of.get(id(p))
+            if entry is not None and entry[2] not in fired:
                 self._on_grad(p)
 
     def _launch_ready(self) -> None:
