@@ -85,11 +85,13 @@ def _pipeline(config: RunConfig, model: Any, world_size: int) -> tuple[Any, list
     kind = schedule_kind(parallel.schedule)
     m, p = parallel.num_microbatches, parallel.pipeline
     bubble = kind.bubble_fraction(p, m, parallel.stages_per_rank)
+    # Zero-bubble figures hold only when forward, input and weight backward take equal time.
+    claim = "bubble claimed if F = I = W" if kind.split_backward else "bubble in theory"
     lines = [
         f"  pipeline: {world_size // p} replica(s) x {p} pipeline ranks, "
         f"{parallel.num_stages} stages, schedule {parallel.schedule}, {m} micro-batches of "
-        f"{len(sample)} (bubble in theory {100 * bubble:.1f}%)",
+        f"{len(sample)} ({claim} {100 * bubble:.1f}%)",
         *([f"  split = auto measured: {measured}"] if measured else []),
-        describe_stages(stage_of, boundaries, p),
+        describe_stages(stage_of, boundaries, parallel.rank_of_stage),
     ]
-    return pipelined_view(layers, stage_of, boundaries), lines
+    return pipelined_view(layers, stage_of, boundaries, parallel.rank_of_stage), lines

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -9,7 +11,7 @@ from torch import nn
 from phalanx.config import config_from_data
 from phalanx.errors import ConfigError
 from phalanx.parallel.layout import ParallelConfig
-from phalanx.parallel.pipeline import pipelined_view, trace_boundaries
+from phalanx.parallel.pipeline import describe_stages, pipelined_view, trace_boundaries
 from phalanx.parallel.schedules import schedule_kind
 from phalanx.parallel.split import balanced_split, even_split, profile_layers
 from phalanx.parallel.transfer import TransferLayer
@@ -119,3 +121,88 @@ def test_bubble_fraction_in_theory() -> None:
     assert schedule_kind("interleaved").bubble_fraction(4, 8, 2) == pytest.approx(1.5 / 9.5)
     assert ParallelConfig(pipeline=2, schedule="interleaved").num_stages == 4
     assert ParallelConfig(pipeline=3).num_microbatches == 6
+    # The zero-bubble schedules' claims, with forward = input backward = weight backward.
+    assert schedule_kind("interleaved_zb").bubble_fraction(4, 8, 2) == pytest.approx(0.5 / 8.5)
+    assert schedule_kind("zbv").bubble_fraction(4, 8, 2) == 0.0
+    assert schedule_kind("dualpipev").bubble_fraction(4, 8, 2) == 0.0
+
+
+def test_v_shaped_schedules_place_stages_r_and_2p_minus_1_minus_r() -> None:
+    for name in ("zbv", "dualpipev"):
+        parallel = ParallelConfig(pipeline=3, schedule=name, microbatches=6)
+        assert [parallel.rank_of_stage(s) for s in range(6)] == [0, 1, 2, 2, 1, 0]
+    looped = ParallelConfig(pipeline=3, schedule="interleaved_zb", virtual_stages=2)
+    assert [looped.rank_of_stage(s) for s in range(6)] == [0, 1, 2, 0, 1, 2]
+    # Stages 1 and 2 of a 2-rank V both run on rank 1: no transfer layer between them.
+    layers = [nn.Linear(4, 4) for _ in range(4)]
+    boundaries = trace_boundaries(layers, [0, 1, 2, 3], torch.zeros(2, 4))
+    zbv = ParallelConfig(pipeline=2, schedule="zbv")
+    printed = str(pipelined_view(layers, [0, 1, 2, 3], boundaries, zbv.rank_of_stage))
+    assert "(transfer0)" in printed and "(transfer1)" not in printed and "(transfer2)" in printed
+    lines = describe_stages([0, 1, 2, 3], boundaries, zbv.rank_of_stage).splitlines()
+    assert lines[1].endswith("layers 1-1, then stage 2 on the same rank (no transfer)")
+    assert lines[3] == "  stage 3 on pipeline rank 0: layers 3-3"
+
+
+@pytest.mark.parametrize(
+    ("parallel", "message"),
+    [
+        (
+            {"schedule": "zbv", "virtual_stages": 3},
+            "parallel.virtual_stages: zbv runs exactly 2 stages per pipeline rank (v-shaped), "
+            "got 3; set virtual_stages = 2",
+        ),
+        (
+            {"schedule": "dualpipev", "microbatches": 2},
+            "parallel.microbatches: dualpipev needs at least 2 x pipeline = 4 micro-batches, got 2",
+        ),
+        (
+            {"schedule": "1f1b", "microbatches": 1},
+            "parallel.microbatches: 1f1b needs at least 1 x pipeline = 2 micro-batches, got 1",
+        ),
+        (
+            {"schedule": "interleaved_zb", "microbatches": 5},
+            "parallel.microbatches: interleaved_zb runs rounds of about pipeline = 2 "
+            "micro-batches and needs a multiple of 2 rounds, got 5; use a multiple of 2 or "
+            "fewer than 4",
+        ),
+    ],
+)
+def test_schedule_constraints_are_one_line_errors(parallel: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message) + "$"):
+        run_config([None] * 5, **parallel)
+
+
+def test_a_schedule_this_torch_lacks_is_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    from phalanx.parallel import schedules
+
+    older = {k: v for k, v in schedules._torch_schedules().items() if k != "ScheduleDualPipeV"}
+    monkeypatch.setattr(schedules, "_torch_schedules", lambda: older)
+    with pytest.raises(ConfigError, match=r"parallel.schedule: 'dualpipev' needs torch.distri"
+                       r"buted.pipelining.schedules.ScheduleDualPipeV, which torch \S+ lacks; "
+                       r"upgrade torch or choose one of: 1f1b, gpipe, interleaved, "
+                       r"interleaved_zb, looped_bfs, zbv$"):  # fmt: skip
+        run_config([None] * 5, schedule="dualpipev", microbatches=4)
+    run_config([None] * 5, schedule="dualpipev", microbatches=4, pipeline=1)  # no pipeline
+
+
+def test_gradients_written_past_the_hooks_reach_the_buckets() -> None:
+    from phalanx.exchange.buckets import GradientBuckets
+
+    layer = nn.Linear(3, 2)
+    launched: list = []
+    buckets = GradientBuckets(list(layer.parameters()), 1 << 20, launched.append)
+    buckets.zero()
+    buckets.arm(launch=False)
+    layer.weight.grad = torch.ones_like(layer.weight)  # as torch's weight pass: no hook fires
+    buckets.written([layer.weight])
+    buckets.flush()
+    (bucket,) = launched
+    assert bucket.flags.tolist() == [0.0, 1.0]  # bias unused, weight used (backward order)
+    assert layer.weight.grad.tolist() == [[1.0] * 3] * 2  # kept, not zeroed as unused
+    assert layer.weight.grad.data_ptr() == bucket.views[1].data_ptr()
+    # Where the hooks did fire in the same pass, a report must not count the gradient twice.
+    buckets.arm(launch=False)
+    layer(torch.ones(1, 3)).sum().backward()
+    buckets.written(list(layer.parameters()))
+    assert bucket.num_pending == 0 and sorted(buckets.ready_order) == [0, 1]

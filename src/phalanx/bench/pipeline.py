@@ -10,7 +10,12 @@ directly with torch.distributed.pipelining (PipelineStage + schedule + AdamW). R
   blocks alternating; a block's time is the slowest rank's; the ratio is the median over
   adjacent block pairs;
 - the bubble: 1 - (time a rank spends computing its stages) / step time, averaged over ranks,
-  next to the theory (P-1)/(M+P-1) (GPipe, 1F1B; interleaved divides the bubble by V);
+  next to the schedule's theory ((P-1)/(M+P-1) for GPipe and 1F1B; interleaved divides the
+  bubble by V; the zero-bubble schedules' claim: a third of that for interleaved_zb, zero for
+  zbv and dualpipev, when forward, input and weight backward take equal time) and next to
+  (P-1)/(M+P-1) itself for every row;
+- cells a schedule refuses (dualpipev below 2P micro-batches, a class this torch lacks) as
+  rows that say why;
 - parameter memory per rank as a share of the model (about 1/P);
 - the transfer layers: bytes per step and their time, from a ping-pong of one activation
   between two pipeline ranks times the messages a step sends.
@@ -31,7 +36,7 @@ import phalanx as px
 from phalanx.bench import machine_meta
 from phalanx.errors import ConfigError
 from phalanx.exchange.comm import global_rank
-from phalanx.fields import option
+from phalanx.fields import ConfigValueError, option
 from phalanx.models.gpt import GPTEmbedding, TransformerBlock
 from phalanx.parallel import ParallelConfig
 from phalanx.parallel.pipeline import _example, choose_split
@@ -46,7 +51,10 @@ class PipelineBenchConfig:
     """One ``phalanx bench pipeline`` run (picklable: sent to the workers)."""
 
     nproc: int = option(2, "pipeline ranks")
-    schedules: tuple[str, ...] = option(("gpipe", "1f1b", "interleaved"), "pipeline schedules")
+    schedules: tuple[str, ...] = option(
+        ("gpipe", "1f1b", "interleaved", "interleaved_zb", "zbv", "dualpipev"),
+        "pipeline schedules",
+    )
     microbatches: tuple[int, ...] = option((2, 4, 8), "micro-batch counts M")
     batch_size: int = option(32, "sequences per step")
     seq_len: int = option(64, "tokens per sequence")
@@ -76,6 +84,18 @@ class PipelineBenchConfig:
                     f"--microbatches: {m} does not split --batch-size {self.batch_size} evenly"
                 )
 
+    def cells(self) -> list[tuple[str, int, str]]:
+        """(schedule, M, why the schedule refuses it or "") for every cell of the grid."""
+        cells = []
+        for schedule in self.schedules:
+            for m in self.microbatches:
+                try:
+                    ParallelConfig(pipeline=self.nproc, microbatches=m, schedule=schedule)
+                    cells.append((schedule, m, ""))
+                except ConfigValueError as e:
+                    cells.append((schedule, m, f"{e.key}: {e.reason}"))
+        return cells
+
 
 def gpt_layers(cfg: PipelineBenchConfig) -> list[nn.Module]:
     """The benchmark model, built identically on every rank (same seed)."""
@@ -99,8 +119,10 @@ def _worker(ctx: Any, cfg: PipelineBenchConfig) -> dict[str, Any] | None:
     x = torch.randint(0, VOCAB, (cfg.batch_size, cfg.seq_len))
     y = torch.randint(0, VOCAB, (cfg.batch_size, cfg.seq_len))
     rows = []
-    for schedule in cfg.schedules:
-        for m in cfg.microbatches:
+    for schedule, m, refused in cfg.cells():
+        if refused:
+            rows.append({"schedule": schedule, "microbatches": m, "refused": refused})
+        else:
             rows.append(_measure(ctx, cfg, schedule, m, x, y))
     return {"rows": rows} if ctx.rank == 0 else None
 
@@ -132,11 +154,16 @@ def _measure(
         baseline.step(x, y)
     ours, theirs, bubbles = [], [], []
 
+    passes: dict[str, list[float]] = {}  # pass kind -> [seconds, count] over the timed blocks
+
     def our_block() -> None:
         busy = 0.0
         for _ in range(cfg.steps):
             engine.step(x, y)
             busy += pipeline.busy_s
+            for kind, (seconds, count) in pipeline.busy_by_pass.items():
+                total = passes.setdefault(kind, [0.0, 0])
+                total[0], total[1] = total[0] + seconds, total[1] + count
         our_busy.append(busy)
 
     def their_block() -> None:
@@ -159,6 +186,7 @@ def _measure(
     shares = [None] * ctx.world_size
     dist.all_gather_object(shares, local / total, group=ctx.group)
     transfer = _transfer_time(ctx, pipeline, m)
+    pass_ms = _pass_means(ctx, passes)
     step_s, torch_s = statistics.median(ours), statistics.median(theirs)
     kind = pipeline.kind
     engine.close()
@@ -172,7 +200,9 @@ def _measure(
         "throughput_ratio": statistics.median(t / o for t, o in zip(theirs, ours)),
         "bubble_measured": statistics.median(bubbles),
         "bubble_theory": kind.bubble_fraction(cfg.nproc, m, parallel.stages_per_rank),
+        "bubble_1f1b": (cfg.nproc - 1) / (m + cfg.nproc - 1),
         "param_share_per_rank": shares,
+        "pass_ms": pass_ms,
         "transfer_bytes_per_step": transfer["bytes"],
         "transfer_s_per_step": transfer["seconds"],
         "transfer_share": transfer["seconds"] / step_s,
@@ -192,6 +222,23 @@ def _timed(ctx: Any, work: Any) -> float:
     return float(elapsed.item())
 
 
+PASS_LETTERS = {"forward": "F", "full": "B", "input": "I", "weight": "W"}
+
+
+def _pass_means(ctx: Any, passes: dict[str, list[float]]) -> dict[str, float]:
+    """Milliseconds per pass of one stage over one micro-batch, by kind (forward, full
+    backward, input backward, weight backward), over every rank's stages: the zero-bubble
+    claims assume forward = input = weight."""
+    gathered: list[Any] = [None] * ctx.world_size
+    dist.all_gather_object(gathered, passes, group=ctx.group)
+    totals: dict[str, list[float]] = {}
+    for rank_passes in gathered:
+        for kind, (seconds, count) in rank_passes.items():
+            total = totals.setdefault(kind, [0.0, 0])
+            total[0], total[1] = total[0] + seconds, total[1] + count
+    return {kind: 1e3 * seconds / count for kind, (seconds, count) in totals.items() if count}
+
+
 def _mean_over_ranks(ctx: Any, value: float) -> float:
     t = torch.tensor([value], dtype=torch.float64, device=ctx.device)
     dist.all_reduce(t, group=ctx.group)
@@ -204,7 +251,7 @@ def _transfer_time(ctx: Any, pipeline: Any, m: int) -> dict[str, float]:
     pipeline ranks 0 and 1 gives one message's time."""
     boundary = pipeline.boundaries[0]
     message = torch.zeros(boundary.shape, dtype=boundary.dtype, device=ctx.device)
-    num_messages = 2 * m * (pipeline.num_stages - 1)
+    num_messages = 2 * m * pipeline.num_crossings
     repeats, rank = 10, dist.get_rank(pipeline.pipe_group)
     dist.barrier(group=ctx.group)
     start = time.perf_counter()
@@ -286,20 +333,35 @@ def format_report(result: dict[str, Any]) -> str:
     meta = result["meta"]
     lines = [
         f"pipeline over {meta['nproc']} processes, {meta['model']}, batch {meta['batch_size']}",
-        f"{'schedule':<12} {'M':>3} {'phalanx ms':>11} {'torch ms':>9} {'ratio':>6} "
-        f"{'bubble':>7} {'theory':>7} {'params/rank':>12} {'transfer':>16}",
+        f"{'schedule':<14} {'M':>3} {'phalanx ms':>11} {'torch ms':>9} {'ratio':>6} "
+        f"{'bubble':>7} {'theory':>7} {'1F1B':>6} {'params/rank':>12} {'transfer':>16}  "
+        "passes (ms per stage and micro-batch)",
     ]
+    measured = [r for r in result["rows"] if "refused" not in r]
     for r in result["rows"]:
+        if "refused" in r:
+            lines.append(f"{r['schedule']:<14} {r['microbatches']:>3} refused: {r['refused']}")
+            continue
         share = "/".join(f"{s:.2f}" for s in r["param_share_per_rank"])
         mib, ms = r["transfer_bytes_per_step"] / 2**20, 1e3 * r["transfer_s_per_step"]
         transfer = f"{mib:.1f} MiB {ms:.1f} ms"
         lines.append(
-            f"{r['schedule']:<12} {r['microbatches']:>3} {1e3 * r['phalanx_step_s']:>11.1f} "
+            f"{r['schedule']:<14} {r['microbatches']:>3} {1e3 * r['phalanx_step_s']:>11.1f} "
             f"{1e3 * r['torch_step_s']:>9.1f} {r['throughput_ratio']:>6.3f} "
             f"{100 * r['bubble_measured']:>6.1f}% {100 * r['bubble_theory']:>6.1f}% "
-            f"{share:>12} {transfer:>16}"
+            f"{100 * r['bubble_1f1b']:>5.1f}% {share:>12} {transfer:>16}  {_passes(r['pass_ms'])}"
         )
-    ratios = [r["throughput_ratio"] for r in result["rows"]]
+    lines.append(
+        "passes: F forward, B full backward, I input backward, W weight backward (zero-bubble "
+        "schedules split B into I and W; torch runs stage 0's W as a full backward)"
+    )
+    lines.append(
+        "bubble: measured; theory: the schedule's own (zero-bubble schedules: their claim with "
+        "forward = input backward = weight backward); 1F1B: (P-1)/(M+P-1)"
+    )
+    if not measured:
+        return "\n".join(lines)
+    ratios = [r["throughput_ratio"] for r in measured]
     lines.append(
         "ratio: phalanx throughput / torch.distributed.pipelining throughput (median of the "
         "ratios of adjacent blocks of steps)"
@@ -311,7 +373,12 @@ def format_report(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _passes(pass_ms: dict[str, float]) -> str:
+    order = [k for k in PASS_LETTERS if k in pass_ms] + sorted(set(pass_ms) - set(PASS_LETTERS))
+    return " ".join(f"{PASS_LETTERS.get(k, k)} {pass_ms[k]:.1f}" for k in order)
+
+
 def _check(result: dict[str, Any]) -> None:
     for r in result["rows"]:
-        if not (r["phalanx_step_s"] > 0 and r["torch_step_s"] > 0):
+        if "refused" not in r and not (r["phalanx_step_s"] > 0 and r["torch_step_s"] > 0):
             raise ConfigError("bench pipeline: a zero step time was measured")

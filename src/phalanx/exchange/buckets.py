@@ -205,6 +205,18 @@ class GradientBuckets:
             if self.launch_enabled:
                 self._launch_ready()
 
+    def written(self, params: list[torch.nn.Parameter]) -> None:
+        """Phase 2 for gradients written past autograd's accumulation (a zero-bubble
+        pipeline's weight-gradient pass assigns or adds to ``.grad`` itself, so the hooks never
+        fire): what the hook does, for each of ``params`` this rank trains whose hook has not
+        fired since the last ``arm`` (a torch that does accumulate through autograd must not
+        count a gradient twice)."""
+        fired = set(self.ready_order)
+        for p in params:
+            entry = self._bucket_of.get(id(p))
+            if entry is not None and entry[2] not in fired:
+                self._on_grad(p)
+
     def _launch_ready(self) -> None:
         while self._next_launch < len(self.buckets) and self.buckets[self._next_launch].ready:
             self._launch_bucket(self.buckets[self._next_launch])

@@ -44,6 +44,7 @@ class PipelineDriver:
         self._bad_so_far = False  # the last stage's loss was inf/NaN this step
         self._fault_nan = False  # an injected fault makes this step's loss NaN
         pipeline.before_backward = self.before_backward
+        pipeline.grads_written = buckets.written
 
     # Phase 2
     def forward_backward(

@@ -7,8 +7,9 @@ crosses the slower network once per step.
 
 Stages are contiguous runs of layers. ``stage = k`` on each ``[[model.layers]]`` table gives
 them by hand; ``split = "auto"`` balances them by each layer's measured forward + backward time
-(phalanx.parallel.split). Schedules with virtual stages (``interleaved``) cut the model into
-P x ``virtual_stages`` stages; stage ``s`` runs on pipeline rank ``s % P``.
+(phalanx.parallel.split). Schedules with virtual stages (``interleaved``, ``zbv``, ...) cut the
+model into P x ``virtual_stages`` stages; stage ``s`` runs on pipeline rank ``s % P``, or, for
+V-shaped schedules (``zbv``, ``dualpipev``), rank r runs stages r and 2P-1-r.
 """
 
 from __future__ import annotations
@@ -29,8 +30,13 @@ class ParallelConfig:
     data: int = option(0, "data-parallel replicas D (0: world size / pipeline)")
     pipeline: int = option(1, "pipeline ranks P per replica (1: no model parallelism)")
     microbatches: int = option(0, "micro-batches per step through the pipeline (0: 2 x P)")
-    schedule: str = option("1f1b", "pipeline schedule: gpipe, 1f1b, interleaved, looped_bfs")
-    virtual_stages: int = option(2, "stages per pipeline rank for interleaved/looped schedules")
+    schedule: str = option(
+        "1f1b",
+        "pipeline schedule: gpipe, 1f1b, interleaved, looped_bfs, interleaved_zb, zbv, dualpipev",
+    )
+    virtual_stages: int = option(
+        2, "stages per pipeline rank for multi-stage schedules (zbv and dualpipev: exactly 2)"
+    )
     split: Literal["layers", "auto", "even"] = option(
         "layers",
         "stage boundaries: 'layers' (stage = k on each layer; 'auto' when none has one), "
@@ -51,6 +57,10 @@ class ParallelConfig:
             "virtual_stages",
             f"must be >= 1, got {self.virtual_stages}",
         )
+        if self.enabled:  # pipeline = 1 runs no schedule (and skips importing torch's)
+            schedule_kind(self.schedule).check(
+                self.pipeline, self.num_microbatches, self.virtual_stages
+            )
 
     @property
     def enabled(self) -> bool:
@@ -60,7 +70,7 @@ class ParallelConfig:
     def stages_per_rank(self) -> int:
         """Stages each pipeline rank runs: ``virtual_stages`` for multi-stage schedules."""
 
-        return self.virtual_stages if schedule_kind(self.schedule).multi_stage else 1
+        return schedule_kind(self.schedule).num_local_stages(self.virtual_stages)
 
     @property
     def num_stages(self) -> int:
@@ -69,6 +79,10 @@ class ParallelConfig:
     @property
     def num_microbatches(self) -> int:
         return self.microbatches or 2 * self.pipeline
+
+    def rank_of_stage(self, stage: int) -> int:
+        """The pipeline rank running ``stage`` (the schedule's placement)."""
+        return schedule_kind(self.schedule).rank_of_stage(stage, self.pipeline)
 
     def replicas(self, world_size: int) -> int:
         """D for this world; ConfigValueError when P does not divide it or D disagrees."""

@@ -91,31 +91,47 @@ def trace_boundaries(layers: list[nn.Module], stage_of: list[int], sample: Any) 
     return boundaries
 
 
-def describe_stages(stage_of: list[int], boundaries: list[Boundary], num_ranks: int) -> str:
-    """One line per stage: its layers, its pipeline rank, and the transfer leaving it."""
+def describe_stages(
+    stage_of: list[int], boundaries: list[Boundary], rank_of: Callable[[int], int]
+) -> str:
+    """One line per stage: its layers, its pipeline rank (``rank_of(stage)``), and the
+    transfer leaving it, or that the next stage runs on the same rank."""
     lines = []
     for s in range(max(stage_of) + 1):
         members = [i for i, k in enumerate(stage_of) if k == s]
-        line = f"  stage {s} on pipeline rank {s % num_ranks}: layers {members[0]}-{members[-1]}"
-        if s < max(stage_of):
+        line = f"  stage {s} on pipeline rank {rank_of(s)}: layers {members[0]}-{members[-1]}"
+        if s < max(stage_of) and rank_of(s + 1) != rank_of(s):
             b = boundaries[s]
             line += f", then {TransferLayer(s, s + 1, b.shape, b.dtype)}"
+        elif s < max(stage_of):
+            line += f", then stage {s + 1} on the same rank (no transfer)"
         lines.append(line)
     return "\n".join(lines)
 
 
 def pipelined_view(
-    layers: list[nn.Module], stage_of: list[int], boundaries: list[Boundary]
+    layers: list[nn.Module],
+    stage_of: list[int],
+    boundaries: list[Boundary],
+    rank_of: Callable[[int], int] | None = None,
 ) -> nn.Sequential:
     """The whole model as printed for a pipeline: its layers under their own names with a
-    TransferLayer at every stage boundary (for display; training runs the stages)."""
+    TransferLayer at every stage boundary between ranks (``rank_of(stage)``; None: each
+    stage on its own rank), for display; training runs the stages."""
     children: OrderedDict[str, nn.Module] = OrderedDict()
     for i, layer in enumerate(layers):
         children[str(i)] = layer
-        if i + 1 < len(layers) and stage_of[i + 1] != stage_of[i]:
-            b = boundaries[stage_of[i]]
-            children[f"transfer{stage_of[i]}"] = TransferLayer(b.src, b.src + 1, b.shape, b.dtype)
+        s = stage_of[i]
+        if i + 1 < len(layers) and stage_of[i + 1] != s and _crosses(s, rank_of):
+            b = boundaries[s]
+            children[f"transfer{s}"] = TransferLayer(b.src, b.src + 1, b.shape, b.dtype)
     return nn.Sequential(children)
+
+
+def _crosses(stage: int, rank_of: Callable[[int], int] | None) -> bool:
+    """Whether ``stage``'s output goes to another rank (V-shaped placements keep the middle
+    boundary on one rank: torch hands that activation over in memory)."""
+    return rank_of is None or rank_of(stage + 1) != rank_of(stage)
 
 
 class PipelineParallel:
@@ -160,14 +176,16 @@ class PipelineParallel:
         self.boundaries = trace_boundaries(layers, stage_of, sample)
         self.sample_meta = Boundary(-1, tuple(sample.shape), sample.dtype)
         # Phase 3: keep this rank's stages.
-        self.stage_ids = [s for s in range(self.num_stages) if s % self.num_ranks == self.pipe_rank]
+        self.stage_ids = [
+            s for s in range(self.num_stages) if parallel.rank_of_stage(s) == self.pipe_rank
+        ]
         self.stages: dict[int, nn.Sequential] = {}
         named: list[tuple[str, nn.Module]] = []
         for s in self.stage_ids:
             members = [(str(i), layer) for i, layer in enumerate(layers) if stage_of[i] == s]
             named += members
             children: OrderedDict[str, nn.Module] = OrderedDict(members)
-            if s + 1 < self.num_stages:
+            if s + 1 < self.num_stages and _crosses(s, parallel.rank_of_stage):
                 b = self.boundaries[s]
                 children["transfer"] = TransferLayer(s, s + 1, b.shape, b.dtype)
             self.stages[s] = nn.Sequential(children).to(world.device)
@@ -180,10 +198,16 @@ class PipelineParallel:
         self._loss_fn = loss_fn
         self._agreement_sends: tuple[torch.Tensor | None, list[Any]] = (None, [])
         self.before_backward: Callable[[bool], None] = lambda last: None
+        # Zero-bubble schedules' weight-gradient pass writes ``.grad`` itself, past autograd's
+        # accumulation and so past post-accumulate-grad hooks: it reports those parameters here.
+        self.grads_written: Callable[[list[nn.Parameter]], None] = lambda params: None
         # Benchmarks: time spent computing (forward and backward of this rank's stages) per
         # step, which makes the bubble measurable; off in training (on CUDA it synchronizes).
         self.measure_busy = False
         self.busy_s = 0.0
+        # The same time per pass kind ("forward", and torch's backward types "full", "input",
+        # "weight"): [seconds, passes]; zero-bubble claims assume forward = input = weight.
+        self.busy_by_pass: dict[str, list[float]] = {}
         for stage in self.stages.values():
             stage.register_forward_pre_hook(self._start_busy)
             stage.register_forward_hook(self._stop_busy)
@@ -199,6 +223,12 @@ class PipelineParallel:
         return self.num_stages - 1 in self.stages
 
     @property
+    def num_crossings(self) -> int:
+        """Stage boundaries of this replica whose activation goes to another rank."""
+        rank_of = self.parallel.rank_of_stage
+        return sum(rank_of(s + 1) != rank_of(s) for s in range(self.num_stages - 1))
+
+    @property
     def transfers(self) -> list[TransferLayer]:
         return [m for stage in self.stages.values() for m in stage if isinstance(m, TransferLayer)]
 
@@ -207,14 +237,19 @@ class PipelineParallel:
         for t in self.transfers:
             t.reset_counts()
         self.busy_s = 0.0
+        self.busy_by_pass = {}
 
     def _start_busy(self, *args: Any) -> None:
         if self.measure_busy:
             self._busy_since = self._clock()
 
-    def _stop_busy(self, *args: Any) -> None:
+    def _stop_busy(self, *args: Any, kind: str = "forward") -> None:
         if self.measure_busy:
-            self.busy_s += self._clock() - self._busy_since
+            seconds = self._clock() - self._busy_since
+            self.busy_s += seconds
+            total = self.busy_by_pass.setdefault(kind, [0.0, 0])
+            total[0] += seconds
+            total[1] += 1
 
     def _clock(self) -> float:
         if self.world.device.type == "cuda":
@@ -319,28 +354,20 @@ class PipelineParallel:
         for s in range(self.num_stages):
             if s not in self.stages:
                 continue
-            if s > 0:
+            if s > 0 and s - 1 not in self.stages:
                 b = self.boundaries[s - 1]
                 act = torch.empty(
                     (x.shape[0], *b.shape[1:]), dtype=b.dtype, device=self.world.device
                 )
-                dist.recv(
-                    act,
-                    global_rank(self.pipe_group, (s - 1) % self.num_ranks),
-                    group=self.pipe_group,
-                )
+                dist.recv(act, self._rank_of(s - 1), group=self.pipe_group)
             act = self.stages[s](act)
-            if s + 1 < self.num_stages:
-                dist.send(
-                    act.contiguous(),
-                    global_rank(self.pipe_group, (s + 1) % self.num_ranks),
-                    group=self.pipe_group,
-                )
+            if s + 1 < self.num_stages and s + 1 not in self.stages:
+                dist.send(act.contiguous(), self._rank_of(s + 1), group=self.pipe_group)
         return act if self.holds_last else None
 
     def _rank_of(self, stage: int) -> int:
         """The world rank running ``stage`` of this replica."""
-        return global_rank(self.pipe_group, stage % self.num_ranks)
+        return global_rank(self.pipe_group, self.parallel.rank_of_stage(stage))
 
     def describe(self) -> str:
         """The layout for a log: replicas, schedule, what 'auto' measured, the stages."""
@@ -352,9 +379,8 @@ class PipelineParallel:
         measured = (
             f"\n  split = auto measured: {self.split_measured}" if self.split_measured else ""
         )
-        return (
-            f"{head}{measured}\n{describe_stages(self.stage_of, self.boundaries, self.num_ranks)}"
-        )
+        stages = describe_stages(self.stage_of, self.boundaries, self.parallel.rank_of_stage)
+        return f"{head}{measured}\n{stages}"
 
 
 def _example(meta: Boundary) -> torch.Tensor:
@@ -420,16 +446,29 @@ def _notifying_stage_class() -> type:
         ) -> Any:
             self._owner.before_backward(last_backward)
             self._owner._start_busy()
+            # torch's weight-gradient pass assigns or adds to .grad itself, past the hooks.
+            params = list(self.submod.parameters()) if backward_type == "weight" else []
+            before = [_grad_version(p) for p in params]
             try:
                 if takes_last_backward:
-                    return super().backward_maybe_with_nosync(
+                    result = super().backward_maybe_with_nosync(
                         backward_type, bwd_kwargs, last_backward=last_backward
                     )
-                return super().backward_maybe_with_nosync(backward_type, bwd_kwargs)
+                else:
+                    result = super().backward_maybe_with_nosync(backward_type, bwd_kwargs)
             finally:
-                self._owner._stop_busy()
+                self._owner._stop_busy(kind=str(backward_type))
+            if params:
+                written = [p for p, v in zip(params, before) if _grad_version(p) != v]
+                self._owner.grads_written(written)
+            return result
 
     return _NotifyingStage
+
+
+def _grad_version(p: nn.Parameter) -> tuple[int, int] | None:
+    """What changes when ``p.grad`` is assigned or added to in place."""
+    return None if p.grad is None else (id(p.grad), p.grad._version)
 
 
 def build_pipeline(

@@ -1,46 +1,116 @@
 """Pipeline schedules, registered by name, each backed by torch.distributed.pipelining.
 
-A schedule kind knows which torch class runs it, whether a rank holds one stage or several
-(virtual stages), and its theoretical bubble fraction for the benchmark.
+A schedule kind knows which torch class runs it, how many stages a rank holds and where they
+sit (round-robin, or a V: rank r holds stages r and 2P-1-r), what micro-batch counts it
+accepts, whether torch splits its backward into input-gradient and weight-gradient passes
+(zero bubble), and its theoretical bubble fraction for the benchmark.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
+from phalanx.fields import require
 from phalanx.registry import Registry
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ScheduleKind:
     """One pipeline schedule: ``torch_class`` names the class in
     torch.distributed.pipelining.schedules; ``multi_stage`` schedules take a list of stages
-    per rank (``virtual_stages`` of them)."""
+    per rank (``virtual_stages`` of them, or exactly ``stages_per_rank`` when that is set).
+
+    ``placement``: "loop" puts stage s on pipeline rank s % P; "v" puts stages r and 2P-1-r
+    on rank r, so the model's middle (stages P-1 and P) stays on the last rank and the last
+    stage comes back to rank 0. ``microbatches_per_rank``: torch needs M >= that x P.
+    ``whole_rounds``: torch cuts the micro-batches into rounds of about P and needs M to be a
+    multiple of max(1, M // P). ``split_backward``: backward runs as an input-gradient pass,
+    then a weight-gradient pass later (which fills the bubble). ``bubble_share``: the share
+    of the 1F1B bubble the schedule claims when forward, input and weight backward take
+    equal time (1/3 for ZB-H1, 0 for ZB-V and DualPipeV).
+    """
 
     name: str
     torch_class: str
     multi_stage: bool
     description: str
+    placement: Literal["loop", "v"] = "loop"
+    stages_per_rank: int = 0
+    microbatches_per_rank: int = 0
+    whole_rounds: bool = False
+    split_backward: bool = False
+    bubble_share: float = 1.0
 
     def build(self, stages: list[Any], num_microbatches: int, loss_fn: Callable) -> Any:
         """The torch schedule object over this rank's ``stages``. Gradients are not rescaled
         by torch (``scale_grads=False``): the loss already carries 1 / (micro-batches x D)."""
-        from torch.distributed.pipelining import schedules
-
-        cls = getattr(schedules, self.torch_class)
+        cls = _torch_schedules()[self.torch_class]
         target = stages if self.multi_stage else stages[0]
         try:
             return cls(target, num_microbatches, loss_fn=loss_fn, scale_grads=False)
         except TypeError:  # torch releases before scale_grads: they never rescaled
             return cls(target, num_microbatches, loss_fn=loss_fn)
 
+    @property
+    def available(self) -> bool:
+        """Whether the installed torch has this schedule's class (newer schedules are missing
+        from older releases)."""
+        return self.torch_class in _torch_schedules()
+
+    def num_local_stages(self, virtual_stages: int) -> int:
+        """Stages each pipeline rank runs."""
+        if not self.multi_stage:
+            return 1
+        return self.stages_per_rank or virtual_stages
+
+    def rank_of_stage(self, stage: int, num_ranks: int) -> int:
+        """The pipeline rank running ``stage``."""
+        if self.placement == "v" and stage >= num_ranks:  # the V's way back
+            return 2 * num_ranks - 1 - stage
+        return stage % num_ranks
+
+    def check(self, num_ranks: int, num_microbatches: int, virtual_stages: int) -> None:
+        """This schedule's constraints on the layout, each a one-line ConfigValueError
+        naming the ``[parallel]`` key to change (torch raises them mid-build otherwise)."""
+        p, m, name = num_ranks, num_microbatches, self.name
+        require(
+            self.available,
+            "schedule",
+            f"{name!r} needs torch.distributed.pipelining.schedules.{self.torch_class}, which "
+            f"torch {_torch_version()} lacks; upgrade torch or choose one of: "
+            f"{', '.join(n for n in SCHEDULES.names() if schedule_kind(n).available)}",
+        )
+        require(
+            not self.stages_per_rank or virtual_stages == self.stages_per_rank,
+            "virtual_stages",
+            f"{name} runs exactly {self.stages_per_rank} stages per pipeline rank "
+            f"({self.placement}-shaped), got {virtual_stages}; set virtual_stages = "
+            f"{self.stages_per_rank}",
+        )
+        least = self.microbatches_per_rank * p
+        require(
+            m >= least,
+            "microbatches",
+            f"{name} needs at least {self.microbatches_per_rank} x pipeline = {least} "
+            f"micro-batches, got {m}",
+        )
+        rounds = max(1, m // p)
+        require(
+            not self.whole_rounds or m % rounds == 0,
+            "microbatches",
+            f"{name} runs rounds of about pipeline = {p} micro-batches and needs a multiple "
+            f"of {rounds} rounds, got {m}; use a multiple of {p} or fewer than {2 * p}",
+        )
+
     def bubble_fraction(self, num_ranks: int, num_microbatches: int, virtual: int = 1) -> float:
         """The idle share of a step in theory: (P-1)/(M+P-1) for GPipe and 1F1B; virtual
-        stages divide the bubble's length by ``virtual`` (interleaved 1F1B)."""
-        p, m, v = num_ranks, num_microbatches, virtual if self.multi_stage else 1
-        bubble = (p - 1) / v
+        stages divide the bubble's length by ``virtual`` (interleaved 1F1B); zero-bubble
+        schedules keep ``bubble_share`` of it (their claim, with F = B = W)."""
+        p, m, v = num_ranks, num_microbatches, self.num_local_stages(virtual)
+        bubble = self.bubble_share * (p - 1) / v
         return bubble / (m + bubble)
 
 
@@ -51,17 +121,92 @@ def _register(kind: ScheduleKind) -> None:
     SCHEDULES.register(kind.name)(lambda: kind)
 
 
-_register(ScheduleKind("gpipe", "ScheduleGPipe", False, "all forwards, then all backwards"))
-_register(ScheduleKind("1f1b", "Schedule1F1B", False, "one forward, one backward (less memory)"))
+def schedule_kind(name: str) -> ScheduleKind:
+    return SCHEDULES.get(name)()
+
+
+@functools.cache
+def _torch_schedules() -> dict[str, Any]:
+    """The schedule classes of the installed torch by name, imported on first use:
+    torch.distributed.pipelining takes ~1.7 s to import (it loads torch._dynamo)."""
+    from torch.distributed.pipelining import schedules
+
+    return {name: getattr(schedules, name) for name in dir(schedules) if name.startswith("Sched")}
+
+
+def _torch_version() -> str:
+    import torch
+
+    return torch.__version__
+
+
 _register(
     ScheduleKind(
-        "interleaved", "ScheduleInterleaved1F1B", True, "1F1B over virtual stages (smaller bubble)"
+        name="gpipe",
+        torch_class="ScheduleGPipe",
+        multi_stage=False,
+        description="all forwards, then all backwards",
     )
 )
 _register(
-    ScheduleKind("looped_bfs", "ScheduleLoopedBFS", True, "breadth-first over virtual stages")
+    ScheduleKind(
+        name="1f1b",
+        torch_class="Schedule1F1B",
+        multi_stage=False,
+        description="one forward, one backward (less memory)",
+        microbatches_per_rank=1,
+    )
 )
-
-
-def schedule_kind(name: str) -> ScheduleKind:
-    return SCHEDULES.get(name)()
+_register(
+    ScheduleKind(
+        name="interleaved",
+        torch_class="ScheduleInterleaved1F1B",
+        multi_stage=True,
+        description="1F1B over virtual stages (smaller bubble)",
+        whole_rounds=True,
+    )
+)
+_register(
+    ScheduleKind(
+        name="looped_bfs",
+        torch_class="ScheduleLoopedBFS",
+        multi_stage=True,
+        description="breadth-first over virtual stages",
+    )
+)
+_register(
+    ScheduleKind(
+        name="interleaved_zb",
+        torch_class="ScheduleInterleavedZeroBubble",
+        multi_stage=True,
+        description="interleaved 1F1B whose weight gradients fill the bubble (ZB-H1)",
+        whole_rounds=True,
+        split_backward=True,
+        bubble_share=1 / 3,
+    )
+)
+_register(
+    ScheduleKind(
+        name="zbv",
+        torch_class="ScheduleZBVZeroBubble",
+        multi_stage=True,
+        description="zero bubble over two stages per rank in a V (ZB-V)",
+        placement="v",
+        stages_per_rank=2,
+        split_backward=True,
+        bubble_share=0.0,
+    )
+)
+_register(
+    ScheduleKind(
+        name="dualpipev",
+        torch_class="ScheduleDualPipeV",
+        multi_stage=True,
+        description="DeepSeek's DualPipe cut in half: a V with forward and backward paired",
+        placement="v",
+        stages_per_rank=2,
+        microbatches_per_rank=2,
+        split_backward=True,
+        bubble_share=0.0,
+    )
+)
