@@ -68,7 +68,7 @@ def _reference(
     for step, (x, y) in enumerate(batches, 1):
         opt.zero_grad()
         loss = nn.functional.cross_entropy(model(x), y)
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         if step == skip:
             continue
         loss.backward()

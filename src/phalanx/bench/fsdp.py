@@ -34,6 +34,7 @@ from phalanx.bench import machine_meta
 from phalanx.bench.port import GPT, PortBenchConfig, _batch, _lr
 from phalanx.errors import ConfigError
 from phalanx.fields import option
+from phalanx.memory.measure import StepPeak
 
 KINDS = ("fsdp2", "fsdp", "partitioned", "allreduce")
 UNIT = "TransformerEncoderLayer"
@@ -132,8 +133,6 @@ def _timed(ctx: Any, contender: _Contender, cfg: PortBenchConfig, first: int) ->
 
 
 def _in_ranks(ctx: Any, cfg: FsdpBenchConfig) -> dict[str, Any]:
-    from phalanx.memory.measure import StepPeak
-
     model_cfg = cfg.model()
     torch.manual_seed(0)
     model = GPT(model_cfg).to(ctx.device)
