@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from phalanx.bench import compile as compile_bench
 from phalanx.bench import optimizer, pipeline, planner, port, rnn
 from phalanx.commands.bench import data, exchange, link, memory
 from phalanx.commands.bench.flags import add_plain_target
@@ -52,6 +53,15 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         port.run_benchmark,
         port._check,
         port.format_table,
+    )
+    add_plain_target(
+        targets,
+        "compile",
+        "[train] compile off vs on: phalanx train processes of the GPT config",
+        compile_bench.CompileBenchConfig,
+        compile_bench.run_benchmark,
+        compile_bench.check,
+        compile_bench.format_report,
     )
     add_plain_target(targets, "planner", "the planner's predicted step time vs measured here",
                      planner.PlannerBenchConfig, planner.run_benchmark, planner._check,
