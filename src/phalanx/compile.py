@@ -64,6 +64,8 @@ def compile_layers(module: nn.Module) -> list[nn.Module]:
 
 def _check_compilable(module: nn.Module) -> None:
     """What per-layer compilation cannot take, one line each."""
+    import torch._dynamo  # what torch.compile loads anyway; not at phalanx's import
+
     if not torch._dynamo.is_dynamo_supported():
         raise ConfigError(
             f"train.compile: torch.compile does not run with torch {torch.__version__} on this "
