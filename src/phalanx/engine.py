@@ -13,6 +13,7 @@ import torch
 
 from phalanx import engine_state
 from phalanx.batches import Batch, loss_of, split_batch, step_batch
+from phalanx.compile import CompileClock
 from phalanx.errors import ConfigError
 from phalanx.exchange.auto_bucketing import DEFAULT_BUCKET_MB, AutoBucketing, ObservedOrder
 from phalanx.exchange.base import (
@@ -140,6 +141,13 @@ class Engine:
         # This rank's model (a pipeline's stages); reads that must see the updated parameters
         # go through ``module``.
         self.local_module = model.to(self.ctx.device)
+        # [train] compile: each layer's forward, before any component hooks into the model
+        # (their hooks stay outside the compiled code); torch compiles in the first step.
+        self.compiled: list[torch.nn.Module] = []
+        self._compile_clock: CompileClock | None = None
+        if self.config.compile:
+            self.compiled = self.factory.compile_model(self.local_module)
+            self._compile_clock = CompileClock()
         self.loss_fn = loss_fn
         self.accumulate_steps = self.config.accumulate_steps
         self.broadcast_buffers = self.config.broadcast_buffers and any(
@@ -270,6 +278,11 @@ class Engine:
                 "step: this Engine is closed (by close(), phalanx.shutdown() or the end of its "
                 "with block); build a new Engine to train again"
             )
+        clock = self._compile_clock
+        with nullcontext() if clock is None else clock.measure():
+            return self._step(args, kwargs)
+
+    def _step(self, args: tuple, kwargs: dict[str, Any]) -> torch.Tensor:
         timer = self._timer
         timer.start()
         for hook in self.hooks:
@@ -408,6 +421,12 @@ class Engine:
         return loss
 
     # -- what the step's components report ----------------------------------------------------
+    @property
+    def compile_s(self) -> float | None:
+        """Seconds torch spent compiling in this Engine's steps (``compile``; None without):
+        nearly all of it in the first step."""
+        return None if self._compile_clock is None else self._compile_clock.seconds
+
     @property
     def num_nonfinite_steps(self) -> int:
         """Steps skipped over the run (inf/NaN loss or gradients)."""

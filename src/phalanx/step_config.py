@@ -25,6 +25,11 @@ class StepConfig(GuardConfig):
     broadcast_buffers: bool = option(
         True, "rank 0's buffers (BatchNorm statistics) to every rank before each step, as DDP"
     )
+    compile: bool = option(
+        False,
+        "torch.compile each layer's forward (the strategy's hooks stay outside the compiled "
+        "code); compiles in the first step, whose compile time is reported once (compile_s)",
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -161,6 +161,8 @@ class Trainer:
                 elapsed = time.perf_counter() - t0
                 train_time += elapsed
                 self.step += 1
+                if self.step == start_step + 1 and self.engine.compile_s is not None and is_main:
+                    progress.write(self._compile_line(elapsed), always=True)
                 record = {"step": self.step, "loss": loss, "time_s": elapsed, **self._stats()}
                 record["lr"] = lr
                 if self._threshold_chosen_now() and is_main:
@@ -204,11 +206,21 @@ class Trainer:
             "samples_per_s": steps_run * global_batch / train_time if train_time else 0.0,
             "train_time_s": train_time,
             "nonfinite_steps": self.engine.num_nonfinite_steps,
+            "compile_s": self.engine.compile_s,  # this rank's (0's); None without compile
             **self._memory_summary(),
         }
         if is_main:
             atomic_write_text(self.run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
         return summary
+
+    def _compile_line(self, first_step_s: float) -> str:
+        """``[train] compile``, once after the first step (where torch compiles)."""
+        compiled = self.engine.compiled
+        kinds = sorted({type(layer).__name__ for layer in compiled})
+        return (
+            f"compile: {len(compiled)} layers ({', '.join(kinds)}) compiled in "
+            f"{self.engine.compile_s:.1f} s of the first step's {first_step_s:.1f} s"
+        )
 
     def _memory_summary(self) -> dict[str, Any]:
         """The measured peak above the start (the largest over the ranks; collective), next to

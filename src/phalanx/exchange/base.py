@@ -24,6 +24,7 @@ from typing import Any, Protocol, cast
 
 import torch
 
+from phalanx.compile import compile_layers
 from phalanx.errors import ConfigError
 from phalanx.exchange.buckets import FIRST_BUCKET_BYTES, Bucket
 from phalanx.exchange.comm import CommThread
@@ -261,6 +262,15 @@ class Strategy(ABC):
     def forward_module(self, module: torch.nn.Module) -> torch.nn.Module:
         """The module that runs this rank's forward outside a step (validation)."""
         return module
+
+    @classmethod
+    def compile_model(cls, config: Any, module: torch.nn.Module) -> list[torch.nn.Module]:
+        """``[train] compile``: torch.compile the model as this strategy's hooks allow (its
+        ``config``: its options), before ``register_module``; returns the modules compiled.
+        Default: each layer's forward, the hooks left outside it (phalanx.compile). A strategy
+        that cannot run compiled raises a ConfigError of one line naming the fix."""
+        del config
+        return compile_layers(module)
 
     def register_module(self, module: torch.nn.Module) -> None:
         """Hook into the model if the strategy needs to (e.g. wait for parameters in forward)."""
@@ -560,6 +570,9 @@ class StrategyFactory:
 
     def bucket_alignment(self, world_size: int, backend: str, codec: Codec) -> int:
         return self.cls.bucket_alignment(self.config, world_size, backend, codec)
+
+    def compile_model(self, module: torch.nn.Module) -> list[torch.nn.Module]:
+        return self.cls.compile_model(self.config, module)
 
 
 def strategy_factory(name: str, options: dict[str, Any] | None = None) -> StrategyFactory:

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from phalanx.compile import forward_waiters
 from phalanx.exchange.base import Strategy, StrategyParts
 from phalanx.exchange.buckets import Bucket
 from phalanx.exchange.comm import wait
@@ -40,19 +41,23 @@ class OwnerUpdateStrategy(Strategy):
     # -- parameters arriving while the next forward runs --------------------------------------
     def register_module(self, module: torch.nn.Module) -> None:
         """Make each submodule that holds parameters wait, before its forward, for those of
-        its subtree only (containers wait for nothing: their children do)."""
+        its subtree only (containers wait for nothing: their children do; a compiled layer
+        waits for its whole subtree, phalanx.compile)."""
         bucket_of = {id(p): b.index for b in self.sharded.buckets for p in b.params}
-        for sub in module.modules():
-            if next(sub.parameters(recurse=False), None) is None:
-                continue  # a container: its children wait for their own
-            # A module that holds parameters may also read its children's without calling
-            # them (MultiheadAttention reads out_proj.weight): it waits for its whole subtree.
-            indices = sorted({bucket_of[id(p)] for p in sub.parameters() if id(p) in bucket_of})
-            if indices:
-                waiter = self._waiter(indices)
-                self._hooks.append(sub.register_forward_pre_hook(waiter))
-                # state_dict() of this submodule (or any parent) reads the updated values too.
-                self._hooks.append(sub.register_state_dict_pre_hook(waiter))
+
+        def waiter(params: list) -> Any:
+            indices = sorted({bucket_of[id(p)] for p in params if id(p) in bucket_of})
+            return self._waiter(indices) if indices else None
+
+        # A module that holds parameters may also read its children's without calling
+        # them (MultiheadAttention reads out_proj.weight): it waits for its whole subtree.
+        for sub, params in forward_waiters(module):
+            if (hook := waiter(params)) is not None:
+                self._hooks.append(sub.register_forward_pre_hook(hook))
+        for sub in module.modules():  # state_dict() of any submodule reads the updated values
+            if next(sub.parameters(recurse=False), None) is not None:
+                if (hook := waiter(list(sub.parameters()))) is not None:
+                    self._hooks.append(sub.register_state_dict_pre_hook(hook))
 
     def _waiter(self, indices: list[int]) -> Any:
         def hook(module: torch.nn.Module, *args: Any) -> None:

@@ -50,6 +50,7 @@ from typing import Any
 
 import torch
 
+from phalanx.compile import forward_waiters
 from phalanx.errors import ConfigError
 
 
@@ -141,12 +142,16 @@ class HostMirror:
         own = {id(p) for p in module.parameters()}
         if not all(id(p) in own for p in self.params):
             return  # shard tensors: step() finishes the update itself
+        for sub, params in forward_waiters(
+            module, subtree=False
+        ):  # a compiled layer: its subtree's
+            chunks = sorted({self._chunk_of[id(p)] for p in params})
+            if chunks:
+                self._hooks.append(sub.register_forward_pre_hook(self._waiter(chunks)))
         for sub in module.modules():
             chunks = sorted({self._chunk_of[id(p)] for p in sub.parameters(recurse=False)})
             if chunks:
-                waiter = self._waiter(chunks)
-                self._hooks.append(sub.register_forward_pre_hook(waiter))
-                self._hooks.append(sub.register_state_dict_pre_hook(waiter))
+                self._hooks.append(sub.register_state_dict_pre_hook(self._waiter(chunks)))
 
     def _waiter(self, chunks: list[int]) -> Any:
         def hook(module: torch.nn.Module, *args: Any) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from phalanx.bench import compile as compile_bench
 from phalanx.bench import fsdp, optimizer, pipeline, planner, port, rnn
 from phalanx.commands.bench import data, exchange, link, memory
 from phalanx.commands.bench.flags import add_plain_target
@@ -61,6 +62,15 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         fsdp.run_benchmark,
         fsdp._check,
         fsdp.format_table,
+    )
+    add_plain_target(
+        targets,
+        "compile",
+        "[train] compile off vs on: phalanx train processes of the GPT config",
+        compile_bench.CompileBenchConfig,
+        compile_bench.run_benchmark,
+        compile_bench.check,
+        compile_bench.format_report,
     )
     add_plain_target(targets, "planner", "the planner's predicted step time vs measured here",
                      planner.PlannerBenchConfig, planner.run_benchmark, planner._check,

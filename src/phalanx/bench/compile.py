@@ -1,0 +1,146 @@
+"""``phalanx bench compile``: ``[train] compile`` off and on, measured on whole ``phalanx train``
+processes of one run config (by default the GPT config, configs/gpt_pipeline.toml, on its two
+pipeline processes), as a user runs them.
+
+Every process is the same invocation (``--nproc``, the config, ``--set`` items) but for
+``train.compile``; ``rounds`` rounds run both, the order alternating (round 0: off first).
+Per process: the median step time over the steps after ``warmup`` (``metrics.jsonl``: the
+first step is where torch compiles), the first step's time, the compile time the run reports
+(``summary.json``'s ``compile_s``: rank 0's, from torch's compile callbacks) and the final
+validation loss. Reported: medians over rounds, the median of the per-round step-time ratios
+(off / on: above 1 means compiled steps are faster) and the steps after which compiling has paid
+for itself (compile time / the step time saved).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from phalanx.bench import machine_meta
+from phalanx.errors import ConfigError
+from phalanx.fields import option
+
+VARIANTS = ("off", "on")
+
+
+@dataclass(frozen=True)
+class CompileBenchConfig:
+    """One ``phalanx bench compile`` run (recorded in the JSON)."""
+
+    config: str = option("configs/gpt_pipeline.toml", "run config (TOML), trained off and on")
+    nproc: int = option(2, "processes per run (the GPT config: its 2 pipeline stages)")
+    rounds: int = option(2, "rounds (both variants once per round, the order alternating)")
+    steps: int = option(40, "training steps per process")
+    warmup: int = option(5, "of them, not timed (the first compiles)")
+    sets: tuple[str, ...] = option((), "more --set items for both variants (SECTION.KEY=VALUE)")
+    timeout_s: float = option(900.0, "seconds per process")
+
+    def validate(self) -> None:
+        if self.rounds < 1 or self.steps < 1 or self.nproc < 1 or self.warmup < 0:
+            raise ConfigError("--rounds, --steps and --nproc must be >= 1, --warmup >= 0")
+        if self.warmup >= self.steps:
+            raise ConfigError(f"--warmup: {self.warmup} leaves no timed step of {self.steps}")
+        if not Path(self.config).is_file():
+            raise ConfigError(f"--config: {self.config!r} is not a file")
+
+
+def run_train(cfg: CompileBenchConfig, compiled: bool, run_dir: Path) -> dict[str, Any]:
+    """One ``phalanx train`` process; its step times and compile time, or {"error": line}."""
+    command = [sys.executable, "-m", "phalanx", "train", cfg.config, "--run-dir", str(run_dir)]
+    command += ["--nproc", str(cfg.nproc)]
+    sets = ["train.progress=false", f"train.steps={cfg.steps}", "checkpoint.every=0"]
+    for item in [*sets, "train.val_every=0", *cfg.sets, f"train.compile={str(compiled).lower()}"]:
+        command += ["--set", item]
+    try:
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=cfg.timeout_s)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {cfg.timeout_s:.0f} s"}
+    if proc.returncode != 0:
+        lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
+        return {"error": lines[-1] if lines else f"exit status {proc.returncode}"}
+    summary = json.loads((run_dir / "summary.json").read_text())
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    times = [r["time_s"] for r in records[cfg.warmup :]]
+    return {
+        "step_s": times,
+        "median_step_s": statistics.median(times),
+        "first_step_s": records[0]["time_s"],
+        "compile_s": summary.get("compile_s"),
+        "val_loss": summary.get("val_loss"),
+        "compile_line": next((x for x in proc.stdout.splitlines() if x.startswith("compile:")), ""),
+    }
+
+
+def run_benchmark(cfg: CompileBenchConfig) -> dict[str, Any]:
+    cfg.validate()
+    started = time.perf_counter()
+    rounds = []
+    with tempfile.TemporaryDirectory(prefix="phalanx-bench-compile-") as tmp:
+        for r in range(cfg.rounds):
+            order = list(VARIANTS) if r % 2 == 0 else list(reversed(VARIANTS))
+            measured = {v: run_train(cfg, v == "on", Path(tmp) / f"{r}-{v}") for v in order}
+            rounds.append({"order": order, "variants": measured})
+    meta = {**machine_meta(), "wall_s": time.perf_counter() - started, "config": asdict(cfg)}
+    return {"meta": meta, "rounds": rounds, "summary": summarize(rounds)}
+
+
+def summarize(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    failed = [
+        f"round {i} {v}: {m['error']}"
+        for i, r in enumerate(rounds)
+        for v, m in r["variants"].items()
+        if "error" in m
+    ]
+    if failed:
+        return {"failed": failed}
+
+    def median(variant: str, key: str) -> float:
+        return statistics.median(r["variants"][variant][key] for r in rounds)
+
+    off, on = median("off", "median_step_s"), median("on", "median_step_s")
+    compile_s = median("on", "compile_s")
+    saved = off - on
+    return {
+        "median_step_s": {"off": off, "on": on},
+        "first_step_s": {v: median(v, "first_step_s") for v in VARIANTS},
+        "speedup": statistics.median(
+            r["variants"]["off"]["median_step_s"] / r["variants"]["on"]["median_step_s"]
+            for r in rounds
+        ),
+        "compile_s": compile_s,
+        "break_even_steps": compile_s / saved if saved > 0 else None,
+        "val_loss": {v: median(v, "val_loss") for v in VARIANTS},
+    }
+
+
+def format_report(result: dict[str, Any]) -> str:
+    s = result["summary"]
+    cfg = result["meta"]["config"]
+    lines = [f"{cfg['config']} on {cfg['nproc']} process(es), {cfg['steps']} steps"]
+    lines.append(f"{'compile':<8} {'step ms':>8} {'first step s':>13} {'val loss':>9}")
+    for v in VARIANTS:
+        lines.append(
+            f"{v:<8} {1e3 * s['median_step_s'][v]:>8.1f} {s['first_step_s'][v]:>13.1f} "
+            f"{s['val_loss'][v]:>9.4f}"
+        )
+    even = s["break_even_steps"]
+    lines.append(
+        f"compiled steps {s['speedup']:.2f}x the eager ones' speed (median of per-round "
+        f"ratios); compile {s['compile_s']:.1f} s, "
+        + (f"repaid after {even:.0f} steps" if even is not None else "never repaid here")
+    )
+    return "\n".join(lines)
+
+
+def check(result: dict[str, Any]) -> None:
+    failed = result["summary"].get("failed")
+    if failed:
+        raise ConfigError(f"bench compile: a run failed: {failed[0]}")
