@@ -27,6 +27,7 @@ STRATEGIES = [
     ("partitioned", {"schedule": "cyclic"}),
     ("ps", {"servers": 0, "reduce": "star"}),
     ("ps", {"servers": 1, "reduce": "tree"}),  # rank 1 serves: rank 0 trains alone
+    ("fsdp", {}),
 ]
 
 
