@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 
@@ -149,3 +150,26 @@ def test_compiled_layers_train_like_one_eager_process() -> None:
         assert r["graphs"] > 0, rank
         # torch compiled in the first Engine's steps (its clock saw it).
         assert r["compile_s"][0] > 0, (rank, r["compile_s"])
+
+
+def _on_gpu(ctx: px.Context) -> dict[str, float]:
+    """World 1 on this GPU: compiled layers (inductor's GPU kernels) against eager, under
+    allreduce and fsdp."""
+    assert ctx.device.type == "cuda", ctx.device
+    batches = [(x.to(ctx.device), y.to(ctx.device)) for x, y in _batches(1)]
+    diffs = {}
+    for strategy in ("allreduce", "fsdp"):
+        states = []
+        for compiled in (False, True):
+            engine = px.Engine(_model(), nn.functional.cross_entropy, ADAM, exchange=strategy,
+                               context=ctx, compile=compiled)  # fmt: skip
+            states.append(_train(engine, batches))
+        diffs[strategy] = _diff(states[1], states[0])
+    return diffs
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (inductor's GPU kernels)")
+def test_compiled_layers_on_a_gpu_train_like_eager() -> None:
+    (diffs,) = run_ranks(_on_gpu, 1, timeout=300)
+    assert all(d < 1e-4 for d in diffs.values()), diffs
