@@ -45,7 +45,10 @@ def parts(quick: bool) -> list[tuple[str, list[str], int]]:
                                         "--train-rounds", "1"], 300),
     ]  # fmt: skip
     if _has_bench("compile"):
-        found.append(("bench compile", [*PHALANX, "bench", "compile", *rounds], 600))
+        # one GPU holds one process: the GPT config as one data-parallel process
+        one = ["--nproc", "1", "--sets", "parallel.pipeline=1"]
+        found.append(("bench compile (1 process)", [*PHALANX, "bench", "compile", *one, *rounds],
+                      600))  # fmt: skip
     return found
 
 

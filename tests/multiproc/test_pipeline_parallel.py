@@ -135,6 +135,13 @@ LAYOUTS_4 = [
 ]
 
 
+def _runnable(layouts: list) -> list:
+    """The layouts whose schedule this torch runs (newer schedules need newer releases)."""
+    from phalanx.parallel.schedules import schedule_kind
+
+    return [lay for lay in layouts if schedule_kind(lay[1].get("schedule", "1f1b")).available]
+
+
 def train_layouts(ctx: Any, pipeline: int, layouts: list) -> list[dict]:
     results = []
     for name, parallel_kw, engine_kw, stages, optimizer in layouts:
@@ -180,6 +187,7 @@ def train_layouts(ctx: Any, pipeline: int, layouts: list) -> list[dict]:
 
 
 def check_world(world_size: int, pipeline: int, layouts: list) -> None:
+    layouts = _runnable(layouts)
     guarded = layouts[0][0] == GUARD_LAYOUT[0]
     env = {"PHALANX_FAULT": FAULT} if guarded else None
     per_rank = run_ranks(train_layouts, world_size, pipeline, layouts, timeout=300, env=env)

@@ -74,8 +74,8 @@ class GPT(nn.Module):
         self, idx: torch.Tensor, targets: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         t = idx.shape[1]
-        mask = nn.Transformer.generate_square_subsequent_mask(t)
-        x = self.wte(idx) + self.wpe(torch.arange(t))
+        mask = nn.Transformer.generate_square_subsequent_mask(t, device=idx.device)
+        x = self.wte(idx) + self.wpe(torch.arange(t, device=idx.device))
         logits = self.lm_head(self.ln_f(self.blocks(x, mask=mask, is_causal=True)))
         loss = nn.functional.cross_entropy(logits.flatten(0, 1), targets.reshape(-1))
         return logits, loss

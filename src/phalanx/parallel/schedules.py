@@ -43,6 +43,9 @@ class ScheduleKind:
     whole_rounds: bool = False
     split_backward: bool = False
     bubble_share: float = 1.0
+    # The oldest torch release it runs on here: torch 2.11's split-backward schedules stop
+    # at their first step on Gloo ("Pair is not connected"); 2.13's run and are tested.
+    min_torch: tuple[int, int] = (0, 0)
 
     def build(self, stages: list[Any], num_microbatches: int, loss_fn: Callable) -> Any:
         """The torch schedule object over this rank's ``stages``. Gradients are not rescaled
@@ -58,7 +61,12 @@ class ScheduleKind:
     def available(self) -> bool:
         """Whether the installed torch has this schedule's class (newer schedules are missing
         from older releases)."""
-        return self.torch_class in _torch_schedules()
+        return self.torch_class in _torch_schedules() and self.new_enough
+
+    @property
+    def new_enough(self) -> bool:
+        major, minor = (int(n) for n in _torch_version().split(".")[:2])
+        return (major, minor) >= self.min_torch
 
     def num_local_stages(self, virtual_stages: int) -> int:
         """Stages each pipeline rank runs."""
@@ -76,6 +84,14 @@ class ScheduleKind:
         """This schedule's constraints on the layout, each a one-line ConfigValueError
         naming the ``[parallel]`` key to change (torch raises them mid-build otherwise)."""
         p, m, name = num_ranks, num_microbatches, self.name
+        others = ", ".join(n for n in SCHEDULES.names() if schedule_kind(n).available)
+        require(
+            self.new_enough,
+            "schedule",
+            f"{name!r} needs torch >= {self.min_torch[0]}.{self.min_torch[1]} here (older "
+            f"releases stop at its first step on Gloo), torch {_torch_version()} is installed; "
+            f"upgrade torch or choose one of: {others}",
+        )
         require(
             self.available,
             "schedule",
@@ -183,6 +199,7 @@ _register(
         whole_rounds=True,
         split_backward=True,
         bubble_share=1 / 3,
+        min_torch=(2, 13),
     )
 )
 _register(
@@ -195,6 +212,7 @@ _register(
         stages_per_rank=2,
         split_backward=True,
         bubble_share=0.0,
+        min_torch=(2, 13),
     )
 )
 _register(
@@ -208,5 +226,6 @@ _register(
         microbatches_per_rank=2,
         split_backward=True,
         bubble_share=0.0,
+        min_torch=(2, 13),
     )
 )
