@@ -87,9 +87,11 @@ def step_peak(config: RunConfig, device: torch.device) -> measure.StepPeak:
 
 
 def memory_manager(
-    config: RunConfig, model: nn.Module, data: Dataset, device: torch.device
+    config: RunConfig, model: nn.Module, data: Dataset, device: torch.device, world_size: int = 1
 ) -> MemoryManager | None:
-    """``[memory]``'s plan applied to the model (profiled with one micro-batch), or None."""
+    """``[memory]``'s plan applied to the model (profiled with one micro-batch), or None. Under
+    a strategy that shards the parameters (``fsdp``) the plan counts this rank's share of the
+    gradients and optimizer state over ``world_size`` ranks."""
     if not config.memory.enabled:
         return None
     if not isinstance(model, nn.Sequential):
@@ -98,9 +100,13 @@ def memory_manager(
         model = nn.Sequential()  # optimizer = "host" alone needs no layers
     size = config.data.batch_size // config.train.accumulate_steps
     sample = (data.x_train[:size], data.y_train[:size])
+    sharded = strategy_factory(
+        config.exchange.strategy, config.exchange.options
+    ).cls.shards_parameters
     return MemoryManager.build(
-        list(model.children()), config.memory, device, sample, loss_fn, optimizer_factory(config)
-    )
+        list(model.children()), config.memory, device, sample, loss_fn,
+        optimizer_factory(config), shards=world_size if sharded else 1,
+    )  # fmt: skip
 
 
 def engine(

@@ -101,7 +101,9 @@ class Trainer:
         self.data = build.data(config)
         model = build.model(config)
         self.peak = build.step_peak(config, self.ctx.device)
-        self.memory = build.memory_manager(config, model, self.data, self.ctx.device)
+        self.memory = build.memory_manager(
+            config, model, self.data, self.ctx.device, self.ctx.world_size
+        )
         if self.memory is not None:
             measure.trim()  # the profile's freed blocks leave the heap before the first step
         self.engine = build.engine(config, self.ctx, model, self.data, self.memory)

@@ -77,3 +77,37 @@ def test_bad_memory_options_are_one_line(tmp_path: Path, capsys: pytest.CaptureF
     assert_one_line_error(capsys.readouterr().err, "memory.optimizer_chunk_mb: must be > 0")
     assert run_main(["train", str(config), "--set", "trace.num_steps=0"]) == 2
     assert_one_line_error(capsys.readouterr().err, "trace.num_steps: must be >= 1")
+
+
+def test_a_plan_under_fsdp_counts_this_ranks_share_of_gradients_and_state() -> None:
+    """Sharded over 2 ranks, each keeps half the gradients and Adam's state, plus the largest
+    layer's gathered parameters and whole gradient (3 x 9 MiB): the plan holds that much less."""
+    import torch
+    from torch import nn
+
+    from phalanx.memory.manager import MemoryConfig, MemoryManager
+
+    torch.manual_seed(0)
+    layers = [nn.Linear(1536, 1536) for _ in range(4)]  # 9 MiB of parameters each
+    sample = (torch.randn(2, 1536), torch.randn(2, 1536))
+    config = MemoryConfig(budget_mb=4096)
+    plans = [
+        MemoryManager.build(
+            layers,
+            config,
+            torch.device("cpu"),
+            sample,
+            nn.functional.mse_loss,
+            lambda ps: torch.optim.Adam(ps),
+            shards=shards,
+        )  # fmt: skip
+        for shards in (1, 2, 1)  # the first grows the process for good (libraries, caches)
+    ][1:]
+    params = sum(p.numel() * 4 for layer in layers for p in layer.parameters())
+    largest = params // 4
+    saved = (params + 2 * params) // 2 - 3 * largest  # half of gradients + state, less 3 layers
+    sharded, whole = (m.plan.unmanaged_peak for m in plans)
+    assert abs((whole - sharded) - saved) < 4 * 2**20, (whole, sharded, saved)
+    assert any("sharded over 2 ranks" in note for note in plans[0].plan.notes)
+    for manager in plans:
+        manager.close()

@@ -155,10 +155,12 @@ class MemoryManager:
         sample: tuple[torch.Tensor, torch.Tensor] | None = None,
         loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None = None,
         optimizer_factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None,
+        shards: int = 1,
     ) -> MemoryManager:
         """The manager for ``layers`` (the model's, in order; [] with only ``optimizer =
         "host"``). ``sample`` (one micro-batch), ``loss_fn`` and ``optimizer_factory`` are
-        needed with a budget, which profiles a copy of the layers."""
+        needed with a budget, which profiles a copy of the layers. ``shards``: the ranks a
+        strategy shards the parameters, gradients and state over (``fsdp``; 1: none)."""
         if config.budget_mb and (sample is None or loss_fn is None or optimizer_factory is None):
             raise ValueError("budget_mb: the profile needs sample, loss_fn and optimizer_factory")
         names = [str(i) for i in range(len(layers))]
@@ -174,7 +176,7 @@ class MemoryManager:
         with torch.random.fork_rng(devices=devices):  # the run's random streams stay untouched
             notes: list[str] = []
             costs, fixed, transient = _costs(
-                layers, config, device, sample, loss_fn, optimizer_factory, notes
+                layers, config, device, sample, loss_fn, optimizer_factory, notes, shards
             )
             # Phase 2: the tier and its measured bandwidth.
             tier = make_tier(config.tier, device)
@@ -290,6 +292,7 @@ def _costs(
     loss_fn: Any,
     optimizer_factory: Any,
     notes: list[str],
+    shards: int = 1,
 ) -> tuple[list[LayerCost], int, int]:
     """Phase 1: per-layer costs of the full micro-batch (with a budget), or zero costs when only
     named layers are managed (nothing to choose); the bytes every plan holds above the start
@@ -319,6 +322,8 @@ def _costs(
     costs = [_extrapolate(a, b, sizes, full) for a, b in zip(fits[0][0], fits[-1][0])]
     transient = max(0, round(_line(fits[0][1], fits[-1][1], sizes, full)))
     grads = sum(p.numel() * p.element_size() for p in _trainable(layers))
+    if shards > 1:
+        grads, state = _sharded(layers, grads, state, shards, notes)
     moving = _moving(costs)
     notes.append(
         f"the process's own growth in its first steps (code, caches, arenas): "
@@ -330,6 +335,20 @@ def _costs(
             "profile stays within the budget; no copy of the model)"
         )
     return costs, grads + state + moving + transient + retained, transient
+
+
+def _sharded(
+    layers: list[nn.Module], grads: int, state: int, shards: int, notes: list[str]
+) -> tuple[int, int]:
+    """(gradient bytes, state bytes) a rank holds when both are sharded over ``shards`` ranks
+    (fsdp): its share of each, plus the largest layer's whole gradient before its
+    reduce-scatter and the gathered parameters of the running and the prefetched layer."""
+    largest = max((_grad_bytes([layer]) for layer in layers), default=0)
+    notes.append(
+        f"gradients and optimizer state sharded over {shards} ranks; the largest layer's "
+        f"gathered parameters and whole gradient ({largest / 2**20:.1f} MiB) counted 3 times"
+    )
+    return grads // shards + 3 * largest, state // shards
 
 
 def _moving(costs: list[LayerCost]) -> int:
