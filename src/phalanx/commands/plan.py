@@ -67,7 +67,12 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         metavar="none,fp16",
         help="compressions (default none,fp16)",
     )
-    p.add_argument("--steps", type=int, default=4, help="steps to measure without --profile")
+    p.add_argument(
+        "--steps",
+        type=int,
+        help="steps to measure without --profile, the first a warm-up (default: until the "
+        "steps' times are stable, as phalanx profile)",
+    )
     p.add_argument("--device", default="auto", help="where to measure: auto, cpu or cuda[:N]")
     p.add_argument("--json", metavar="FILE", help="write every number here")
     p.add_argument("--plot", metavar="PNG", help="speed-up against N (viz extra)")

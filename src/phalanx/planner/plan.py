@@ -122,6 +122,9 @@ class Plan:
                 "forward_s": self.profile.forward_s,
                 "backward_s": self.profile.backward_s,
                 "optimizer_s": self.profile.optimizer_s,
+                "input_s": self.profile.input_s,
+                "timed_steps": self.profile.meta.get("timed_steps"),
+                "step_spread": self.profile.spread,
                 "single_device_step_s": self.single_device_s,
             },
             "devices": self.devices,
@@ -258,8 +261,11 @@ def format_plan(plan: Plan) -> str:
         f"step profile: {p.source or 'given'}; batch {p.batch_size}/device, {len(p.layers)} "
         f"layers, gradients {p.total_grad_bytes / MIB:.1f} MiB, one device "
         f"{plan.single_device_s * 1e3:.1f} ms/step (forward {p.forward_s * 1e3:.1f}, backward "
-        f"{p.backward_s * 1e3:.1f}, optimizer {p.optimizer_s * 1e3:.1f})",
+        f"{p.backward_s * 1e3:.1f}, optimizer {p.optimizer_s * 1e3:.1f}"
+        + (f", input {p.input_s * 1e3:.2f}" if p.input_s else "")
+        + ")",
     ]
+    lines += _spread_lines(p)
     lines += [f"not planned: {why}" for why in plan.not_applicable]
     header = (
         "N",
@@ -331,6 +337,23 @@ def format_plan(plan: Plan) -> str:
         )
     lines += _table(summary)
     return "\n".join(lines)
+
+
+def _spread_lines(profile: StepProfile) -> list[str]:
+    """How stable the profile's median is, and a warning when it is not (memory/profile.py)."""
+    from phalanx.memory.profile import SPREAD_WARNING
+
+    spread = profile.spread
+    if spread is None:
+        return []
+    steps = profile.meta.get("timed_steps", "?")
+    lines = [f"profile spread: the {steps} timed steps' IQR is {spread:.1%} of their median"]
+    if spread > SPREAD_WARNING:
+        lines.append(
+            f"warning: the profile's spread is {spread:.0%} (> {SPREAD_WARNING:.0%}): every "
+            "prediction below is as uncertain; profile again on a quiet machine"
+        )
+    return lines
 
 
 def _link(link: Any) -> str:
