@@ -8,9 +8,10 @@ parts it needs, so a caller takes only what it uses (a dry run starts no process
 
 from __future__ import annotations
 
+import statistics
+import time
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -18,7 +19,7 @@ from phalanx.data.pipeline import Pipeline
 from phalanx.data.readers import training_reader
 from phalanx.data.sources import Dataset, load_source
 from phalanx.engine import Engine
-from phalanx.errors import ConfigError, DataError
+from phalanx.errors import ConfigError
 from phalanx.exchange.base import StrategyFactory, strategy_factory
 from phalanx.losses import loss_fn
 from phalanx.memory import measure
@@ -144,44 +145,87 @@ def loader(config: RunConfig, data: Dataset, engine: Engine, device: torch.devic
     )  # fmt: skip
 
 
-def _batches(config: RunConfig, steps: int) -> list[tuple[Any, Any]]:
-    """The first ``steps`` batches of ``data.batch_size`` from the training split, in order."""
-    reader = training_reader(config.data.path, data(config))
-    size = config.data.batch_size
-    if len(reader) == 0:
-        raise DataError(f"data: {reader.name} has no training samples")
-    batches = []
-    for s in range(steps):
-        indices = np.arange(s * size, (s + 1) * size) % len(reader)
-        x, y = reader.read(indices)[:2]
-        batches.append((x, y))
-    return batches
+# ``phalanx profile`` / ``plan`` without --steps: warm up, then time steps until their spread
+# is small (their IQR within SPREAD_TARGET of the median, over at least MIN_TIMED steps), at most
+# MAX_TIMED of them, and past BUDGET_S seconds stop once MIN_TIMED_LATE steps are timed (a model
+# of seconds per step still ends). Two warm-ups: the first step builds the optimizer's state and
+# the allocator's pools, the second still ran ~10% slow here.
+AUTO_WARMUP = 2
+MIN_TIMED, MAX_TIMED, MIN_TIMED_LATE = 10, 50, 3
+SPREAD_TARGET = 0.05
+BUDGET_S = 15.0
 
 
-def profile_run(config: RunConfig, steps: int = 3, device: str = "auto") -> MemoryProfile:
-    """Profile a run's model, data, optimizer and precision on this process (first ``steps``
-    batches of ``data.batch_size`` from the training split, in order; the first is the
-    warm-up). The model must be a layer sequence (``[model] layers``, or a zoo model that is an
-    nn.Sequential); any other module is profiled as one layer."""
-    if steps < 1:
+class _Feed:
+    """``steps`` batches from the run's own input pipeline, taken one per step as the trainer
+    takes them (its ``next()`` between steps), with each input wait."""
+
+    def __init__(self, pipeline: Pipeline, steps: int) -> None:
+        self.pipeline, self.steps = pipeline, steps
+        self.waits: list[float] = []
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def __iter__(self) -> Any:
+        for _ in range(self.steps):
+            x, y = self.pipeline.next()[:2]
+            self.waits.append(self.pipeline.last_wait_s)
+            yield x, y
+
+
+def _until_stable() -> Any:
+    """The auto profile's stop rule (see AUTO_WARMUP): called with the timed steps' seconds."""
+    from phalanx.memory.profile import step_spread
+
+    started = time.perf_counter()
+
+    def done(step_s: list[float]) -> bool:
+        spread = step_spread(step_s)
+        if len(step_s) >= MIN_TIMED and spread is not None and spread <= SPREAD_TARGET:
+            return True
+        return len(step_s) >= MIN_TIMED_LATE and time.perf_counter() - started > BUDGET_S
+
+    return done
+
+
+def profile_run(config: RunConfig, steps: int | None = None, device: str = "auto") -> MemoryProfile:
+    """Profile a run's model, data, optimizer and precision on this process as ``phalanx
+    train`` runs a step: intra-op threads as ``phalanx.init`` sets them, the config's
+    optimizer, batches from the run's input pipeline (rank 0 of one), its input wait measured.
+    ``steps``: that many steps, the first a warm-up; None: until the steps' times are stable
+    (see AUTO_WARMUP). The model must be a layer sequence (``[model] layers``, or a zoo model
+    that is an nn.Sequential); any other module is profiled as one layer."""
+    if steps is not None and steps < 1:
         raise ConfigError(f"--steps: must be >= 1, got {steps}")
     where = pick_device(device)
     if where.type == "cpu" and config.runtime.threads > 0:
-        torch.set_num_threads(config.runtime.threads)  # as a training worker runs
+        torch.set_num_threads(config.runtime.threads)  # as phalanx.init sets a worker's
     torch.manual_seed(config.train.seed)
     network = model(config)
     if isinstance(network, nn.Sequential):
         layers, names = list(network), [name for name, _ in network.named_children()]
     else:
         layers, names = [network], [type(network).__name__]
-    batches = _batches(config, steps)
-    precision = Precision(config.train.precision, where)
-    return profile_model(
-        layers,
-        loss_fn,
-        optimizer_factory(config),
-        batches,
-        where,
-        names=names,
-        autocast=precision.autocast,
-    )
+    warmup = 1 if steps else AUTO_WARMUP
+    d = config.data
+    with Pipeline(
+        training_reader(d.path, data(config)), d.batch_size, io_threads=d.io_threads,
+        workers=d.workers, buffers=d.buffers, shuffle=d.shuffle, seed=d.seed, device=where,
+        rank=0, world_size=1,
+    ) as pipeline:  # fmt: skip
+        feed = _Feed(pipeline, steps or AUTO_WARMUP + MAX_TIMED + 1)
+        profile = profile_model(
+            layers,
+            loss_fn,
+            optimizer_factory(config),
+            feed,
+            where,
+            names=names,
+            autocast=Precision(config.train.precision, where).autocast,
+            warmup=warmup,
+            until=None if steps else _until_stable(),
+        )
+    waits = feed.waits[warmup:][: len(profile.step_s)] or feed.waits
+    profile.input_wait_s = statistics.median(waits)
+    return profile

@@ -7,6 +7,7 @@ import functools
 import importlib.util
 import json
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ from torch import nn
 from phalanx.cli import main
 from phalanx.errors import ConfigError, DataError, PhalanxError
 from phalanx.losses import loss_fn
-from phalanx.memory.profile import MemoryProfile, profile_model
+from phalanx.memory.profile import MemoryProfile, profile_model, spread_line
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = str(ROOT / "configs" / "digits_cnn.toml")
@@ -285,3 +286,47 @@ def test_under_a_running_profiler_the_allocator_peak_is_not_measured() -> None:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
         _, profile = mlp_profile()
     assert profile.measured_peak_bytes is None
+
+
+def test_until_ends_the_profile_with_one_traced_step_after_it_says_so() -> None:
+    torch.manual_seed(0)
+    layers = [nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 3)]
+    seen: list[int] = []
+
+    def until(step_s: list[float]) -> bool:
+        seen.append(len(step_s))
+        return len(step_s) >= 3
+
+    profile = profile_model(layers, loss_fn, ADAM, batches((4, 6), 3, 20), "cpu", until=until)
+    # 1 warm-up, 3 timed, then the traced last step (under the allocator profiler: not timed)
+    assert (profile.steps, profile.warmup, len(profile.step_s)) == (5, 1, 3)
+    assert seen == [1, 2, 3]
+
+
+def test_the_spread_is_the_iqr_over_the_median_and_a_wide_one_warns() -> None:
+    _, profile = mlp_profile(steps=3)
+    steady = replace(profile, step_s=[1.0, 1.0, 1.01, 0.99, 1.0, 1.0])
+    assert steady.spread is not None and steady.spread < 0.05
+    assert "warning" not in spread_line(steady) and "spread (IQR)" in spread_line(steady)
+    wide = replace(profile, step_s=[1.0, 1.0, 1.5, 1.5, 0.7, 0.7])
+    assert wide.spread is not None and wide.spread > 0.10
+    assert "\nwarning: the steps' spread is" in spread_line(wide)
+    assert replace(profile, step_s=[1.0, 2.0]).spread is None  # too few for quartiles
+    assert "spread not known" in spread_line(replace(profile, step_s=[1.0]))
+    assert MemoryProfile.from_dict(wide.to_dict()).step_s == wide.step_s
+
+
+def test_the_auto_profile_stops_at_its_bounds_and_reads_the_run_s_pipeline(monkeypatch) -> None:
+    from phalanx import build
+    from phalanx.config import load_config
+
+    monkeypatch.setattr(build, "MIN_TIMED", 4)
+    monkeypatch.setattr(build, "SPREAD_TARGET", float("inf"))  # stable from the 4th on
+    config = load_config(EXAMPLE, ["runtime.threads=1"])
+    profile = build.profile_run(config)
+    assert (profile.warmup, len(profile.step_s), profile.steps) == (build.AUTO_WARMUP, 4, 7)
+    assert profile.input_wait_s > 0  # batches came through the input pipeline's next()
+    assert torch.get_num_threads() == 1  # as phalanx.init sets a worker's
+    monkeypatch.setattr(build, "MAX_TIMED", 3)
+    monkeypatch.setattr(build, "SPREAD_TARGET", 0.0)  # never stable: the cap ends it
+    assert len(build.profile_run(config).step_s) == 3

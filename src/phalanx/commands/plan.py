@@ -11,6 +11,7 @@ from typing import Any
 from phalanx.config import load_config
 from phalanx.errors import ConfigError
 from phalanx.fileio import atomic_write_text
+from phalanx.planner.calibrate import load_or_calibrate
 from phalanx.planner.plan import (
     AUTO,
     DEFAULT_COMPRESSIONS,
@@ -35,14 +36,20 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     p.add_argument("config", help="the run's TOML config (model, batch, exchange options)")
     p.add_argument(
         "--cluster",
-        required=True,
         metavar="FILE",
-        help="cluster TOML (configs/clusters/), or the link.json of phalanx bench link",
+        help="cluster TOML (configs/clusters/), a cached calibration, or the link.json of "
+        "phalanx bench link (default: this machine, calibrated once and cached per host)",
+    )
+    p.add_argument(
+        "--recalibrate",
+        action="store_true",
+        help="measure this machine again (without --cluster) and replace its cached calibration",
     )
     p.add_argument(
         "--devices",
         metavar="N,N,...",
-        help="device counts (default 1,2,4,...,1024, as far as the cluster has devices)",
+        help="device counts; '...' continues a doubling: 1,2,4,...,1024 (default "
+        "1,2,4,...,1024, as far as the cluster has devices)",
     )
     p.add_argument(
         "--profile",
@@ -67,7 +74,12 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         metavar="none,fp16",
         help="compressions (default none,fp16)",
     )
-    p.add_argument("--steps", type=int, default=4, help="steps to measure without --profile")
+    p.add_argument(
+        "--steps",
+        type=int,
+        help="steps to measure without --profile, the first a warm-up (default: until the "
+        "steps' times are stable, as phalanx profile)",
+    )
     p.add_argument("--device", default="auto", help="where to measure: auto, cpu or cuda[:N]")
     p.add_argument("--json", metavar="FILE", help="write every number here")
     p.add_argument("--plot", metavar="PNG", help="speed-up against N (viz extra)")
@@ -85,7 +97,14 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.set)
-    cluster = read_cluster(args.cluster)
+    if args.cluster and args.recalibrate:
+        raise ConfigError("--recalibrate: measures this machine; drop it or --cluster")
+    if args.cluster:
+        cluster = read_cluster(args.cluster)
+    else:
+        calibration = load_or_calibrate(args.recalibrate)
+        print(calibration.describe())
+        cluster = calibration.cluster
     if args.devices is None:
         devices = [n for n in DEFAULT_DEVICES if cluster.capacity is None or n <= cluster.capacity]
     else:
@@ -134,13 +153,33 @@ def _names(text: str, flag: str) -> list[str]:
 
 
 def _parse_devices(text: str) -> list[int]:
+    """Counts, where '...' between a, b and c doubles on from b up to c (1,2,...,16)."""
+    names = [x.strip() for x in text.split(",") if x.strip()]
     try:
-        devices = [int(x) for x in _names(text, "--devices")]
-    except ValueError:
-        raise ConfigError(f"--devices: expected counts like 1,2,4,8, got {text!r}") from None
-    if min(devices) < 1:
+        devices: list[int] = []
+        for i, name in enumerate(names):
+            if name == "...":
+                devices += _doubling(devices, int(names[i + 1]), text)
+            else:
+                devices.append(int(name))
+    except (ValueError, IndexError):
+        raise ConfigError(
+            f"--devices: expected counts like 1,2,4,8 or 1,2,4,...,1024, got {text!r}"
+        ) from None
+    if not devices or min(devices) < 1:
         raise ConfigError(f"--devices: counts must be >= 1, got {text!r}")
     return sorted(set(devices))
+
+
+def _doubling(before: list[int], last: int, text: str) -> list[int]:
+    """The counts '...' stands for: doubling from the count before it, below ``last``."""
+    if not before or before[-1] < 1:
+        raise ConfigError(f"--devices: '...' needs a count before it, as in 1,2,...,16: {text!r}")
+    counts, n = [], 2 * before[-1]
+    while n < last:
+        counts.append(n)
+        n *= 2
+    return counts
 
 
 def _strategies(text: str | None, exchange: Any) -> list[tuple[str, dict[str, Any]]]:

@@ -13,7 +13,13 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "profile", help="per-layer time and memory of a config's first steps, on one process"
     )
     p.add_argument("config", help="TOML config")
-    p.add_argument("--steps", type=int, default=3, metavar="N", help="steps (first: warm-up)")
+    p.add_argument(
+        "--steps",
+        type=int,
+        metavar="N",
+        help="steps, the first a warm-up (default: 2 warm-ups, then until the steps' times "
+        "are stable: at least 10, at most 50, ~15 s)",
+    )
     p.add_argument("--json", metavar="FILE", help="write the profile as JSON (for the planner)")
     p.add_argument("--plot", metavar="PNG", help="memory over one step by category (viz extra)")
     p.add_argument("--device", default="auto", help="auto (CUDA if available), cpu or cuda[:N]")

@@ -35,7 +35,7 @@ import contextlib
 import json
 import statistics
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence, Sized
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -139,6 +139,16 @@ class MemoryProfile:
     # bytes at the step's start plus the growth torch.profiler's allocation events show
     measured_peak_bytes: int | None = None
     torch_version: str = field(default_factory=lambda: torch.__version__)
+    # each timed step's forward + backward + optimizer seconds: the spread of the medians
+    step_s: list[float] = field(default_factory=list)
+    # median seconds a step waited for its batch (a run's input pipeline; 0: batches given)
+    input_wait_s: float = 0.0
+
+    @property
+    def spread(self) -> float | None:
+        """The timed steps' interquartile range as a fraction of their median (None: fewer
+        than 4 timed steps, too few for quartiles)."""
+        return step_spread(self.step_s)
 
     @property
     def param_bytes(self) -> int:
@@ -422,6 +432,7 @@ def profile_model(
     warmup: int = 1,
     measure_peak: bool = True,
     measure_work: bool = False,
+    until: Callable[[list[float]], bool] | None = None,
 ) -> MemoryProfile:
     """Train ``layers`` (applied in order, like the nn.Sequential they come from; moved to
     ``device`` and put in train mode) for one step per batch and profile it.
@@ -438,7 +449,10 @@ def profile_model(
     CPU that step runs under torch.profiler and is not timed); off, no allocator statistics
     are reset or read. ``measure_work``: each layer's backward work (``backward_work_bytes``:
     the high-water mark during its backward above the bytes at its start, as ``measure``
-    counts them: the resident set on a CPU, CUDA's allocator), over the last step."""
+    counts them: the resident set on a CPU, CUDA's allocator), over the last step.
+    ``until(step_s)``: called with the timed steps' seconds after each timed step; once it
+    says True, one more step (the traced last step) ends the profile early (``batches`` is
+    then the most steps it may take)."""
     device = torch.device(device)
     layers = list(layers)
     names = [str(i) for i in range(len(layers))] if names is None else list(names)
@@ -464,8 +478,11 @@ def profile_model(
     traces: list[_StepTrace] = []
     measured_peak: int | None = None
     batch_size = 0
-    batches = list(batches)
+    if not isinstance(batches, Sized):  # a sized feed (build._Feed) is taken step by step
+        batches = list(batches)
+    stopping = False
     for k, (x, y) in enumerate(batches):
+        final = stopping or k == len(batches) - 1
         if y is None and loss_fn is not None:
             raise ConfigError("profile: a loss function needs (inputs, targets) batches")
         # Own storages, as a training batch has: a slice of a data set saved by the first
@@ -477,9 +494,9 @@ def profile_model(
         cuda_peak = measure_peak and device.type == "cuda"
         if cuda_peak:
             torch.cuda.reset_peak_memory_stats(device)
-        work = measure_work and k == len(batches) - 1
+        work = measure_work and final
         trace = _StepTrace(len(layers), model_storages, snapshot, device, work)
-        last_on_cpu = device.type == "cpu" and k == len(batches) - 1
+        last_on_cpu = device.type == "cpu" and final
         if measure_peak and last_on_cpu and not measure.profiler_running():
             with measure.AllocatorPeak() as allocated:
                 _run_step(layers, names, loss_fn, optimizer, x, y, trace, autocast)
@@ -490,6 +507,9 @@ def profile_model(
         traces.append(trace)
         if cuda_peak:
             measured_peak = int(torch.cuda.max_memory_allocated(device))
+        if final:
+            break
+        stopping = until is not None and k >= warmup and until(_totals(traces[warmup:]))
     if not traces:
         raise DataError("profile: no batches to run")
     timed = traces[warmup:] or traces
@@ -529,7 +549,45 @@ def profile_model(
         saved=last.saved,
         timeline=last.events,
         measured_peak_bytes=measured_peak,
+        step_s=_totals(timed),
     )
+
+
+def _totals(traces: Sequence[_StepTrace]) -> list[float]:
+    """Each step's forward + backward + optimizer seconds (layers and loss)."""
+    return [
+        sum(t.forward_s) + sum(t.backward_s) + t.loss_forward_s + t.loss_backward_s
+        + t.optimizer_s
+        for t in traces
+    ]  # fmt: skip
+
+
+def step_spread(step_s: Sequence[float]) -> float | None:
+    """Interquartile range of ``step_s`` over its median (None: fewer than 4 values)."""
+    if len(step_s) < 4:
+        return None
+    q1, median, q3 = statistics.quantiles(step_s, n=4)
+    return (q3 - q1) / median if median > 0 else None
+
+
+SPREAD_WARNING = 0.10  # a profile whose steps' IQR is over 10% of their median is flagged
+
+
+def spread_line(profile: MemoryProfile) -> str:
+    """'step: median 5.61 ms over 12 steps, spread (IQR) 4.2% of the median' and, when that is
+    wide, a warning on the next line."""
+    spread = profile.spread
+    median = statistics.median(profile.step_s) if profile.step_s else 0.0
+    text = f"step: median {median * 1e3:.3f} ms over {len(profile.step_s)} timed step(s)"
+    if spread is None:
+        return text + ", spread not known (fewer than 4 timed steps)"
+    text += f", spread (IQR) {spread:.1%} of the median"
+    if spread > SPREAD_WARNING:
+        text += (
+            f"\nwarning: the steps' spread is {spread:.0%} (> {SPREAD_WARNING:.0%}): the machine "
+            "is busy or the model too small for a stable median; profile again when it is quiet"
+        )
+    return text
 
 
 def _zero_grad(optimizer: torch.optim.Optimizer | None, params: list[nn.Parameter]) -> None:
@@ -642,7 +700,8 @@ def pick_device(name: str = "auto") -> torch.device:
 # -- reporting ----------------------------------------------------------------------------------
 def format_profile(profile: MemoryProfile) -> str:
     """The per-layer table and the peak line, as ``phalanx profile`` prints them."""
-    timed = profile.steps - profile.warmup
+    # the last step on a CPU ran under the allocator's profiler, untimed
+    timed = len(profile.step_s) or profile.steps - profile.warmup
     lines = [
         f"{profile.steps} step(s) on {profile.device}, batch {profile.batch_size}; times: median "
         f"of {timed} step(s) after {profile.warmup} warm-up; bytes: the last step",
@@ -684,6 +743,9 @@ def format_profile(profile: MemoryProfile) -> str:
         f"{forward_s * 1e3:.3f}, backward {backward_s * 1e3:.3f}, optimizer "
         f"{profile.optimizer_s * 1e3:.3f}"
     )
+    lines.append(spread_line(profile))
+    if profile.input_wait_s:
+        lines.append(f"input wait: median {profile.input_wait_s * 1e3:.3f} ms per step")
     peak = profile.peak
     text = (
         f"peak {peak.total / MIB:.3f} MiB after {profile.describe_event(peak)}: "

@@ -13,6 +13,7 @@ Every mistake is a one-line ConfigError naming the file and the key.
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 from dataclasses import asdict, dataclass, replace
@@ -109,6 +110,11 @@ class ClusterConfig:
         "exchange.comm.measure_handoff_s)",
     )
     description: str = option("", "where the numbers come from")
+    assumed: tuple[str, ...] = option(
+        (),
+        "terms that were not measured and the default each stands on ('key: why: value'); "
+        "phalanx plan prints them",
+    )
 
     def __post_init__(self) -> None:
         require(bool(self.name.strip()), "name", "must not be empty")
@@ -238,9 +244,9 @@ def from_link(
     *,
     name: str = "this machine",
     devices_per_node: int | None = None,
-    codec_s_per_byte: float = 0.0,
-    add_s_per_byte: float = 0.0,
-    host_cores: int = 0,
+    codec_s_per_byte: float | None = None,
+    add_s_per_byte: float | None = None,
+    host_cores: int | None = None,
 ) -> ClusterConfig:
     """The one-node cluster that a ``phalanx bench link`` calibration measured (with the
     codec's and the add's seconds per byte, measured apart: ``measure_codec_s_per_byte``,
@@ -250,7 +256,8 @@ def from_link(
     the directory holding it). ``devices_per_node`` defaults to the calibrated world size. The
     link fitted a ring allreduce, whose alpha and beta are per message and direction: exactly
     the intra-node link of this model. ``host_cores``: the cores the calibrated processes
-    shared (a Gloo calibration: CPU ranks; ``host_cores_per_node``), 0 when not known."""
+    shared (a Gloo calibration: CPU ranks; ``host_cores_per_node``). A term given as None, or
+    a probe the link lacks, is 0 and named in the cluster's ``assumed`` (never a silent 0)."""
 
     if not isinstance(link, LinkModel):
         try:
@@ -275,17 +282,26 @@ def from_link(
     # software's per-message cost that back-to-back allreduces (the sweep) do not pay.
     probe = link.message_s
     overhead = 0.0 if probe is None else max(0.0, probe - intra.message_s(MESSAGE_PROBE_BYTES))
+    missing = {
+        "codec_s_per_byte": "not measured" if codec_s_per_byte is None else "",
+        "add_s_per_byte": "not measured" if add_s_per_byte is None else "",
+        # devices (NCCL) compute on their own: 0 is their value, not a default
+        "host_cores_per_node": "not known" if shared and host_cores is None else "",
+        "message_overhead_s": "the link has no message probe" if probe is None else "",
+        "handoff_s": "the link has no hand-over probe" if link.handoff_s is None else "",
+    }
     return ClusterConfig(
         name=name,
         nodes=1,
         devices_per_node=devices_per_node or link.world_size,
         intra=intra,
         shared_intra=shared,
-        codec_s_per_byte=codec_s_per_byte,
-        add_s_per_byte=add_s_per_byte,
-        host_cores_per_node=host_cores if shared else 0,
+        codec_s_per_byte=codec_s_per_byte or 0.0,
+        add_s_per_byte=add_s_per_byte or 0.0,
+        host_cores_per_node=(host_cores or 0) if shared else 0,
         message_overhead_s=overhead,
         handoff_s=link.handoff_s or 0.0,
+        assumed=tuple(f"{key}: {why}: 0 assumed" for key, why in missing.items() if why),
         description=f"calibrated by phalanx bench link ({link.backend or 'unknown'} backend, "
         f"{link.world_size} ranks)",
     )
@@ -355,13 +371,15 @@ def cluster_to_toml(cluster: ClusterConfig, comment: str = "") -> str:
         if isinstance(v, bool):
             return "true" if v else "false"
         if isinstance(v, str):
-            return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+            return json.dumps(v)  # a TOML basic string: JSON's escapes are TOML's
+        if isinstance(v, tuple):
+            return "[" + ", ".join(value(x) for x in v) + "]"
         return repr(v)
 
     lines = [f"# {line}".rstrip() for line in comment.splitlines()]
     for key in ("name", "description", "nodes", "devices_per_node", "shared_nic", "shared_intra",
                 "compute_speed", "codec_s_per_byte", "add_s_per_byte", "message_overhead_s",
-                "handoff_s", "host_cores_per_node"):  # fmt: skip
+                "handoff_s", "host_cores_per_node", "assumed"):  # fmt: skip
         lines.append(f"{key} = {value(getattr(cluster, key))}")
     for level in LEVELS:
         link = getattr(cluster, level)

@@ -22,10 +22,11 @@ Phases of ``make_plan``:
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,14 @@ from phalanx.errors import ConfigError
 from phalanx.exchange.buckets import FIRST_BUCKET_BYTES
 from phalanx.exchange.link import LinkModel
 from phalanx.exchange.threshold import choose_bucket_bytes
-from phalanx.planner.cluster import ClusterConfig, from_link, load_cluster
+from phalanx.planner import calibrate
+from phalanx.planner.cluster import (
+    ClusterConfig,
+    from_link,
+    load_cluster,
+    measure_add_s_per_byte,
+    measure_codec_s_per_byte,
+)
 from phalanx.planner.schedules import SCHEDULES, make_codec, make_schedule
 from phalanx.planner.sim import (
     DEFAULT_BUCKET_BYTES,
@@ -69,6 +77,7 @@ class PlanRow:
     skipped: str = ""
     speedup: float = 0.0
     efficiency: float = 0.0
+    above_linear: str = ""  # why efficiency is over 100% (the one-device step does more)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -87,6 +96,7 @@ class PlanRow:
             **self.result.to_dict(),
             "speedup": self.speedup,
             "efficiency": self.efficiency,
+            **({"above_linear": self.above_linear} if self.above_linear else {}),
         }
 
 
@@ -122,6 +132,9 @@ class Plan:
                 "forward_s": self.profile.forward_s,
                 "backward_s": self.profile.backward_s,
                 "optimizer_s": self.profile.optimizer_s,
+                "input_s": self.profile.input_s,
+                "timed_steps": self.profile.meta.get("timed_steps"),
+                "step_spread": self.profile.spread,
                 "single_device_step_s": self.single_device_s,
             },
             "devices": self.devices,
@@ -154,8 +167,33 @@ def make_plan(
             if row.result is not None:
                 row.speedup = row.result.samples_per_s * single / profile.batch_size
                 row.efficiency = row.speedup / n
+                row.above_linear = above_linear(row)
             plan.rows.append(row)
     return plan
+
+
+def above_linear(row: PlanRow) -> str:
+    """Why a row's efficiency is over 100% ('' when it is not): speed-up is against one device
+    running the plain step (forward, backward, then the optimizer over every parameter), which
+    a strategy can beat by updating fewer parameters per rank or by updating while backward
+    runs. Anything else over 100% is a bug of the model, and says so."""
+    if round(row.efficiency * 100) <= 100:
+        return ""
+    schedule = make_schedule(row.setup.strategy, row.setup.options)
+    share = schedule.optimizer_fraction(row.devices)
+    if share == 0.0 and row.setup.options.get("servers"):
+        return "dedicated servers run the optimizer: the trainers have none to run"
+    if share == 0.0:
+        return (
+            "the servers update each bucket on the communication thread while backward goes "
+            "on, which the one-device step does after backward"
+        )
+    if share < 1.0:
+        return (
+            f"each rank's optimizer updates 1/{round(1 / share)} of the parameters, where the "
+            "one-device step updates them all"
+        )
+    return "not explained by the model: a bug, please report it with this plan's --json"
 
 
 def _specs(
@@ -258,8 +296,12 @@ def format_plan(plan: Plan) -> str:
         f"step profile: {p.source or 'given'}; batch {p.batch_size}/device, {len(p.layers)} "
         f"layers, gradients {p.total_grad_bytes / MIB:.1f} MiB, one device "
         f"{plan.single_device_s * 1e3:.1f} ms/step (forward {p.forward_s * 1e3:.1f}, backward "
-        f"{p.backward_s * 1e3:.1f}, optimizer {p.optimizer_s * 1e3:.1f})",
+        f"{p.backward_s * 1e3:.1f}, optimizer {p.optimizer_s * 1e3:.1f}"
+        + (f", input {p.input_s * 1e3:.2f}" if p.input_s else "")
+        + ")",
     ]
+    lines += [f"assumed (not measured): {term}" for term in c.assumed]
+    lines += _spread_lines(p)
     lines += [f"not planned: {why}" for why in plan.not_applicable]
     header = (
         "N",
@@ -312,6 +354,11 @@ def format_plan(plan: Plan) -> str:
             )
         lines.append("")
         lines += _table(rows)
+        lines += [
+            f"  over 100%: {row.setup.label()} at {n} ({row.efficiency:.0%}): {row.above_linear}"
+            for row in plan.rows
+            if row.devices == n and row.above_linear
+        ]
     lines.append("")
     lines.append("best per N:")
     summary = [("N", "setup", "samples/s", "speed-up", "efficiency")]
@@ -331,6 +378,23 @@ def format_plan(plan: Plan) -> str:
         )
     lines += _table(summary)
     return "\n".join(lines)
+
+
+def _spread_lines(profile: StepProfile) -> list[str]:
+    """How stable the profile's median is, and a warning when it is not (memory/profile.py)."""
+    from phalanx.memory.profile import SPREAD_WARNING
+
+    spread = profile.spread
+    if spread is None:
+        return []
+    steps = profile.meta.get("timed_steps", "?")
+    lines = [f"profile spread: the {steps} timed steps' IQR is {spread:.1%} of their median"]
+    if spread > SPREAD_WARNING:
+        lines.append(
+            f"warning: the profile's spread is {spread:.0%} (> {SPREAD_WARNING:.0%}): every "
+            "prediction below is as uncertain; profile again on a quiet machine"
+        )
+    return lines
 
 
 def _link(link: Any) -> str:
@@ -461,8 +525,29 @@ def compare_with_trace(plan: Plan, path: Path, exchange: Any) -> str:
 
 
 def read_cluster(path: str) -> ClusterConfig:
-    """A cluster TOML, or the link.json of ``phalanx bench link`` (this machine)."""
-
+    """A cluster TOML, a cached calibration (calibrate.py's JSON), or the link.json of
+    ``phalanx bench link`` on this machine: its codec's and add's cost per byte are then
+    measured here, its cores are this process's (what the link.json does not hold)."""
+    if Path(path).suffix == ".json" and _json_format(path) == calibrate.FORMAT:
+        return calibrate.load_calibration(Path(path)).cluster
     if Path(path).suffix == ".json" or Path(path).is_dir():
-        return from_link(path)
+        cluster = from_link(
+            path,
+            codec_s_per_byte=measure_codec_s_per_byte(),
+            add_s_per_byte=measure_add_s_per_byte(),
+            host_cores=calibrate.host_cores(),
+        )
+        return replace(
+            cluster, description=f"{cluster.description}; codec, add and cores measured here"
+        )
     return load_cluster(path)
+
+
+def _json_format(path: str) -> object:
+    """The ``format`` of a JSON object file (None: none, or not readable: the caller's
+    reader then says what is wrong)."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data.get("format") if isinstance(data, dict) else None

@@ -135,8 +135,16 @@ class StepProfile:
             layers=layers,
             batch_size=profile.batch_size,
             optimizer_s_per_byte=profile.optimizer_s / total,
+            input_s=profile.input_wait_s,
             source=f"{source} on {profile.device}",
+            meta={"timed_steps": len(profile.step_s), "step_spread": profile.spread},
         )
+
+    @property
+    def spread(self) -> float | None:
+        """The profiled steps' IQR over their median (``phalanx profile``; None: not known)."""
+        value = self.meta.get("step_spread")
+        return None if value is None else float(value)
 
     @classmethod
     def synthesize(
@@ -287,9 +295,11 @@ def load_step_profile(path: Path | str, forward_s: float | None = None) -> StepP
     )
 
 
-def measure_step_profile(config: Any, steps: int = 4, device: str = "auto") -> StepProfile:
+def measure_step_profile(
+    config: Any, steps: int | None = None, device: str = "auto"
+) -> StepProfile:
     """Measure a run config's step on this process with ``phalanx profile``'s per-layer profiler
-    (memory/profile.py: the first step is a warm-up, times are medians)."""
+    (build.profile_run: warm-up, then medians; ``steps`` None: until they are stable)."""
     from phalanx.build import profile_run
 
     return StepProfile.from_memory_profile(profile_run(config, steps=steps, device=device))

@@ -1,0 +1,178 @@
+"""This machine as a cluster, measured once and cached per host: what ``phalanx plan CONFIG``
+plans on when no ``--cluster`` is given.
+
+``calibrate_machine`` measures every term a ``ClusterConfig`` has on one machine:
+  Phase 1 (the link): ``phalanx bench link``'s calibration (bench/link.py) on 2 worker
+    processes, ``ROUNDS`` rounds, their median: alpha, beta, the message probe
+    (``message_overhead_s``) and the hand-over probe (``handoff_s``), through ``from_link``;
+  Phase 2 (this process): the fp16 codec's encode + decode-add and an uncompressed add, per
+    byte (``measure_codec_s_per_byte``, ``measure_add_s_per_byte``: ~0.3 s together), and the
+    cores the ranks share (``os.cpu_count()``; one rank per core, ``devices_per_node``).
+What one machine cannot measure is a stated default, listed in the cluster's ``assumed``:
+the link between machines (``ASSUMED_INTER``: 10 Gb/s Ethernet), so that plans past this
+machine's cores (``--devices 1,2,4,...,1024``) say what they stand on.
+
+The cache: ``<cache dir>/clusters/<host>.json`` (cache dir: ``$PHALANX_CACHE_DIR``, else
+``$XDG_CACHE_HOME/phalanx``, else ``~/.cache/phalanx``) holding the host, the UTC time it was
+measured and the cluster (``ClusterConfig.to_dict``; ``cluster_from_dict`` reads it back
+unchanged), written atomically. ``load_or_calibrate`` reuses it; ``recalibrate`` measures again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from phalanx.bench.link import LinkBenchConfig, run_benchmark
+from phalanx.errors import ConfigError
+from phalanx.exchange.link import LinkModel
+from phalanx.fileio import atomic_write_text
+from phalanx.planner.cluster import (
+    ClusterConfig,
+    LinkConfig,
+    cluster_from_dict,
+    from_link,
+    measure_add_s_per_byte,
+    measure_codec_s_per_byte,
+)
+
+CACHE_ENV = "PHALANX_CACHE_DIR"
+FORMAT = "phalanx.cluster/1"
+NPROC = 2  # the link needs two ranks; more would oversubscribe a small machine's cores
+ROUNDS = 3  # calibrations whose median is kept (~3 s each here)
+# Between machines: nothing here measures it. 10 Gb/s Ethernet over TCP, as a plan's stated
+# default: ~1.1 GB/s effective per direction, 50 us per message (kernel TCP round trips).
+ASSUMED_INTER = LinkConfig(alpha_s=50e-6, beta_bytes_per_s=1.1e9)
+INTER_NOTE = (
+    "inter: not measured (one machine): 10 Gb/s Ethernet assumed (50 us + n / 1.1 GB/s); "
+    "pass --cluster FILE with the real network"
+)
+
+
+@dataclass(kw_only=True)
+class Calibration:
+    """A cached (or fresh) calibration of one host."""
+
+    host: str
+    measured_at: str  # ISO 8601, UTC
+    cluster: ClusterConfig
+    path: Path
+    fresh: bool = False  # measured by this call
+
+    def describe(self) -> str:
+        when = "measured now" if self.fresh else f"measured {self.measured_at[:16]} UTC"
+        return (
+            f"cluster: this machine ({self.host}), {when}, cached in {self.path} "
+            "(--recalibrate measures again, --cluster FILE plans another)"
+        )
+
+
+def host_cores() -> int:
+    """The cores this process may run on (its affinity; all of them where that is unknown)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0)) or 1
+    return os.cpu_count() or 1
+
+
+def cache_dir() -> Path:
+    """Where phalanx caches what it measured about a machine (see the module doc)."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "phalanx"
+
+
+def cache_path(host: str | None = None) -> Path:
+    """The cached calibration of ``host`` (default: this one)."""
+    host = host or socket.gethostname() or "localhost"
+    safe = "".join(c if c.isalnum() or c in "-._" else "_" for c in host)
+    return cache_dir() / "clusters" / f"{safe}.json"
+
+
+def measure_link(nproc: int = NPROC, rounds: int = ROUNDS) -> LinkModel:
+    """Phase 1: the median LinkModel of ``rounds`` link calibrations on ``nproc`` workers."""
+    result = run_benchmark(LinkBenchConfig(nproc=nproc, rounds=rounds, models=()))
+    return LinkModel.from_dict(result["median"])
+
+
+def calibrate_machine(
+    measure: Callable[[], Any] = measure_link,
+    codec: Callable[[], float] = measure_codec_s_per_byte,
+    add: Callable[[], float] = measure_add_s_per_byte,
+) -> ClusterConfig:
+    """This machine as a cluster of identical machines, every term measured or stated (see
+    the module doc). ``measure``, ``codec``, ``add``: the measurements (tests replace them)."""
+    link = measure()
+    cores = host_cores()
+    # Repeat the host measurements: one sample on a shared machine can be a scheduler's hiccup.
+    codec_s = statistics.median(codec() for _ in range(3))
+    add_s = statistics.median(add() for _ in range(3))
+    cluster = from_link(
+        link,
+        name="this machine",
+        devices_per_node=max(link.world_size, cores),  # CPU ranks: one per core
+        codec_s_per_byte=codec_s,
+        add_s_per_byte=add_s,
+        host_cores=cores,
+    )
+    return replace(
+        cluster,
+        nodes=0,  # as many such machines as a plan asks for, joined by the assumed network
+        inter=ASSUMED_INTER,
+        assumed=(*cluster.assumed, INTER_NOTE),
+        description=f"{cluster.description}; codec and add measured on one process; "
+        f"{cores} cores (this process's affinity)",
+    )
+
+
+def save_calibration(cluster: ClusterConfig, path: Path, host: str, when: datetime) -> None:
+    data = {
+        "format": FORMAT,
+        "host": host,
+        "measured_at": when.astimezone(timezone.utc).isoformat(timespec="seconds"),
+        "cluster": cluster.to_dict(),
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, json.dumps(data, indent=1) + "\n")
+
+
+def load_calibration(path: Path) -> Calibration:
+    """A cached calibration; one-line ConfigError naming the file and the fix if it is bad."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path}: unreadable calibration ({e}); run with --recalibrate") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise ConfigError(f"{path}: not a {FORMAT} calibration; run with --recalibrate")
+    cluster = cluster_from_dict(data.get("cluster") or {}, str(path))
+    return Calibration(
+        host=str(data.get("host", "")),
+        measured_at=str(data.get("measured_at", "")),
+        cluster=cluster,
+        path=path,
+    )
+
+
+def load_or_calibrate(
+    recalibrate: bool = False,
+    say: Callable[[str], None] = print,
+    calibrate: Callable[[], ClusterConfig] | None = None,
+) -> Calibration:
+    """This host's cached calibration, or a new one (measured, cached, then returned)."""
+    path = cache_path()
+    if path.is_file() and not recalibrate:
+        return load_calibration(path)
+    say(f"calibrating this machine once (the link on {NPROC} processes, the codec, the add; "
+        f"~15 s), cached in {path}")  # fmt: skip
+    host, when = socket.gethostname() or "localhost", datetime.now(timezone.utc)
+    cluster = (calibrate or calibrate_machine)()
+    save_calibration(cluster, path, host, when)
+    calibration = load_calibration(path)  # what later runs will read, exactly
+    return replace(calibration, fresh=True)

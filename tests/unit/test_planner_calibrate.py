@@ -1,0 +1,203 @@
+"""This machine's calibration (planner/calibrate.py): every cluster term round-trips, nothing
+unmeasured is a silent 0, the per-host cache is written once and reused, ``phalanx plan`` runs
+without flags, '...' in --devices, and efficiency over 100% explained. The measurements are
+replaced by fixed numbers: these tests check the plumbing, not this machine's timings."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from phalanx.cli import main
+from phalanx.errors import ConfigError
+from phalanx.exchange.link import LinkModel
+from phalanx.planner import calibrate, plan
+from phalanx.planner.cluster import (
+    ClusterConfig,
+    LinkConfig,
+    cluster_from_dict,
+    cluster_to_toml,
+    from_link,
+    load_cluster,
+)
+from phalanx.planner.step import StepProfile
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG = str(ROOT / "configs" / "digits_cnn.toml")
+CLUSTER = str(ROOT / "configs" / "clusters" / "this_machine.toml")
+
+# a Gloo link of 2 ranks with both probes, as bench link measures it
+LINK = LinkModel(
+    alpha_s=2e-4,
+    beta_bytes_per_s=1.5e9,
+    world_size=2,
+    backend="gloo",
+    message_samples_s=(3e-4, 5e-4),
+    handoff_samples_s=(2e-5, 3e-5),
+)
+
+
+def every_term() -> ClusterConfig:
+    """A cluster whose every term differs from its default."""
+    return ClusterConfig(
+        name='a "quoted" name',
+        description="line\\with escapes",
+        devices_per_node=4,
+        nodes=3,
+        intra=LinkConfig(alpha_s=1.5e-5, beta_bytes_per_s=2.5e10),
+        inter=LinkConfig(alpha_s=3e-5, beta_bytes_per_s=1.2e9),
+        shared_nic=False,
+        shared_intra=True,
+        compute_speed=1.7,
+        codec_s_per_byte=2.4e-10,
+        add_s_per_byte=5.6e-11,
+        message_overhead_s=1.9e-4,
+        host_cores_per_node=8,
+        handoff_s=1.6e-5,
+        assumed=("inter: not measured: 10 GbE assumed",),
+    )
+
+
+def test_every_term_round_trips_through_toml_and_json(tmp_path: Path) -> None:
+    cluster = every_term()
+    defaults = ClusterConfig(name="x", devices_per_node=1, intra=cluster.intra)
+    for f in dataclasses.fields(ClusterConfig):  # the fixture covers every term
+        if f.name not in ("intra", "name", "devices_per_node"):
+            assert getattr(cluster, f.name) != getattr(defaults, f.name), f.name
+    text = cluster_to_toml(cluster)
+    written = set(re.findall(r"^(\w+) = ", text, re.M)) | set(re.findall(r"^\[(\w+)\]", text, re.M))
+    fields = {f.name for f in dataclasses.fields(ClusterConfig)}
+    assert written == fields | {"alpha_s", "beta_bytes_per_s"}  # a new term must be written
+    (tmp_path / "c.toml").write_text(text)
+    assert load_cluster(tmp_path / "c.toml") == cluster
+    assert cluster_from_dict(json.loads(json.dumps(cluster.to_dict()))) == cluster
+    path = tmp_path / "clusters" / "host.json"
+    calibrate.save_calibration(cluster, path, "host", calibrate.datetime(2026, 11, 25, 10, 0))
+    assert calibrate.load_calibration(path).cluster == cluster
+
+
+def test_a_term_not_measured_is_stated_never_a_silent_zero(tmp_path: Path, monkeypatch) -> None:
+    bare = dataclasses.replace(LINK, message_samples_s=(), handoff_samples_s=())
+    cluster = from_link(bare)
+    assumed = {term.split(":")[0] for term in cluster.assumed}
+    assert assumed == {"codec_s_per_byte", "add_s_per_byte", "host_cores_per_node",
+                       "message_overhead_s", "handoff_s"}  # fmt: skip
+    assert all(term.endswith("0 assumed") for term in cluster.assumed)
+    measured = from_link(LINK, codec_s_per_byte=1e-10, add_s_per_byte=2e-11, host_cores=2)
+    assert measured.assumed == () and measured.host_cores_per_node == 2
+    # --cluster link.json: what the file lacks is measured here, not left at 0
+    LINK.save(tmp_path / "link.json")
+    monkeypatch.setattr(plan, "measure_codec_s_per_byte", lambda: 3e-10)
+    monkeypatch.setattr(plan, "measure_add_s_per_byte", lambda: 4e-11)
+    read = plan.read_cluster(str(tmp_path / "link.json"))
+    assert (read.codec_s_per_byte, read.add_s_per_byte) == (3e-10, 4e-11)
+    assert read.host_cores_per_node == calibrate.host_cores() and read.assumed == ()
+
+
+MEASURE = calibrate.calibrate_machine  # the real one, before a test replaces it
+
+
+def fake_calibration(calls: list[int]) -> ClusterConfig:
+    calls.append(1)
+    return MEASURE(lambda: LINK, lambda: 2e-10, lambda: 5e-11)
+
+
+def test_the_calibration_measures_every_term_and_states_the_network() -> None:
+    cluster = fake_calibration([])
+    assert cluster.codec_s_per_byte == 2e-10 and cluster.add_s_per_byte == 5e-11
+    assert cluster.host_cores_per_node == calibrate.host_cores() >= 1
+    assert cluster.message_overhead_s > 0 and cluster.handoff_s == pytest.approx(2.5e-5)
+    assert cluster.nodes == 0 and cluster.inter == calibrate.ASSUMED_INTER
+    assert cluster.assumed == (calibrate.INTER_NOTE,)  # the one term not measured
+    cluster.check_devices(1024)
+
+
+def test_the_cache_is_written_once_per_host_and_reused(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv(calibrate.CACHE_ENV, str(tmp_path))
+    calls: list[int] = []
+    said: list[str] = []
+    first = calibrate.load_or_calibrate(say=said.append, calibrate=lambda: fake_calibration(calls))
+    assert first.fresh and calls == [1] and "calibrating this machine once" in said[0]
+    assert first.path == calibrate.cache_path() and first.path.parent == tmp_path / "clusters"
+    data = json.loads(first.path.read_text())
+    assert data["format"] == calibrate.FORMAT and data["measured_at"].startswith("20")
+    again = calibrate.load_or_calibrate(calibrate=lambda: fake_calibration(calls))
+    assert not again.fresh and calls == [1] and again.cluster == first.cluster
+    assert "measured 20" in again.describe() and str(first.path) in again.describe()
+    calibrate.load_or_calibrate(recalibrate=True, calibrate=lambda: fake_calibration(calls))
+    assert calls == [1, 1]
+    first.path.write_text("{}")
+    with pytest.raises(ConfigError, match="--recalibrate"):
+        calibrate.load_or_calibrate(calibrate=lambda: fake_calibration(calls))
+
+
+def run(argv: list[str], capsys: pytest.CaptureFixture) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    out, err = capsys.readouterr()
+    return info.value.code, out, err
+
+
+def test_plan_without_a_cluster_plans_this_machine_to_1024(tmp_path, monkeypatch, capsys) -> None:
+    monkeypatch.setenv(calibrate.CACHE_ENV, str(tmp_path))
+    calls: list[int] = []
+    monkeypatch.setattr(calibrate, "calibrate_machine", lambda: fake_calibration(calls))
+    step = StepProfile.synthesize(samples_per_s=4000, batch_size=32, layer_params=[1000, 5000])
+    profile = str(step.save(tmp_path / "step.json"))
+    argv = ["plan", CONFIG, "--profile", profile, "--strategies", "allreduce", "--compress",
+            "none", "--thresholds", "25", "--json", str(tmp_path / "plan.json")]  # fmt: skip
+    code, out, err = run([*argv, "--devices", "1,2,4,...,1024"], capsys)
+    assert code == 0, err
+    assert "cluster: this machine" in out and "measured now" in out
+    assert "assumed (not measured): inter: not measured" in out
+    assert json.loads((tmp_path / "plan.json").read_text())["devices"] == [2**k for k in range(11)]
+    code, out, err = run([*argv, "--devices", "1,2"], capsys)
+    assert code == 0 and calls == [1] and "cached in" in out  # reused, not measured again
+    code, _, err = run([*argv, "--recalibrate", "--cluster", CLUSTER], capsys)
+    assert code == 2 and "--recalibrate" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "text, counts",
+    [("1,2,4,...,64", [1, 2, 4, 8, 16, 32, 64]), ("1,...,8", [1, 2, 4, 8]),
+     ("3,5", [3, 5]), ("2,...,6", [2, 4, 6])],
+)  # fmt: skip
+def test_devices_dots_continue_a_doubling(text: str, counts: list[int]) -> None:
+    from phalanx.commands.plan import _parse_devices
+
+    assert _parse_devices(text) == counts
+
+
+@pytest.mark.parametrize("text", ["...,8", "1,2,...", "1,x", "0,1"])
+def test_bad_devices_are_one_line_errors(text: str) -> None:
+    from phalanx.commands.plan import _parse_devices
+
+    with pytest.raises(ConfigError, match="--devices"):
+        _parse_devices(text)
+
+
+def test_efficiency_over_100_percent_is_explained_row_by_row() -> None:
+    # a step whose optimizer is half of it: ps updates during backward, partitioned shards it
+    step = StepProfile.synthesize(
+        samples_per_s=4000, batch_size=32, layer_params=[2**18] * 4, optimizer_s_per_byte=1e-9
+    )
+    cluster = ClusterConfig(  # a fast link: the exchange hides behind backward
+        name="fast", devices_per_node=8, nodes=1,
+        intra=LinkConfig(alpha_s=1e-6, beta_bytes_per_s=1e11),
+    )  # fmt: skip
+    strategies = [("ps", {}), ("partitioned", {}), ("allreduce", {})]
+    result = plan.make_plan(step, cluster, [1, 8], strategies, ["25"], ["none"])
+    rows = {(r.setup.strategy, r.devices): r for r in result.rows}
+    assert rows["ps", 1].efficiency > 1.0 and "communication thread" in rows["ps", 1].above_linear
+    assert rows["partitioned", 8].efficiency > 1.0
+    assert re.search(r"updates 1/[48] of the parameters", rows["partitioned", 8].above_linear)
+    assert all(not r.above_linear for r in result.rows if round(r.efficiency * 100) <= 100)
+    text = plan.format_plan(result)
+    assert "over 100%: ps / 25 MiB / none at 1 (" in text
+    assert rows["ps", 1].to_dict()["above_linear"] == rows["ps", 1].above_linear
+    fake = dataclasses.replace(rows["allreduce", 1], efficiency=1.2)
+    assert "a bug" in plan.above_linear(fake)  # nothing in the model explains it
