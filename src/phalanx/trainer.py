@@ -30,6 +30,7 @@ from phalanx.losses import loss_fn  # noqa: F401 (its home was here)
 from phalanx.memory import measure
 from phalanx.metrics import JsonlWriter, Progress
 from phalanx.optim.schedule import build_scheduler
+from phalanx.planner.prediction import prediction_summary
 from phalanx.runtime.context import Context, init
 from phalanx.viz import MetricsWriter
 
@@ -140,6 +141,7 @@ class Trainer:
         progress = Progress(self.total_steps, self.step, enabled=is_main and train.progress)
         global_batch = self.loader.global_batch
         train_time, metrics, start_step = 0.0, {}, self.step
+        step_times: list[float] = []  # each step's wall time (the plan's prediction's measure)
         if is_main and self.engine.pipeline is not None and self.step == 0:
             progress.write(self.engine.pipeline.describe())
         if is_main and self.memory is not None and self.step == 0:
@@ -162,6 +164,7 @@ class Trainer:
                 self.engine.stats.input_buffers_ready = self.loader.last_ready
                 elapsed = time.perf_counter() - t0
                 train_time += elapsed
+                step_times.append(elapsed)
                 self.step += 1
                 if self.step == start_step + 1 and self.engine.compile_s is not None and is_main:
                     progress.write(self._compile_line(elapsed), always=True)
@@ -210,6 +213,7 @@ class Trainer:
             "nonfinite_steps": self.engine.num_nonfinite_steps,
             "compile_s": self.engine.compile_s,  # this rank's (0's); None without compile
             **self._memory_summary(),
+            **prediction_summary(self.run_dir, step_times),
         }
         if is_main:
             atomic_write_text(self.run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")

@@ -201,3 +201,43 @@ def test_efficiency_over_100_percent_is_explained_row_by_row() -> None:
     assert rows["ps", 1].to_dict()["above_linear"] == rows["ps", 1].above_linear
     fake = dataclasses.replace(rows["allreduce", 1], efficiency=1.2)
     assert "a bug" in plan.above_linear(fake)  # nothing in the model explains it
+
+
+def test_auto_plan_picks_a_setup_the_run_uses_and_the_run_reports_its_error(
+    tmp_path, monkeypatch, capsys
+) -> None:
+    """``phalanx train --auto-plan``: the plan's fastest setup at the run's processes, applied
+    through --set (fsdp gets no bucket size; a strategy the config's clipping rules out is
+    not picked), prediction.json written, summary.json's predicted vs measured step."""
+    from phalanx.commands import auto_plan
+    from phalanx.config import load_config
+    from phalanx.planner import step as step_module
+    from phalanx.planner.plan import PlanRow, recommended_sets
+    from phalanx.planner.sim import ExchangeSetup
+
+    monkeypatch.setenv(calibrate.CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(calibrate, "calibrate_machine", lambda: fake_calibration([]))
+    step = StepProfile.synthesize(samples_per_s=4000, batch_size=32, layer_params=[1000, 5000])
+    monkeypatch.setattr(step_module, "measure_step_profile", lambda config: step)
+    run_dir = tmp_path / "run"
+    argv = ["train", CONFIG, "--auto-plan", "--run-dir", str(run_dir),
+            "--set", "train.steps=5", "--set", "train.progress=false"]  # fmt: skip
+    from tests.unit.test_cli import own_process_group
+
+    with own_process_group():  # the run's world of one goes with it
+        code, out, err = run(argv, capsys)
+    assert code == 0, err
+    assert "auto-plan: " in out and "plan: predicted" in out
+    prediction = json.loads((run_dir / "prediction.json").read_text())
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["predicted_step_s"] == prediction["predicted_step_s"] > 0
+    assert summary["prediction_error"] == pytest.approx(
+        summary["predicted_step_s"] / summary["measured_step_s"] - 1
+    )
+    assert any(s.startswith("exchange.strategy=") for s in prediction["sets"])
+    fsdp = PlanRow(devices=2, setup=ExchangeSetup(strategy="fsdp", threshold_label="per layer"))
+    sets = recommended_sets(fsdp)
+    assert not any("bucket_mb" in s for s in sets)
+    assert load_config(CONFIG, sets).exchange.strategy == "fsdp"  # the sets load as given
+    clipped = load_config(CONFIG, ["train.max_grad_norm=1.0"])
+    assert not auto_plan._runnable(clipped, "ps") and auto_plan._runnable(clipped, "fsdp")

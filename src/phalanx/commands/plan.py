@@ -24,6 +24,7 @@ from phalanx.planner.plan import (
     make_plan,
     plot_plan,
     read_cluster,
+    recommendation,
     write_traces,
 )
 from phalanx.planner.schedules import SCHEDULES, WIRE_CODECS
@@ -131,6 +132,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         profile = measure_step_profile(config, steps=args.steps, device=args.device)
     plan = make_plan(profile, cluster, devices, strategies, thresholds, compressions)
     print(format_plan(plan))
+    print(recommendation(plan, max(devices)))
     if args.json:
         atomic_write_text(Path(args.json), json.dumps(plan.to_dict(), indent=1) + "\n")
         print(f"wrote {args.json}")

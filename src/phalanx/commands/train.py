@@ -58,6 +58,13 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks"
     )
     p.add_argument(
+        "--auto-plan",
+        action="store_true",
+        help="let the planner pick the exchange (strategy, options, bucket size, compression) "
+        "for this run's processes from this machine's cached calibration and a profile of the "
+        "config; summary.json then holds its predicted step time beside the measured one",
+    )
+    p.add_argument(
         "--dry-run",
         action="store_true",
         help="print the resolved config, the model and the layout; start nothing",
@@ -78,6 +85,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     run_dir = Path(args.resume or args.run_dir or config.train.run_dir or _default_run_dir(args))
     in_worker = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     world_size = int(os.environ["WORLD_SIZE"]) if in_worker else args.nproc * args.nnodes
+    if getattr(args, "auto_plan", False) and not in_worker and not args.dry_run:
+        if args.resume:
+            raise PhalanxError("--auto-plan: plans a new run; drop it with --resume")
+        from phalanx.commands.auto_plan import auto_plan
+
+        args.set = [*args.set, *auto_plan(config, world_size, run_dir)]  # workers get them too
+        config = load_config(args.config, args.set)
     config.check_world(world_size)  # before any process group work
     _check_rescaling(config)
     if args.dry_run:
@@ -217,6 +231,11 @@ def _print_summary(summary: dict) -> None:
         f"{summary['steps']} steps | run directory {summary['run_dir']}"
     )
     _print_memory(summary)
+    if "predicted_step_s" in summary:
+        print(
+            f"plan: predicted {summary['predicted_step_s'] * 1e3:.1f} ms per step, measured "
+            f"{summary['measured_step_s'] * 1e3:.1f} ms ({summary['prediction_error']:+.0%})"
+        )
 
 
 def _print_memory(summary: dict) -> None:

@@ -172,6 +172,34 @@ def make_plan(
     return plan
 
 
+def recommended_sets(row: PlanRow) -> list[str]:
+    """The ``--set`` items that run ``row``'s setup (``phalanx train --set ...``): its strategy,
+    options, fusion threshold (none for per-unit strategies) and compression."""
+    setup = row.setup
+    sets = [f"exchange.strategy={setup.strategy}", f"exchange.compress={setup.compress}"]
+    if setup.options:
+        items = ", ".join(f"{k} = {json.dumps(v)}" for k, v in sorted(setup.options.items()))
+        sets.append(f"exchange.options={{ {items} }}")
+    if setup.threshold_label.startswith(AUTO):
+        sets.append(f"exchange.bucket_mb={AUTO}")
+    elif not make_schedule(setup.strategy, setup.options).unit_label:  # buckets to size
+        sets.append(f"exchange.bucket_mb={setup.bucket_bytes / 2**20:g}")
+    return sets
+
+
+def recommendation(plan: Plan, devices: int) -> str:
+    """One line: the fastest setup at ``devices`` and how to run it."""
+    best = plan.best(devices)
+    if best is None or best.result is None:
+        return f"recommendation at {devices}: none (every setup was skipped)"
+    flags = " ".join(f"--set {item}" for item in recommended_sets(best))
+    return (
+        f"recommendation at {devices}: {best.setup.label()}, predicted "
+        f"{best.result.step_s * 1e3:.1f} ms per step: phalanx train CONFIG --nproc {devices} "
+        f"{flags} (or phalanx train CONFIG --nproc {devices} --auto-plan)"
+    )
+
+
 def above_linear(row: PlanRow) -> str:
     """Why a row's efficiency is over 100% ('' when it is not): speed-up is against one device
     running the plain step (forward, backward, then the optimizer over every parameter), which
