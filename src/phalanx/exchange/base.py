@@ -394,7 +394,7 @@ class Strategy(ABC):
         for p, entry in optimizer.state.items():
             if id(p) in index:
                 state[index[id(p)]] = {
-                    k: [(0, v.detach().reshape(-1))] if _per_element(v, p) else v
+                    k: self.state_pieces(v, p) if _per_element(v, p) else v
                     for k, v in entry.items()
                 }
         groups = [
@@ -426,20 +426,31 @@ class Strategy(ABC):
             entry = state.get(index.get(id(p), -1))
             if not entry:
                 continue
-            loaded[n] = {}
-            for key, value in entry.items():
-                if isinstance(value, list):
-                    full = torch.empty(p.numel(), dtype=value[0][1].dtype)
-                    if copy_pieces(value, 0, full) != p.numel():
-                        raise ValueError(
-                            f"optimizer state {key!r} of parameter {index[id(p)]} is incomplete: "
-                            "load through phalanx.checkpoint.restore"
-                        )
-                    value = full.view(p.shape)
-                loaded[n][key] = value
+            loaded[n] = {
+                key: self.state_from_pieces(value, p, f"{key!r} of parameter {index[id(p)]}")
+                if isinstance(value, list)
+                else value
+                for key, value in entry.items()
+            }
         optimizer.load_state_dict(
             {"state": loaded, "param_groups": merged_groups(optimizer, groups)}
         )
+
+    def state_pieces(self, value: torch.Tensor, p: torch.Tensor) -> list[tuple[int, Any]]:
+        """A per-element state value as the ``(flat start, 1-D tensor)`` pieces this rank keeps
+        (here: the whole of it)."""
+        del p
+        return [(0, value.detach().reshape(-1))]
+
+    def state_from_pieces(self, pieces: list[tuple[int, Any]], p: torch.Tensor, what: str) -> Any:
+        """The state value of ``p`` for the optimizer, from pieces covering what this rank keeps
+        (here: all of it, shaped like ``p``)."""
+        full = torch.empty(p.numel(), dtype=pieces[0][1].dtype)
+        if copy_pieces(pieces, 0, full) != p.numel():
+            raise ValueError(
+                f"optimizer state {what} is incomplete: load through phalanx.checkpoint.restore"
+            )
+        return full.view(p.shape)
 
     def optimizer_bytes(self, optimizer: torch.optim.Optimizer) -> int:
         """Bytes of optimizer state held by this rank."""

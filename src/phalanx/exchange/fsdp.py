@@ -36,7 +36,6 @@ from torch import nn
 from phalanx.errors import ConfigError
 from phalanx.exchange.base import STRATEGIES, Strategy, StrategyParts, holds_nonfinite
 from phalanx.exchange.buckets import Bucket
-from phalanx.exchange.sharding import merged_groups
 from phalanx.fields import option, require
 from phalanx.runtime.context import Context
 
@@ -201,27 +200,13 @@ class FullyShardedStrategy(Strategy):
         return module  # forward through the shards: each unit gathered as it runs
 
     # -- state ------------------------------------------------------------------------------------
-    def optimizer_shards(
-        self, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter]
-    ) -> tuple[dict[int, dict[str, Any]], list[dict[str, Any]]]:
-        index = {id(p): i for i, p in enumerate(params)}
-        state: dict[int, dict[str, Any]] = {}
-        for p, entry in optimizer.state.items():
-            if id(p) not in index:
-                continue
-            start = _flat_start(p)
-            state[index[id(p)]] = {
-                k: [(start, _local(v).detach().reshape(-1))] if _sharded_like(v, p) else v
-                for k, v in entry.items()
-            }
-        groups = [
-            {
-                **{k: v for k, v in g.items() if k != "params"},
-                "params": [index[id(p)] for p in g["params"] if id(p) in index],
-            }
-            for g in optimizer.param_groups
-        ]
-        return state, groups
+    def state_pieces(self, value: torch.Tensor, p: torch.Tensor) -> list[tuple[int, Any]]:
+        """This rank's rows of a per-element state value (a DTensor like ``p``)."""
+        return [(_flat_start(p), _local(value).detach().reshape(-1))]
+
+    def state_from_pieces(self, pieces: list[tuple[int, Any]], p: torch.Tensor, what: str) -> Any:
+        del what
+        return _sharded_value(pieces, p)
 
     def owned_ranges(self, params: list[torch.nn.Parameter]) -> dict[int, list[tuple[int, int]]]:
         ranges = {}
@@ -229,25 +214,6 @@ class FullyShardedStrategy(Strategy):
             start = _flat_start(p)
             ranges[i] = [(start, start + _local(p).numel())] if _local(p).numel() else []
         return ranges
-
-    def load_optimizer_shards(
-        self,
-        optimizer: torch.optim.Optimizer,
-        params: list[torch.nn.Parameter],
-        state: dict[int, dict[str, Any]],
-        groups: list[dict[str, Any]],
-    ) -> None:
-        index = {id(p): i for i, p in enumerate(params)}
-        order = [p for g in optimizer.param_groups for p in g["params"]]
-        loaded: dict[int, dict[str, Any]] = {}
-        for n, p in enumerate(order):
-            entry = state.get(index.get(id(p), -1))
-            if not entry:
-                continue
-            loaded[n] = {k: _sharded_value(v, p) for k, v in entry.items()}
-        optimizer.load_state_dict(
-            {"state": loaded, "param_groups": merged_groups(optimizer, groups)}
-        )
 
     def optimizer_state_dict(
         self, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter]
@@ -365,15 +331,8 @@ def _flat_start(p: torch.Tensor) -> int:
     return min(rank * per, rows) * (p.numel() // max(1, rows))
 
 
-def _sharded_like(value: Any, p: torch.Tensor) -> bool:
-    """Whether an optimizer state value has one element per element of ``p``."""
-    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == p.shape
-
-
-def _sharded_value(value: Any, p: torch.Tensor) -> Any:
+def _sharded_value(value: list[tuple[int, Any]], p: torch.Tensor) -> Any:
     """A loaded state value: per-element pieces (this rank's rows) as a DTensor like ``p``."""
-    if not isinstance(value, list):
-        return value
     local = _local(p)
     flat = torch.empty(local.numel(), dtype=value[0][1].dtype, device=local.device)
     start = _flat_start(p)
