@@ -58,6 +58,7 @@ def every_term() -> ClusterConfig:
         message_overhead_s=1.9e-4,
         host_cores_per_node=8,
         handoff_s=1.6e-5,
+        compute_slowdown=(1.0, 1.35),
         assumed=("inter: not measured: 10 GbE assumed",),
     )
 
@@ -103,12 +104,13 @@ MEASURE = calibrate.calibrate_machine  # the real one, before a test replaces it
 
 def fake_calibration(calls: list[int]) -> ClusterConfig:
     calls.append(1)
-    return MEASURE(lambda: LINK, lambda: 2e-10, lambda: 5e-11)
+    return MEASURE(lambda: LINK, lambda: 2e-10, lambda: 5e-11, lambda cores: (1.0, 1.3)[:cores])
 
 
 def test_the_calibration_measures_every_term_and_states_the_network() -> None:
     cluster = fake_calibration([])
     assert cluster.codec_s_per_byte == 2e-10 and cluster.add_s_per_byte == 5e-11
+    assert cluster.compute_slowdown == (1.0, 1.3)[: calibrate.host_cores()]
     assert cluster.host_cores_per_node == calibrate.host_cores() >= 1
     assert cluster.message_overhead_s > 0 and cluster.handoff_s == pytest.approx(2.5e-5)
     assert cluster.nodes == 0 and cluster.inter == calibrate.ASSUMED_INTER
@@ -241,3 +243,22 @@ def test_auto_plan_picks_a_setup_the_run_uses_and_the_run_reports_its_error(
     assert load_config(CONFIG, sets).exchange.strategy == "fsdp"  # the sets load as given
     clipped = load_config(CONFIG, ["train.max_grad_norm=1.0"])
     assert not auto_plan._runnable(clipped, "ps") and auto_plan._runnable(clipped, "fsdp")
+
+
+def test_ranks_sharing_a_node_slow_each_ones_compute_in_the_plan() -> None:
+    """compute_slowdown: a rank's compute at k ranks per node takes the measured factor
+    longer (the last factor past what was measured; none at one device), and the
+    reference step's measurement gives 1 for one process."""
+    from phalanx.planner.sim import ExchangeSetup, Simulator
+
+    step = StepProfile.synthesize(samples_per_s=4000, batch_size=32, layer_params=[1000, 5000])
+    base = every_term()
+    plain = dataclasses.replace(base, compute_slowdown=(), host_cores_per_node=0)
+    shared = dataclasses.replace(plain, compute_slowdown=(1.0, 1.5))
+    assert [shared.compute_slowdown_at(n) for n in (1, 2, 4, 64)] == [1.0, 1.5, 1.5, 1.5]
+    setup = ExchangeSetup(strategy="allreduce")
+    alone, slowed = (Simulator(step, c).run(2, setup) for c in (plain, shared))
+    assert slowed.compute_s == pytest.approx(1.5 * alone.compute_s, rel=1e-6)
+    one = Simulator(step, shared).run(1, setup).compute_s
+    assert one == pytest.approx(Simulator(step, plain).run(1, setup).compute_s)
+    assert calibrate.measure_compute_slowdown(1) == (1.0,)

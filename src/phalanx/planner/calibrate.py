@@ -7,7 +7,9 @@ plans on when no ``--cluster`` is given.
     (``message_overhead_s``) and the hand-over probe (``handoff_s``), through ``from_link``;
   Phase 2 (this process): the fp16 codec's encode + decode-add and an uncompressed add, per
     byte (``measure_codec_s_per_byte``, ``measure_add_s_per_byte``: ~0.3 s together), and the
-    cores the ranks share (``os.cpu_count()``; one rank per core, ``devices_per_node``).
+    cores the ranks share (``os.cpu_count()``; one rank per core, ``devices_per_node``);
+  Phase 3 (k processes at once): the compute slow-down of ranks sharing the node
+    (``measure_compute_slowdown``: a reference step in k processes against one alone).
 What one machine cannot measure is a stated default, listed in the cluster's ``assumed``:
 the link between machines (``ASSUMED_INTER``: 10 Gb/s Ethernet), so that plans past this
 machine's cores (``--devices 1,2,4,...,1024``) say what they stand on.
@@ -47,6 +49,8 @@ CACHE_ENV = "PHALANX_CACHE_DIR"
 FORMAT = "phalanx.cluster/1"
 NPROC = 2  # the link needs two ranks; more would oversubscribe a small machine's cores
 ROUNDS = 3  # calibrations whose median is kept (~3 s each here)
+REFERENCE_STEPS = 20  # timed steps of the reference step per process (~0.1 s here)
+MAX_SLOWDOWN_RANKS = 8  # ranks per node the compute slow-down is measured for (more: the last)
 # Between machines: nothing here measures it. 10 Gb/s Ethernet over TCP, as a plan's stated
 # default: ~1.1 GB/s effective per direction, 50 us per message (kernel TCP round trips).
 ASSUMED_INTER = LinkConfig(alpha_s=50e-6, beta_bytes_per_s=1.1e9)
@@ -102,13 +106,54 @@ def measure_link(nproc: int = NPROC, rounds: int = ROUNDS) -> LinkModel:
     return LinkModel.from_dict(result["median"])
 
 
+def _reference_step_s(_: int) -> float:
+    """One CPU rank's reference step (an MLP's forward, backward and Adam step on one intra-op
+    thread, as phalanx runs a CPU rank): the median of its timed steps, in seconds."""
+    import time
+
+    import torch
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(512, 512) for _ in range(4)]
+    model = torch.nn.Sequential(*[m for layer in layers for m in (layer, torch.nn.GELU())])
+    optimizer = torch.optim.Adam(model.parameters())
+    x = torch.randn(64, 512)
+    times = []
+    for step in range(REFERENCE_STEPS + 3):
+        start = time.perf_counter()
+        model(x).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if step >= 3:  # warm-up: the allocator and the optimizer's state
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure_compute_slowdown(cores: int) -> tuple[float, ...]:
+    """(1, t2 / t1, ..., tk / t1) for k up to ``cores`` (at most ``MAX_SLOWDOWN_RANKS``): the
+    reference step in k processes at once against one process alone; the ranks of one node
+    share its cores, caches and memory bandwidth, which slows each one's compute."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    context = multiprocessing.get_context("spawn")
+    medians = []
+    for ranks in range(1, min(cores, MAX_SLOWDOWN_RANKS) + 1):
+        with ProcessPoolExecutor(ranks, mp_context=context) as pool:
+            medians.append(statistics.median(pool.map(_reference_step_s, range(ranks))))
+    return tuple(m / medians[0] for m in medians)
+
+
 def calibrate_machine(
     measure: Callable[[], Any] = measure_link,
     codec: Callable[[], float] = measure_codec_s_per_byte,
     add: Callable[[], float] = measure_add_s_per_byte,
+    slowdown: Callable[[int], tuple[float, ...]] = measure_compute_slowdown,
 ) -> ClusterConfig:
     """This machine as a cluster of identical machines, every term measured or stated (see
-    the module doc). ``measure``, ``codec``, ``add``: the measurements (tests replace them)."""
+    the module doc). ``measure``, ``codec``, ``add``, ``slowdown``: the measurements (tests
+    replace them)."""
     link = measure()
     cores = host_cores()
     # Repeat the host measurements: one sample on a shared machine can be a scheduler's hiccup.
@@ -124,6 +169,7 @@ def calibrate_machine(
     )
     return replace(
         cluster,
+        compute_slowdown=slowdown(cores),
         nodes=0,  # as many such machines as a plan asks for, joined by the assumed network
         inter=ASSUMED_INTER,
         assumed=(*cluster.assumed, INTER_NOTE),

@@ -109,6 +109,12 @@ class ClusterConfig:
         "for that thread's job resumes that much after it ends (from_link takes the median of "
         "exchange.comm.measure_handoff_s)",
     )
+    compute_slowdown: tuple[float, ...] = option(
+        (),
+        "the step's compute time with k ranks on a node over its time alone, for k = 1, 2, "
+        "...: ranks sharing a node's cores, caches and memory bandwidth (CPU ranks; measured "
+        "once per cluster on a reference step); empty: devices compute on their own (1)",
+    )
     description: str = option("", "where the numbers come from")
     assumed: tuple[str, ...] = option(
         (),
@@ -133,6 +139,11 @@ class ClusterConfig:
             math.isfinite(self.compute_speed) and self.compute_speed > 0,
             "compute_speed",
             f"must be > 0, got {self.compute_speed!r}",
+        )
+        require(
+            all(math.isfinite(f) and f > 0 for f in self.compute_slowdown),
+            "compute_slowdown",
+            f"factors must be > 0, got {list(self.compute_slowdown)}",
         )
         for key in ("codec_s_per_byte", "add_s_per_byte", "message_overhead_s", "handoff_s"):
             value = getattr(self, key)
@@ -184,6 +195,14 @@ class ClusterConfig:
             max(self.intra.alpha_s, inter.alpha_s),
             min(self.intra.beta_bytes_per_s, inter.beta_bytes_per_s),
         )
+
+    def compute_slowdown_at(self, world: int) -> float:
+        """How many times longer a rank's compute takes at ``world`` ranks than alone: the
+        measured factor for the ranks sharing one node (the last one past what was measured)."""
+        if not self.compute_slowdown:
+            return 1.0
+        ranks = min(world, self.devices_per_node)
+        return self.compute_slowdown[min(ranks, len(self.compute_slowdown)) - 1]
 
     def comm_rate_beside_compute(self, world: int) -> float:
         """How fast communication runs while the compute stream is busy, as a fraction of its
@@ -379,7 +398,7 @@ def cluster_to_toml(cluster: ClusterConfig, comment: str = "") -> str:
     lines = [f"# {line}".rstrip() for line in comment.splitlines()]
     for key in ("name", "description", "nodes", "devices_per_node", "shared_nic", "shared_intra",
                 "compute_speed", "codec_s_per_byte", "add_s_per_byte", "message_overhead_s",
-                "handoff_s", "host_cores_per_node", "assumed"):  # fmt: skip
+                "handoff_s", "host_cores_per_node", "compute_slowdown", "assumed"):  # fmt: skip
         lines.append(f"{key} = {value(getattr(cluster, key))}")
     for level in LEVELS:
         link = getattr(cluster, level)

@@ -215,6 +215,12 @@ class Simulator:
         layer_of_grad = [i for i, layer in enumerate(self.profile.layers) for _ in layer.grad_bytes]
         self._layer_of_grad = layer_of_grad
 
+    def at(self, world: int) -> StepProfile:
+        """The step's compute at ``world`` ranks: slower where ranks share a node's cores or
+        memory bandwidth (``ClusterConfig.compute_slowdown``)."""
+        slowdown = self.cluster.compute_slowdown_at(world)
+        return self.profile if slowdown == 1.0 else self.profile.scaled(1.0 / slowdown)
+
     def network(self, compress: str) -> Network:
         if compress not in self._networks:
             self._networks[compress] = Network(self.cluster, make_codec(compress))
@@ -262,7 +268,7 @@ class Simulator:
         returns = schedule.return_phases(world)
         durations = self._durations(network, world, buckets, phases)
         return_durations = self._durations(network, world, buckets, [returns] * len(buckets))
-        timeline = _Timeline(self.profile, buckets, self._layer_of_grad)
+        timeline = _Timeline(self.at(world), buckets, self._layer_of_grad)
         timeline.agree_s = self._agree_s(network, world) if schedule.agrees_before_backward else 0.0
         timeline.handoff_s = self.cluster.handoff_s if world > 1 else 0.0
         timeline.on_thread = [
@@ -305,7 +311,7 @@ class Simulator:
             return [list(zip(phases, unit)) for unit in seconds]
 
         gather, regather, reduce = timed(units.gather), timed(units.regather), timed(units.reduce)
-        timeline = _Timeline(self.profile, plans, self._layer_of_grad)
+        timeline = _Timeline(self.at(world), plans, self._layer_of_grad)
         timeline.comm_rate = self.cluster.comm_rate_beside_compute(world)
         for step in range(NUM_STEPS):
             timeline.step_units(
@@ -371,14 +377,14 @@ class Simulator:
         }
         moved: list[Any] = []
         recording = {"on": False}  # bytes are counted in the reported (last) step only
+        optimizer_s_per_byte = self.at(world).optimizer_s_per_byte
 
         def exchange(nbytes: float) -> list[tuple[Phase, float]]:
             out = []
             for phase in schedule.bucket_phases(world, network.codec, nbytes):
                 if phase.table is None:
-                    out.append(
-                        (phase, self.profile.optimizer_s_per_byte * phase.update_fraction * nbytes)
-                    )
+                    update_s = optimizer_s_per_byte * phase.update_fraction * nbytes
+                    out.append((phase, update_s))
                     continue
                 if phase.table.key not in curves:
                     curves[phase.table.key] = network.interpolated(phase.table, world, cap + 1)
@@ -387,7 +393,7 @@ class Simulator:
                     moved.append(network.bytes(phase.table, world, nbytes))
             return out
 
-        timeline = _Timeline(self.profile, [], self._layer_of_grad)
+        timeline = _Timeline(self.at(world), [], self._layer_of_grad)
         sizes: list[int] = []
         for step in range(NUM_STEPS):
             recording["on"] = step == NUM_STEPS - 1
@@ -437,7 +443,7 @@ class Simulator:
             key: dict(zip(sizes, network.seconds(tables[key], world, sizes)))
             for key, sizes in by_table.items()
         }
-        optimizer = self.profile.optimizer_s_per_byte
+        optimizer = self.at(world).optimizer_s_per_byte
         return [
             [
                 seconds[p.table.key][b.nbytes * p.scale]
