@@ -6,24 +6,24 @@ point of the planner."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
+from phalanx.commands.plan import _strategies
 from phalanx.errors import ConfigError
+from phalanx.exchange.base import strategy_factory
 from phalanx.fileio import atomic_write_text
+from phalanx.guard import rescaling_problem
+from phalanx.planner.calibrate import load_or_calibrate
+from phalanx.planner.plan import make_plan, recommended_sets
 from phalanx.planner.prediction import PREDICTION
+from phalanx.planner.step import measure_step_profile
 
 
 def auto_plan(config: Any, world_size: int, run_dir: Path) -> list[str]:
     """The ``--set`` items of the fastest setup the config can run at ``world_size``; writes
     ``run_dir/prediction.json`` and says the choice in one line."""
-    import json
-
-    from phalanx.commands.plan import _strategies
-    from phalanx.planner.calibrate import load_or_calibrate
-    from phalanx.planner.plan import make_plan, recommended_sets
-    from phalanx.planner.step import measure_step_profile
-
     if config.parallel.enabled:
         raise ConfigError(
             "--auto-plan: the planner does not model [parallel] pipeline > 1 yet; "
@@ -56,9 +56,6 @@ def auto_plan(config: Any, world_size: int, run_dir: Path) -> list[str]:
 
 def _runnable(config: Any, strategy: str) -> bool:
     """Whether the config's clipping, precision and guard work under ``strategy``."""
-    from phalanx.exchange.base import strategy_factory
-    from phalanx.guard import rescaling_problem
-
     return (
         rescaling_problem(
             strategy_factory(strategy).cls.updates_during_exchange,

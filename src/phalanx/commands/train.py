@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from phalanx import checkpoint
+from phalanx.commands.auto_plan import auto_plan
 from phalanx.commands.common import EXIT_PREEMPTED, PROG
 from phalanx.config import config_from_data, load_config
 from phalanx.errors import Interrupted, PhalanxError
@@ -88,8 +89,6 @@ def cmd_train(args: argparse.Namespace) -> int:
     if getattr(args, "auto_plan", False) and not in_worker and not args.dry_run:
         if args.resume:
             raise PhalanxError("--auto-plan: plans a new run; drop it with --resume")
-        from phalanx.commands.auto_plan import auto_plan
-
         args.set = [*args.set, *auto_plan(config, world_size, run_dir)]  # workers get them too
         config = load_config(args.config, args.set)
     config.check_world(world_size)  # before any process group work
