@@ -142,7 +142,8 @@ def measure_compute_slowdown(cores: int) -> tuple[float, ...]:
     for ranks in range(1, min(cores, MAX_SLOWDOWN_RANKS) + 1):
         with ProcessPoolExecutor(ranks, mp_context=context) as pool:
             medians.append(statistics.median(pool.map(_reference_step_s, range(ranks))))
-    return tuple(m / medians[0] for m in medians)
+    # ranks together cannot compute faster than alone: a factor under 1 is the machine's noise
+    return tuple(max(1.0, m / medians[0]) for m in medians)
 
 
 def calibrate_machine(
