@@ -404,7 +404,9 @@ class Engine:
             for hook in self.hooks:
                 hook.after_backward()
             timer.mark("backward")
-            if not last:  # the last backward is traced per bucket, from the buckets' times
+            # the last backward is traced per bucket, from the buckets' times; without buckets
+            # (fsdp: torch's hooks reduce-scatter inside backward) it is one span too
+            if not last or not self.buckets.buckets:
                 trace.span("compute", "backward", trace.backward_started, micro=i)
         return total_loss, False
 

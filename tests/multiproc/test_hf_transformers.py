@@ -1,7 +1,8 @@
 """A real Hugging Face model (transformers' GPT2LMHeadModel, built from a config: nothing is
 downloaded) trained the way its users train it: keyword batches (``input_ids``, ``labels``),
 the model's own loss in ``output.loss``, tied input/output embeddings, decay / no-decay
-parameter groups. Every strategy at worlds 2 and 3 equals one process on the global batch.
+parameter groups. Every strategy (fsdp with the model's blocks as units) at worlds 2 and 3
+equals one process on the global batch.
 
 The library is an optional extra (``pip install "phalanx[hf]"``); without it this file skips."""
 
@@ -20,7 +21,9 @@ transformers = pytest.importorskip(
 STEPS = 4
 GLOBAL_BATCH = 6  # sequences; divisible by 2 and 3
 SEQ, VOCAB = 12, 48
-STRATEGIES = ["allreduce", "tree", "partitioned", "ps"]
+STRATEGIES = ["allreduce", "tree", "partitioned", "ps", "fsdp"]
+# fsdp's units are the model's own blocks (the policy a user writes for a third-party model)
+EXCHANGE = {"fsdp": px.ExchangeConfig(strategy="fsdp", options={"units": ["GPT2Block"]})}
 
 
 def _model() -> torch.nn.Module:
@@ -53,7 +56,8 @@ def _ids(step: int) -> torch.Tensor:
 def _train(world_size: int, rank: int, strategy: str | None) -> dict[str, torch.Tensor]:
     model = _model()
     optimizer = _optimizer(model)
-    engine = None if strategy is None else px.Engine(model, optimizer=optimizer, exchange=strategy)
+    exchange = EXCHANGE.get(strategy or "", strategy)
+    engine = None if strategy is None else px.Engine(model, optimizer=optimizer, exchange=exchange)
     per = GLOBAL_BATCH // world_size
     for step in range(STEPS):
         ids = _ids(step)
@@ -64,7 +68,8 @@ def _train(world_size: int, rank: int, strategy: str | None) -> dict[str, torch.
         optimizer.zero_grad(set_to_none=True)
         model(input_ids=ids, labels=ids).loss.backward()
         optimizer.step()
-    return {k: v.clone() for k, v in model.state_dict().items()}
+    read = model if engine is None else engine.module  # fsdp: a gathered plain copy
+    return {k: v.clone() for k, v in read.state_dict().items()}
 
 
 def _all(ctx: px.Context) -> dict[str, dict[str, torch.Tensor]]:

@@ -102,3 +102,40 @@ def test_cli_trace_has_the_input_lane(tmp_path: Path) -> None:
     events = read_trace(tmp_path / "trace" / "trace.json")
     assert {e["args"]["step"] for e in events} == {2, 3, 4}
     assert {"compute", "wait", "optimizer", "input"} <= {e["lane"] for e in events}
+
+
+def train_traced_fsdp(ctx: Any, directory: str) -> str | None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 128), nn.ReLU(), nn.Linear(128, 128), nn.Linear(128, 4))
+    engine = px.Engine(
+        model,
+        nn.functional.cross_entropy,
+        lambda ps: torch.optim.SGD(ps, lr=0.1),
+        exchange="fsdp",
+        context=ctx,
+        trace=TraceConfig(directory=directory, first_step=2, num_steps=2),
+    )
+    for _ in range(4):
+        engine.step(torch.randn(8, 32), torch.randint(0, 4, (8,)))
+    written = str(engine.tracer.written) if engine.tracer.written else None
+    engine.close()
+    return written
+
+
+def test_fsdp_writes_a_trace_of_both_ranks(tmp_path: Path) -> None:
+    """fsdp has no buckets (torch's hooks run its exchange inside backward): its trace holds
+    both ranks' traced steps with their compute and optimizer lanes, one stream per rank."""
+    written = run_ranks(train_traced_fsdp, 2, str(tmp_path), timeout=120)
+    assert written[1] is None  # rank 0 writes the gathered file
+    events = read_trace(written[0])
+    assert {e["pid"] for e in events} == {0, 1}
+    assert {e["args"]["step"] for e in events} == {2, 3}
+    assert {e["lane"] for e in events} <= set(LANES)
+    for rank in (0, 1):
+        for step in (2, 3):
+            totals = lane_totals(events, rank=rank, step=step)
+            assert totals["compute"] > 0 and totals["optimizer"] > 0, (rank, step, totals)
+            mine = [e for e in events if e["pid"] == rank and e["args"]["step"] == step]
+            assert not [e for e in mine if e["name"].endswith(" exchange")]  # no buckets
+            names = [e["name"] for e in mine if e["lane"] == "compute"]
+            assert names == ["forward", "backward"], names  # backward whole, after forward
