@@ -197,6 +197,7 @@ class Engine:
         self._timer = PhaseTimer(self.ctx.device)
         # The step's mean loss over every rank (engine.stats.loss): a component.
         self.global_loss = GlobalLoss(self.world, keep=self._teardown.hold)
+        self._stop_vote = False  # request_stop(): sent with the next step's global loss
         self._build_hooks(bucket_mb, trace)
 
     def _adopt_optimizer(self, optimizer: OptimizerSpec | None) -> torch.optim.Optimizer:
@@ -331,6 +332,7 @@ class Engine:
         self.guard.count(skip, self.trainable, self.num_steps + 1, self.ctx.is_main)
         self._record(timer.read(), launched_in_backward)
         self.stats.loss = self.global_loss.finish()
+        self.stats.stop_requested = self.global_loss.stop_votes > 0
         end = StepEnd(self.num_steps + 1, not skip, self.num_updates, self.stats)
         for hook in self.hooks:
             hook.end(end)
@@ -358,7 +360,13 @@ class Engine:
         over every rank this step (no pipeline: the verdict's group is the world)."""
         one_group = self.pipeline is None and self.world.world_size == self.ctx.world_size
         rides = self.strategy.verdict_all_reduces and self.guard.inspects and one_group
-        self.global_loss.start(loss, self.reports_loss, rides)
+        self.global_loss.start(loss, self.reports_loss, rides, self._stop_vote)
+
+    def request_stop(self) -> None:
+        """Ask every rank to stop (a SIGTERM's handler may call it): this rank's vote travels
+        with the next step's global loss, after which ``stats.stop_requested`` is True on
+        every rank, so all stop at the same step with no collective of their own."""
+        self._stop_vote = True
 
     def trace_input(self, start: float, end: float) -> None:
         """The Trainer's wait for the next batch, for the trace of the step that follows."""

@@ -37,6 +37,7 @@ class StepStats:
     transfer_bytes: int = 0  # pipeline: bytes over this rank's transfer layers (fwd + bwd)
     input_wait_s: float = 0.0  # time the trainer blocked on the input pipeline (set by it)
     input_buffers_ready: int = 0  # pipeline buffers ready when the batch was asked for
+    stop_requested: bool = False  # some rank called Engine.request_stop (same on every rank)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

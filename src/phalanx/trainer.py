@@ -117,7 +117,6 @@ class Trainer:
         )  # stepped once per optimizer step; its state goes into checkpoints
         self.step = 0
         self.preempted = False  # a SIGTERM arrived: checkpoint at the next step boundary, stop
-        self._stop_requested = False
         if resume:
             self._restore()
         elif self.ctx.is_main:
@@ -152,7 +151,8 @@ class Trainer:
                 t0 = time.perf_counter()
                 x, y = self.loader.next()
                 self.engine.trace_input(t0, time.perf_counter())
-                loss, self.preempted = self._global_mean(self.engine.step(x, y))
+                self.engine.step(x, y)  # its stats: the global mean loss and any stop vote
+                loss, self.preempted = self.engine.stats.loss, self.engine.stats.stop_requested
                 lr = self.engine.optimizer.param_groups[0]["lr"]  # the rate this step used
                 if self.scheduler is not None:
                     self.scheduler.step()
@@ -268,16 +268,6 @@ class Trainer:
     def _due(self, every: int) -> bool:
         return self.step == self.total_steps or (every > 0 and self.step % every == 0)
 
-    def _global_mean(self, loss: torch.Tensor) -> tuple[float, bool]:
-        """The global batch's mean loss (dedicated servers contribute nothing), and whether
-        any rank was asked to stop (SIGTERM): the same all-reduce carries both, so every rank
-        stops at the same step boundary with no extra message."""
-        value = torch.zeros(2, dtype=torch.float64, device=self.ctx.device)
-        value[0] = loss.detach().to(torch.float64) * float(self.engine.reports_loss)
-        value[1] = float(self._stop_requested)
-        dist.all_reduce(value, group=self.ctx.group)
-        return float(value[0].item() / self.engine.data_world_size), bool(value[1].item() > 0)
-
     def _catch_sigterm(self) -> Any:
         """A scheduler's preemption (SIGTERM) asks for a checkpoint at the next step boundary;
         returns the function that puts the previous handler back."""
@@ -286,7 +276,7 @@ class Trainer:
         previous = signal.getsignal(signal.SIGTERM)
 
         def request_stop(signum: int, frame: Any) -> None:
-            self._stop_requested = True
+            self.engine.request_stop()
 
         signal.signal(signal.SIGTERM, request_stop)
         return lambda: signal.signal(signal.SIGTERM, previous)

@@ -96,8 +96,27 @@ def _count_all_reduces(fn: Callable[[], Any]) -> tuple[Any, int]:
         dist.all_reduce = original
 
 
+def _stop_votes(ctx: px.Context, strategy: str) -> torch.Tensor:
+    """``stats.stop_requested`` per step when the last rank calls ``request_stop`` before
+    step 1 (a SIGTERM's handler): its vote rides in that step's global loss."""
+    torch.manual_seed(0)
+    model = GPT()
+    engine = px.Engine(model, optimizer=model.configure_optimizers(weight_decay=0.1, lr=1e-3),
+                       exchange=strategy, max_grad_norm=CLIP)  # fmt: skip
+    flags = []
+    for step in range(3):
+        if step == 1 and ctx.rank == ctx.world_size - 1:
+            engine.request_stop()
+        engine.step(*tokens(step, 2))
+        flags.append(float(engine.stats.stop_requested))
+    engine.close()
+    return torch.tensor(flags)
+
+
 def _all(ctx: px.Context) -> dict[str, dict[str, torch.Tensor]]:
     out = {}
+    # allreduce: the vote in the loss's own all-reduce; partitioned: riding in the verdict's
+    out["stop votes"] = {s: _stop_votes(ctx, s) for s in ("allreduce", "partitioned")}
     for strategy in STRATEGIES:
         run = functools.partial(_gpt_run, ctx.world_size, ctx.rank, strategy)
         out[f"gpt {strategy}"], calls = _count_all_reduces(run)
@@ -119,6 +138,9 @@ def test_users_optimizer_groups_and_own_loss_equal_one_process(world_size: int) 
     # The global loss rides in partitioned's verdict all-reduce (one per step, as without the
     # loss); allreduce has no per-step all-reduce of its own besides the buckets and the loss.
     assert results[0]["gpt partitioned"].pop("all-reduces") == STEPS
+    for rank, result in enumerate(results):  # every rank sees the last rank's vote
+        for strategy, flags in result.pop("stop votes").items():
+            assert flags.tolist() == [0.0, 1.0, 1.0], (rank, strategy)
     for rank, result in enumerate(results):
         for case, state in result.items():
             state.pop("all-reduces", None)

@@ -62,6 +62,12 @@ def test_flags_set_their_fields() -> None:
     assert link.config_from_args(_args("link", "--models", "none")).models == ()
 
 
+def test_a_list_flag_repeated_adds_to_itself() -> None:
+    argv = ("planner", "--config", "a.toml", "--config", "b.toml,c.toml", "--worlds", "2")
+    cfg = config_from_flags(PlannerBenchConfig, _args(*argv))
+    assert cfg.config == ("a.toml", "b.toml", "c.toml") and cfg.worlds == (2,)
+
+
 def test_a_wrong_list_item_is_one_line() -> None:
     with pytest.raises(ConfigError, match="--microbatches: 'x' is not a int"):
         config_from_flags(PipelineBenchConfig, _args("pipeline", "--microbatches", "2,x"))

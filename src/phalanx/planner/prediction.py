@@ -14,13 +14,18 @@ def prediction_summary(run_dir: Path, step_times: list[float]) -> dict[str, floa
     """``summary.json``'s predicted vs measured step (median of the timed steps, the first
     few left out), where ``--auto-plan`` predicted this run; {} otherwise."""
     path = run_dir / PREDICTION
-    timed = step_times[len(step_times) // 5 :]  # warm-up (allocator, caches, auto layout)
-    if not path.is_file() or not timed:
+    if not path.is_file() or not step_times:
         return {}
     predicted = float(json.loads(path.read_text(encoding="utf-8"))["predicted_step_s"])
-    measured = statistics.median(timed)
+    measured = measured_step_s(step_times)
     return {
         "predicted_step_s": predicted,
         "measured_step_s": measured,
         "prediction_error": predicted / measured - 1.0,
     }
+
+
+def measured_step_s(step_times: list[float]) -> float:
+    """A run's measured step: the median of its step times, the first fifth left out (warm-up:
+    the allocator, caches, the auto threshold's layout). ``step_times`` must not be empty."""
+    return statistics.median(step_times[len(step_times) // 5 :])

@@ -59,11 +59,23 @@ def add_config_flags(p: argparse.ArgumentParser, cls: type, skip: tuple[str, ...
         text = f"{doc} (default {shown})" if shown not in ("", None) else doc
         text = text if doc else f"default {shown}"
         if kind[0] == "list":
-            p.add_argument(_flag(f.name), default=shown, help=f"comma list; {text}")
+            p.add_argument(_flag(f.name), default=shown, action=_Repeated,
+                           help=f"comma list, or the flag repeated; {text}")  # fmt: skip
         else:
             p.add_argument(_flag(f.name), type=kind[1], default=default, help=text)
     p.add_argument("--json", metavar="PATH", help="write every number (per round too) here")
     p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="tracebacks")
+
+
+class _Repeated(argparse.Action):
+    """A list flag given more than once adds to itself (``--config a --config b`` is
+    ``--config a,b``); given once, it replaces the default."""
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option: Any = None) -> None:
+        seen: set[str] = getattr(namespace, "_repeated_seen", set())
+        before = getattr(namespace, self.dest)
+        setattr(namespace, self.dest, f"{before},{values}" if self.dest in seen else values)
+        namespace._repeated_seen = seen | {self.dest}
 
 
 def config_from_flags(cls: type[C], args: argparse.Namespace, **given: Any) -> C:

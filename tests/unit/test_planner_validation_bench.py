@@ -1,0 +1,81 @@
+"""``phalanx bench planner --config ...`` (issue 28): the cells of each config, every prediction
+made before any cell runs, the halves split by directory, and the report's figures; the
+measuring processes are replaced here (the real ones run in ``phalanx bench planner``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from phalanx.bench import planner_validation as validation
+from phalanx.bench.planner import PlannerBenchConfig, format_report, run_benchmark
+from phalanx.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[2]
+CALIBRATION = str(ROOT / "configs/validation/calibration/cnn_small.toml")
+HELD_BACK = str(ROOT / "configs/validation/held_back/mlp_deep.toml")
+
+
+def test_the_validation_set_has_eight_families_in_two_halves() -> None:
+    found = {half: sorted((ROOT / "configs/validation" / half).glob("*.toml"))
+             for half in validation.HALVES}  # fmt: skip
+    assert all(len(paths) == 4 for paths in found.values())
+    assert validation.half_of(CALIBRATION) == "calibration"
+    assert validation.half_of(HELD_BACK) == "held_back"
+    assert validation.half_of("configs/digits_cnn.toml") == "given"
+
+
+def test_cells_cover_every_world_and_strategy_fsdp_without_a_codec() -> None:
+    cfg = PlannerBenchConfig(config=(CALIBRATION,), worlds=(1, 2))
+    cells = validation.cells_of(cfg, CALIBRATION)
+    assert [c.world for c in cells].count(1) == 1  # world 1: the config's own setup only
+    two = {(c.strategy, c.compress) for c in cells if c.world == 2}
+    assert ("fsdp", "fp16") not in two and ("fsdp", "none") in two
+    assert len(two) == 2 * len(cfg.strategies) - 1
+
+
+def test_every_prediction_is_made_before_any_cell_runs(monkeypatch: Any) -> None:
+    events: list[str] = []
+
+    def predict(cfg: Any, path: str, cluster: Any) -> tuple[dict[str, float], dict[str, Any]]:
+        events.append("predict")
+        cells = validation.cells_of(cfg, path)
+        return {c.key(): 0.010 * c.world for c in cells}, {"one_process_step_s": 0.01}
+
+    def measure(cfg: Any, cell: Any, run_dir: Path) -> float | str:
+        events.append("measure")
+        if cell.strategy == "ps" and cell.world == 2:
+            return "ps: refused in one line"
+        return 0.011 * cell.world if "held_back" in cell.config else 0.010 * cell.world
+
+    class Calibration:
+        host, measured_at, cluster = "vm", "2026-11-25T12:00:00", None
+
+    monkeypatch.setattr(validation, "predict", predict)
+    monkeypatch.setattr(validation, "measure", measure)
+    monkeypatch.setattr(validation, "load_or_calibrate", lambda _: Calibration())
+    cfg = PlannerBenchConfig(
+        config=(CALIBRATION, HELD_BACK),
+        worlds=(1, 2),
+        strategies=("allreduce", "ps"),
+        compress=("none",),
+        rounds=2,
+    )
+    result = run_benchmark(cfg)
+    assert events[:2] == ["predict", "predict"] and "predict" not in events[2:]
+    assert events.count("measure") == 2 * 2 * 3  # rounds x configs x cells
+    halves = result["halves"]
+    assert halves["calibration"]["median_abs_error"] == pytest.approx(0.0)
+    assert halves["held_back"]["median_abs_error"] == pytest.approx(1 - 1 / 1.1)
+    skipped = [r for r in result["rows"] if "skipped" in r]
+    assert len(skipped) == 2 and all("refused" in r["skipped"] for r in skipped)
+    report = format_report(result)
+    assert "held_back: 2 cells" in report and "MISSED" not in report  # 9.1% median and worst
+    assert "skipped: ps: refused in one line" in report
+
+
+def test_a_missing_config_is_one_line() -> None:
+    with pytest.raises(ConfigError, match="--config: 'nope.toml' is not a file"):
+        PlannerBenchConfig(config=("nope.toml",)).validate()
