@@ -7,9 +7,10 @@ Parts, each run as its own process with a time limit:
     mirror, fsdp on NCCL, compile on a GPU), with CUDA visible;
   - the benchmarks' GPU runs at small sizes: ``bench fsdp`` (fsdp vs torch's FSDP2 loop,
     world 1), ``bench exchange`` (the strategies on NCCL, world 1: one GPU holds one rank),
-    ``bench memory-layers`` (the memory manager), ``bench
-    optimizer`` (both still measure on the host: their GPU tiers are covered by the tests),
-    ``bench data`` (pinned copies on a side stream) and ``bench compile`` (one process).
+    ``bench memory-layers --device cuda`` (the memory manager against torch's checkpoint and
+    save_on_cpu, peaks in device memory), ``bench optimizer --device cuda`` (the optimizer's
+    state in pinned host memory, the host mirror), ``bench data`` (pinned copies on a side
+    stream) and ``bench compile`` (one process).
 
 Usage: python tools/test_cuda.py [--out cuda-report.md] [--quick]
 """
@@ -37,11 +38,10 @@ def parts(quick: bool) -> list[tuple[str, list[str], int]]:
         ("bench fsdp (world 1)", [*PHALANX, "bench", "fsdp", "--nproc", "1", *rounds], 300),
         ("bench exchange (NCCL, world 1)", [*PHALANX, "bench", "exchange", "--nproc", "1",
                                            "--models", "mlp", *rounds], 300),
-        # (these two benches run on the host even here: their CUDA tiers are in the tests above)
-        ("bench memory-layers (host)", [*PHALANX, "bench", "memory-layers",
-                                                    "--rounds", "1", "--budgets", "0.5"], 300),
-        ("bench optimizer (host)", [*PHALANX, "bench", "optimizer", "--rounds", "1",
-                                           "--layers", "6"], 300),
+        ("bench memory-layers (cuda)", [*PHALANX, "bench", "memory-layers", "--device", "cuda",
+                                        "--rounds", "1", "--budgets", "0.5"], 300),
+        ("bench optimizer (cuda)", [*PHALANX, "bench", "optimizer", "--device", "cuda",
+                                    "--rounds", "1", "--layers", "6"], 300),
         ("bench data (pinned copies)", [*PHALANX, "bench", "data", "--rounds", "2",
                                         "--train-rounds", "1"], 300),
     ]  # fmt: skip

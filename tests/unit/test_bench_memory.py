@@ -1,13 +1,16 @@
 """``phalanx bench memory-layers``: a tiny run end to end, a fresh process per measurement (every
 variant measured, the same losses), the summary's ratios and PASS/MISS lines, one-line config
-errors. No timing assertions."""
+errors (``--device cuda`` without a GPU too); on a GPU, a tiny run in this process on the device.
+No timing assertions."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
 import pytest
+import torch
 
 from phalanx.bench import memory as bench
 from tests.unit.test_cli import assert_one_line_error, run_main
@@ -118,6 +121,7 @@ def test_rotation_starts_round_zero_with_none() -> None:
         (["--rounds", "0"], "--rounds: must be >= 1"),
         (["--batch-size", "0"], "--batch-size: must be >= 1"),
         (["--spill-dir", "/no/such/dir"], "--spill-dir: '/no/such/dir' is not a directory"),
+        (["--device", "tpu"], "--device: 'tpu' is not one of cpu, cuda"),
     ],
 )
 def test_config_errors_are_one_line(
@@ -125,3 +129,38 @@ def test_config_errors_are_one_line(
 ) -> None:
     assert run_main(["bench", "memory-layers", *args]) == 2
     assert_one_line_error(capsys.readouterr().err, fragment)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_device_cuda_without_a_gpu_is_one_line(capsys: pytest.CaptureFixture) -> None:
+    assert run_main(["bench", "memory-layers", "--device", "cuda"]) == 2
+    assert_one_line_error(capsys.readouterr().err, "--device cuda:", "use --device cpu")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_tiny_run_on_cuda_measures_device_memory() -> None:
+    """On a GPU, in this process: every baseline and phalanx's smallest plan run on the device,
+    their peaks are CUDA's allocated bytes (exact in-process), the losses agree with none's;
+    recomputation and save_on_cpu (pinned: the saved tensors leave the GPU) lower the peak."""
+    cfg = dataclasses.replace(TINY, device="cuda", fresh_processes=False)
+    result = bench.run_benchmark(cfg)
+    bench._check(result)
+    assert result["meta"]["peak_of"].startswith("device:")
+    (only,) = result["rounds"]
+    for name in ("none", "checkpoint", "save_on_cpu", "phalanx@min"):
+        run = only["variants"][name]
+        assert "error" not in run, (name, run)
+        assert run["device"] == "cuda" and run["peak_of"].startswith("device:")
+        assert _positive(run["peak_bytes"]) and _positive(run["peak_device_bytes"])
+        assert "peak_rss_bytes" not in run and run["allocator_control"] is False
+    for name, run in only["variants"].items():
+        assert "error" in run or _positive(run["peak_bytes"]), (name, run)
+    summary = result["summary"]
+    assert result["meta"]["losses_agree"], {
+        name: row.get("max_loss_rel_diff_vs_none") for name, row in summary.items()
+    }
+    none = summary["none"]["median_peak_bytes"]
+    assert summary["checkpoint"]["median_peak_bytes"] < none
+    assert summary["save_on_cpu"]["median_peak_bytes"] < none
+    assert "CUDA max_memory_allocated" in bench.format_report(result)

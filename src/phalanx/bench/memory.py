@@ -13,15 +13,17 @@ Variants, each one plain training loop (forward, backward, optimizer step) aroun
   - ``none``: nothing managed;
   - ``checkpoint``: every layer of the nn.Sequential (stem, each block, head) under
     ``torch.utils.checkpoint`` (``use_reentrant=False``): full recomputation;
-  - ``save_on_cpu``: forward and backward under ``torch.autograd.graph.save_on_cpu(pin_memory=
-    False)``. It moves saved tensors to *host* memory; on a CPU-only machine they already are
+  - ``save_on_cpu``: forward and backward under ``torch.autograd.graph.save_on_cpu``. It moves
+    saved tensors to *host* memory; on a CPU-only machine (``pin_memory=False``) they already are
     there (``tensor.cpu()`` returns the tensor itself), so it can't lower the peak: the honest
-    result of torch's offload tool on this machine;
+    result of torch's offload tool on this machine. With ``--device cuda`` it runs with
+    ``pin_memory=True`` and really moves them off the device;
   - ``phalanx@F``: ``MemoryManager.build(layers, MemoryConfig(budget_mb=F x U))`` with the
     manager's ``step()`` around forward and backward, where U is the planner's own predicted
     unmanaged peak (parameters, gradients, optimizer state and every saved activation, from its
     profile of the model; computed once, in round 0's ``none`` process, after its measurement).
-    Offloaded layers go to the spill-file tier (``--spill-dir``, default the temp directory).
+    Offloaded layers go to the spill-file tier (``--spill-dir``, default the temp directory);
+    with ``--device cuda`` to pinned host memory (the manager's tier for a CUDA device).
 
 Method: every measurement is a fresh process (``run_ranks`` with one rank, one intra-op thread)
 started with ``MALLOC_MMAP_THRESHOLD_`` low (``allocator_env()``, put in this process's
@@ -50,6 +52,16 @@ bytes written and read per step (the offloader's stats). Every variant computes 
 already holds freed memory, so the peaks are rough (reused heap pages are not counted, a heap
 that grows is), and glibc is left in the reuse mode afterwards.
 
+``--device cuda`` (default ``cpu``): the model, the batch and the variant live on the GPU, the
+memory manager is built for the CUDA device (its tier: pinned host memory), and the peak is
+device memory: ``measure.StepPeak``'s CUDA meaning, ``torch.cuda.max_memory_allocated`` over
+the peak steps above ``torch.cuda.memory_allocated`` before them (the JSON's ``peak_of`` says
+which quantity a run's peak is). Step times are read after ``torch.cuda.synchronize()``. The
+allocator modes above and ``MALLOC_MMAP_THRESHOLD_`` are for host memory and are left alone
+(the CPU path is unchanged); in-process runs measure exact device peaks there. Losses on CUDA
+may differ from ``none``'s in the last bits (GPU kernels' summation order is not fixed):
+``losses_agree`` allows a relative ``LOSS_RTOL``, ``same_losses`` stays exact.
+
 Targets (issue 12): at the 50% budget phalanx's step time is at most 1.24x ``none`` (Layrub
 reports +24.1% at -58.2% memory); at every budget phalanx is no slower than full recomputation
 (``checkpoint``), whose peak is compared alongside.
@@ -58,7 +70,9 @@ reports +24.1% at -58.2% memory); at every budget phalanx is no slower than full
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
+import math
 import os
 import resource
 import statistics
@@ -83,6 +97,13 @@ LR, MOMENTUM, CLASSES = 0.01, 0.9, 10
 BASELINES = ("none", "checkpoint", "save_on_cpu")
 UNBOUNDED_MB = 2.0**40  # a budget every plan fits: the plan keeps every layer, U is its peak
 OVERHEAD_TARGET = 0.24  # at the 50% budget (Layrub: +24.1% step time at -58.2% memory)
+DEVICES = ("cpu", "cuda")
+LOSS_RTOL = 1e-5  # CUDA: losses agree within this relative difference (kernels' summation order)
+PEAK_OF = {  # what a run's peak_bytes is, per device type (recorded in the JSON)
+    "cpu": "rss: the process's VmHWM over the peak steps above its VmRSS before them",
+    "cuda": "device: torch.cuda.max_memory_allocated over the peak steps above "
+    "torch.cuda.memory_allocated before them",
+}
 
 
 @dataclass(frozen=True)
@@ -101,6 +122,7 @@ class MemoryBenchConfig:
     seed: int = option(0, "weight and data seed")
     threads: int = option(1, "intra-op threads per process")
     spill_dir: str = option("", "spill file directory (default: the temp directory)")
+    device: str = option("cpu", "where the model trains and the peak is measured: cpu or cuda")
     fresh_processes: bool = True  # False: every variant in this process (tests; peaks rougher)
     timeout_s: float = option(600.0, "seconds per measuring process")
 
@@ -126,6 +148,7 @@ class MemoryBenchConfig:
             raise ConfigError("--budgets: a fraction is given twice")
         if self.spill_dir and not os.path.isdir(self.spill_dir):
             raise ConfigError(f"--spill-dir: {self.spill_dir!r} is not a directory")
+        check_device(self.device)
 
     def variants(self) -> list[str]:
         return [*BASELINES, *(phalanx_name(f) for f in self.budgets), SMALLEST]
@@ -136,6 +159,25 @@ SMALLEST = "phalanx@min"  # phalanx's smallest plan: what a budget below the pla
 
 def phalanx_name(fraction: float) -> str:
     return f"phalanx@{fraction:g}"
+
+
+def check_device(device: str) -> None:
+    """``--device``: ``cpu``, or ``cuda`` where torch sees a GPU; otherwise one line naming the
+    fix (shared with ``phalanx bench optimizer``)."""
+    if device not in DEVICES:
+        raise ConfigError(f"--device: {device!r} is not one of {', '.join(DEVICES)}")
+    if device == "cuda" and not torch.cuda.is_available():
+        build = "a CPU-only build" if torch.version.cuda is None else f"CUDA {torch.version.cuda}"
+        raise ConfigError(
+            f"--device cuda: torch {torch.__version__} ({build}) sees no CUDA device here; "
+            "run on a machine with a GPU, or use --device cpu"
+        )
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work before a clock or a peak is read (no-op on a CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 # -- the model ----------------------------------------------------------------------------------
@@ -166,11 +208,17 @@ def build_layers(cfg: MemoryBenchConfig) -> list[nn.Module]:
     ]
 
 
-def make_batch(cfg: MemoryBenchConfig) -> tuple[torch.Tensor, torch.Tensor]:
+def make_batch(
+    cfg: MemoryBenchConfig, device: torch.device | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch, drawn on the host (the same numbers for every device), then on ``device``."""
     generator = torch.Generator().manual_seed(cfg.seed + 1)
     size = (cfg.batch_size, 3, cfg.image_size, cfg.image_size)
     x = torch.randn(size, generator=generator)
-    return x, torch.randint(0, CLASSES, (cfg.batch_size,), generator=generator)
+    y = torch.randint(0, CLASSES, (cfg.batch_size,), generator=generator)
+    if device is None or device.type == "cpu":
+        return x, y
+    return x.to(device), y.to(device)
 
 
 def _sgd(params: Any) -> torch.optim.Optimizer:
@@ -202,27 +250,33 @@ def _worker(ctx: Any, cfg: MemoryBenchConfig, variant: str, budget_mb: float, pr
 def measure_variant(
     cfg: MemoryBenchConfig, variant: str, budget_mb: float = 0.0, probe: bool = False
 ) -> dict[str, Any]:
-    """Build the model and ``variant``; measure the peak RSS ``cfg.peak_steps`` steps add above
-    the RSS before them (after one step), then time ``cfg.steps`` steps after ``cfg.warmup``
-    (module docstring). ``budget_mb``: phalanx's budget. ``probe``: afterwards, also plan with
+    """Build the model and ``variant`` on ``cfg.device``; measure the peak ``cfg.peak_steps``
+    steps add above what is held before them (after one step; the RSS on a CPU, CUDA's
+    allocated bytes on a GPU), then time ``cfg.steps`` steps after ``cfg.warmup`` (module
+    docstring). ``budget_mb``: phalanx's budget. ``probe``: afterwards, also plan with
     an unbounded budget and return the planner's unmanaged peak (``unmanaged_predicted_bytes``).
     A budget the planner cannot meet returns ``{"variant", "error"}`` instead of raising."""
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    allocator = _Allocator()
+    device = torch.device(cfg.device)
+    cpu = device.type == "cpu"
+    allocator = _Allocator(enabled=cpu)  # glibc's modes: host memory only
     allocator.measuring()  # fresh processes start so (the environment): here for in-process runs
-    device = torch.device("cpu")
-    x, y = make_batch(cfg)
+    x, y = make_batch(cfg, device)
     _warm_up(cfg, x, y)
-    layers = build_layers(cfg)
+    layers = [layer.to(device) for layer in build_layers(cfg)]
     manager: MemoryManager | None = None
     around: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
     if variant == "checkpoint":
         layers = [_Checkpointed(layer) for layer in layers]
     elif variant == "save_on_cpu":
-        around = _save_on_cpu
+        around = functools.partial(_save_on_cpu, pin_memory=not cpu)
     elif variant.startswith("phalanx@"):
-        memory = MemoryConfig(budget_mb=budget_mb, tier=TierConfig(directory=cfg.spill_dir))
+        memory = MemoryConfig(
+            budget_mb=budget_mb,
+            tier=TierConfig(directory=cfg.spill_dir),
+            release_host_memory=cpu,  # glibc's settings: for host memory, the CPU path's only
+        )
         try:
             manager = MemoryManager.build(layers, memory, device, (x, y), _loss, _sgd)
         except ConfigError as e:  # the budget is below the planner's floor: a result, reported
@@ -242,19 +296,22 @@ def measure_variant(
         optimizer.zero_grad(set_to_none=True)
         losses.append(float(loss.detach()))
 
+    def timed_step() -> float:
+        synchronize(device)
+        start = time.perf_counter()
+        step()
+        synchronize(device)  # a GPU's step is done when its queued kernels are
+        return time.perf_counter() - start
+
     # Phase 1: the peak, every large block its own mapping (freed to the kernel at once).
     allocator.measuring()
     step()  # the first step allocates the optimizer state, which stays
     gc.collect()
     allocator.trim()
-    baseline = measure.current_rss_bytes()
-    reset = measure.reset_peak()
-    peak_times = []
-    for _ in range(cfg.peak_steps):
-        start = time.perf_counter()
-        step()
-        peak_times.append(time.perf_counter() - start)
-    peak_rss = measure.peak_bytes()
+    meter = measure.StepPeak(device)  # what is held now; the high-water mark reset
+    peak_times = [timed_step() for _ in range(cfg.peak_steps)]
+    peak = meter.peak_bytes()
+    high = measure.peak_bytes(device)
     # Phase 2: the time, freed blocks kept in the heap for reuse (no page faults once warm).
     allocator.reuse()
     for _ in range(cfg.warmup):
@@ -262,22 +319,23 @@ def measure_variant(
     times, faults, spill = [], [], []
     for _ in range(cfg.steps):
         faulted = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
+        times.append(timed_step())
         faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faulted)
         if manager is not None and manager.offloader is not None:
             spill.append(manager.offloader.stats.as_dict())
+    held = "rss" if cpu else "device"
     out: dict[str, Any] = {
         "variant": variant,
+        "device": cfg.device,
         "step_s": times,
         "median_step_s": statistics.median(times),
         "minor_faults": faults,
         "peak_phase_step_s": peak_times,
-        "baseline_rss_bytes": baseline,
-        "peak_rss_bytes": peak_rss,
-        "peak_bytes": max(0, peak_rss - baseline),
-        "peak_reset": reset,
+        f"baseline_{held}_bytes": meter.start_bytes,
+        f"peak_{held}_bytes": high,
+        "peak_bytes": peak,
+        "peak_of": PEAK_OF[device.type],
+        "peak_reset": meter.exact,
         "allocator_control": allocator.available,
         "cgroup_peak_bytes": measure.cgroup_peak_bytes(),
         "losses": losses,
@@ -298,9 +356,9 @@ def measure_variant(
     if probe:
         del model, optimizer, layers
         gc.collect()
-        planner = MemoryManager.build(
-            build_layers(cfg), MemoryConfig(budget_mb=UNBOUNDED_MB), device, (x, y), _loss, _sgd
-        )
+        fresh = [layer.to(device) for layer in build_layers(cfg)]
+        unbounded = MemoryConfig(budget_mb=UNBOUNDED_MB, release_host_memory=cpu)
+        planner = MemoryManager.build(fresh, unbounded, device, (x, y), _loss, _sgd)
         out["unmanaged_predicted_bytes"] = planner.plan.unmanaged_peak
         out["smallest_predicted_bytes"] = planner.plan.smallest_peak
         planner.close()
@@ -311,7 +369,7 @@ def _warm_up(cfg: MemoryBenchConfig, x: torch.Tensor, y: torch.Tensor) -> None:
     """One step of a throwaway copy of the model: every variant then starts with what a step
     loads into the process (the modules an optimizer's first step imports, kernel caches), so
     the plans' "own growth of the process" is the same in every process as in the probe's."""
-    model = nn.Sequential(*build_layers(cfg))
+    model = nn.Sequential(*build_layers(cfg)).to(x.device)
     optimizer = _sgd(list(model.parameters()))
     _loss(model(x[:2]), y[:2]).backward()
     optimizer.step()
@@ -319,8 +377,9 @@ def _warm_up(cfg: MemoryBenchConfig, x: torch.Tensor, y: torch.Tensor) -> None:
     gc.collect()
 
 
-def _save_on_cpu() -> contextlib.AbstractContextManager[Any]:
-    return torch.autograd.graph.save_on_cpu(pin_memory=False)
+def _save_on_cpu(pin_memory: bool = False) -> contextlib.AbstractContextManager[Any]:
+    """torch's offload of saved tensors to host memory (pinned: asynchronous copies off a GPU)."""
+    return torch.autograd.graph.save_on_cpu(pin_memory=pin_memory)
 
 
 def fixed_bytes(cfg: MemoryBenchConfig) -> int:
@@ -342,12 +401,16 @@ class _Allocator:
     heap and freed memory stays there, never trimmed, so after one step a step faults no new
     page, as with a caching allocator (a GPU's): the times are compute and transfers. glibc's
     default (dynamic thresholds, trimming) re-faults and zeroes tens of thousands of pages a
-    step here, full recomputation ~150k, which would time the kernel instead."""
+    step here, full recomputation ~150k, which would time the kernel instead.
+
+    ``enabled=False`` (a run on a GPU, whose tensors glibc does not hold): every method is a
+    no-op and ``available`` is False."""
 
     REUSE_MMAP, REUSE_TRIM, MEASURING_TRIM = 32 << 20, 2**31 - 1, 128 << 10
 
-    def __init__(self) -> None:
-        self.available = measure.malloc_settable()
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
+        self.available = enabled and measure.malloc_settable()
 
     def reuse(self) -> None:
         self._set(self.REUSE_MMAP, self.REUSE_TRIM)
@@ -356,16 +419,22 @@ class _Allocator:
         self._set(measure.MMAP_THRESHOLD, self.MEASURING_TRIM)
 
     def trim(self) -> None:
-        measure.trim()
+        if self.enabled:
+            measure.trim()
 
     def _set(self, mmap_threshold: int, trim_threshold: int) -> None:
-        measure.set_malloc(mmap_threshold, trim_threshold)
+        if self.enabled:
+            measure.set_malloc(mmap_threshold, trim_threshold)
 
 
 @contextlib.contextmanager
-def _allocator_env() -> Iterator[None]:
+def _allocator_env(enabled: bool = True) -> Iterator[None]:
     """``allocator_env()`` in os.environ while the measuring processes are spawned: glibc reads
-    it when a process starts (``run_ranks(env=...)`` sets variables too late for that)."""
+    it when a process starts (``run_ranks(env=...)`` sets variables too late for that).
+    ``enabled=False`` (a run on a GPU): the environment is left as it is."""
+    if not enabled:
+        yield
+        return
     saved = {key: os.environ.get(key) for key in measure.allocator_env()}
     os.environ.update(measure.allocator_env())
     try:
@@ -389,7 +458,7 @@ def _run_one(cfg: MemoryBenchConfig, variant: str, budget_mb: float, probe: bool
 
     runtime = RuntimeConfig(threads=cfg.threads, timeout_s=cfg.timeout_s)
     args = (cfg, variant, budget_mb, probe)
-    with _allocator_env():
+    with _allocator_env(enabled=cfg.device == "cpu"):
         return run_ranks(_worker, 1, *args, timeout=cfg.timeout_s, runtime=runtime)[0]
 
 
@@ -434,6 +503,7 @@ def run_benchmark(cfg: MemoryBenchConfig) -> dict[str, Any]:
         "fixed_bytes": fixed_bytes(cfg),
         "unmanaged_predicted_bytes": unmanaged_predicted,
         "budgets_mb": budgets,
+        "peak_of": PEAK_OF[cfg.device],
     }
     return summarize({"meta": meta, "rounds": rounds}, cfg)
 
@@ -453,11 +523,13 @@ def summarize(result: dict[str, Any], cfg: MemoryBenchConfig) -> dict[str, Any]:
             "step_s": [run["median_step_s"] for run in runs],
             "peak_bytes": [run["peak_bytes"] for run in runs],
         }
-        row["max_loss_diff_vs_none"] = max(
-            abs(a - b)
+        pairs = [
+            (a, b)
             for r in rounds
             for a, b in zip(r["variants"][name]["losses"], r["variants"]["none"]["losses"])
-        )
+        ]
+        row["max_loss_diff_vs_none"] = max(abs(a - b) for a, b in pairs)
+        row["max_loss_rel_diff_vs_none"] = max(relative_diff(a, b) for a, b in pairs)
         row["median_minor_faults"] = statistics.median(
             f for run in runs for f in run["minor_faults"]
         )
@@ -485,8 +557,19 @@ def summarize(result: dict[str, Any], cfg: MemoryBenchConfig) -> dict[str, Any]:
     result["meta"]["same_losses"] = all(
         row.get("max_loss_diff_vs_none", 0.0) == 0.0 for row in summary.values()
     )
+    result["meta"]["losses_agree"] = all(
+        row.get("max_loss_rel_diff_vs_none", 0.0) <= LOSS_RTOL for row in summary.values()
+    )
     result["targets"] = _targets(summary, cfg)
     return result
+
+
+def relative_diff(a: float, b: float) -> float:
+    """|a - b| relative to |b| (the plain difference where b is 0; inf where either is NaN or
+    only one is infinite)."""
+    if not (math.isfinite(a) and math.isfinite(b)):
+        return 0.0 if a == b else math.inf
+    return abs(a - b) / abs(b) if b else abs(a - b)
 
 
 def _ratios(runs: list[dict], bases: list[dict], key: str) -> list[float]:
@@ -587,6 +670,8 @@ def format_report(result: dict[str, Any]) -> str:
     meta, summary = result["meta"], result["summary"]
     cfg = meta["config"]
     where = "one fresh process per measurement" if cfg["fresh_processes"] else "in this process"
+    if cfg.get("device", "cpu") == "cuda":
+        where += ", on the GPU"
     lines = [
         f"{meta['model']}; {meta['params']:,} parameters; {cfg['rounds']} round(s) x "
         f"{cfg['steps']} timed step(s) after {cfg['warmup']} warm-up, {where}",
@@ -611,10 +696,18 @@ def format_report(result: dict[str, Any]) -> str:
             f"{_mib(row['median_peak_bytes']):>9.1f} {_times(row['peak_vs_none']):>8} "
             f"{budget:>7} {predicted:>9} {spill:>14}  {plan}"
         )
-    lines.append(
-        "peak: VmHWM - RSS before the peak step (what a step adds above what the process holds "
-        "between steps); vs none: median of per-round ratios, rounds: their range; spill: per step"
-    )
+    if cfg.get("device", "cpu") == "cuda":
+        lines.append(
+            "peak: CUDA max_memory_allocated - memory_allocated before the peak step (what a step "
+            "adds above what the GPU holds between steps); vs none: median of per-round ratios, "
+            "rounds: their range; spill: per step (pinned host memory)"
+        )
+    else:
+        lines.append(
+            "peak: VmHWM - RSS before the peak step (what a step adds above what the process "
+            "holds between steps); vs none: median of per-round ratios, rounds: their range; "
+            "spill: per step"
+        )
     faults = ", ".join(
         f"{name} {row['median_minor_faults']:.0f}"
         for name, row in summary.items()
@@ -629,7 +722,14 @@ def format_report(result: dict[str, Any]) -> str:
                 f"{_mib(row['predicted_peak_bytes']):.0f} MiB)"
             )
     if not meta["same_losses"]:
-        lines.append("note: the variants' losses differ from none's (see the JSON)")
+        worst = max(row.get("max_loss_rel_diff_vs_none", 0.0) for row in summary.values())
+        if meta.get("losses_agree") and cfg.get("device", "cpu") == "cuda":
+            lines.append(
+                f"note: the variants' losses differ from none's by at most {worst:.1e} relative "
+                f"(within {LOSS_RTOL:g}: the GPU kernels' summation order)"
+            )
+        else:
+            lines.append("note: the variants' losses differ from none's (see the JSON)")
     lines += [t["line"] for t in result["targets"]]
     return "\n".join(lines)
 
