@@ -28,7 +28,7 @@ from phalanx.memory.profile import MemoryProfile, pick_device, profile_model
 from phalanx.models.config import build_model
 from phalanx.optim.factory import Factory, make_optimizer_factory
 from phalanx.precision import Precision
-from phalanx.runtime.context import Context
+from phalanx.runtime.context import Context, current_context
 
 if TYPE_CHECKING:
     from phalanx.config import RunConfig
@@ -201,6 +201,8 @@ def profile_run(config: RunConfig, steps: int | None = None, device: str = "auto
     where = pick_device(device)
     if where.type == "cpu" and config.runtime.threads > 0:
         torch.set_num_threads(config.runtime.threads)  # as phalanx.init sets a worker's
+    if where.type == "cpu" and config.runtime.reuse_host_memory:
+        measure.reuse_freed_memory()  # as phalanx.init sets a worker's heap
     torch.manual_seed(config.train.seed)
     network = model(config)
     if isinstance(network, nn.Sequential):
@@ -229,3 +231,37 @@ def profile_run(config: RunConfig, steps: int | None = None, device: str = "auto
     waits = feed.waits[warmup:][: len(profile.step_s)] or feed.waits
     profile.input_wait_s = statistics.median(waits)
     return profile
+
+
+ENGINE_WARMUP, ENGINE_STEPS = 3, 20  # the world-1 Engine's untimed, then timed steps
+
+
+def engine_phases(config: RunConfig, device: str = "auto") -> dict[str, float]:
+    """The run's own Engine on this one process (world 1: no exchange) over its input pipeline,
+    timed as ``phalanx train`` times a step: the medians (seconds) of its forward, backward and
+    optimizer phases and of the whole loop step (``loop``: batch, step, the loop's own work).
+    What the per-layer profile misses: the Engine's hooks, bookkeeping and gradient checks."""
+    where = pick_device(device)
+    if where.type == "cpu" and config.runtime.threads > 0:
+        torch.set_num_threads(config.runtime.threads)
+    if where.type == "cpu" and config.runtime.reuse_host_memory:
+        measure.reuse_freed_memory()
+    torch.manual_seed(config.train.seed)
+    dataset = data(config)
+    ctx = current_context()
+    run = engine(config, ctx, model(config).to(where), dataset, None)
+    times: dict[str, list[float]] = {"forward": [], "backward": [], "optimizer": [], "loop": []}
+    try:
+        with loader(config, dataset, run, where) as pipeline:
+            for i in range(ENGINE_WARMUP + ENGINE_STEPS):
+                started = time.perf_counter()
+                x, y = pipeline.next()[:2]
+                run.step(x, y)
+                if i >= ENGINE_WARMUP:
+                    times["loop"].append(time.perf_counter() - started)
+                    times["forward"].append(run.stats.forward_s)
+                    times["backward"].append(run.stats.backward_s)
+                    times["optimizer"].append(run.stats.optimizer_s)
+    finally:
+        run.close()
+    return {k: statistics.median(v) for k, v in times.items()}

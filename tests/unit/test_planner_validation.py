@@ -34,7 +34,9 @@ def test_recorded_cells_predict_within_the_bounds() -> None:
             cluster = cluster_from_dict(block["cluster"])
             setup = ExchangeSetup(**block["setup"])
             steps = [  # one simulated step per timed step, from that step's straggler
-                Simulator(StepProfile.from_dict(p), cluster).run(2, setup).step_s
+                Simulator(StepProfile.from_dict(p), cluster, measured_beside_exchange=True)
+                .run(2, setup)
+                .step_s
                 for p in block["profiles"]
             ]
             assert len(steps) == 12

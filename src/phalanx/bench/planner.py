@@ -221,7 +221,10 @@ def _simulate(block: dict[str, Any], cluster: Any, world: int) -> None:
 
     setup = ExchangeSetup(**block["setup"])
     runs = [
-        Simulator(StepProfile.from_dict(p), cluster).run(world, setup) for p in block["profiles"]
+        Simulator(StepProfile.from_dict(p), cluster, measured_beside_exchange=True).run(
+            world, setup
+        )
+        for p in block["profiles"]
     ]
     block["cluster"] = cluster.to_dict()
     block["predicted_s"] = statistics.fmean(r.step_s for r in runs)

@@ -8,8 +8,9 @@ For every run config given, with only what a user has before training:
     measured on the first use, then reused).
   Phase 2 (predict, once per config): a one-process profile of the config
     (``planner.step.measure_step_profile``, as ``phalanx plan`` takes it), then ``make_plan``
-    at every world size for every strategy and compression at the config's fusion threshold:
-    the predicted step of each cell.
+    at every world size for every strategy and compression at the config's fusion threshold,
+    the ranks on this one host (``ClusterConfig.on_one_host``: more ranks than cores take
+    turns): the predicted step of each cell.
   Phase 3 (measure): each cell is one ``phalanx train CONFIG --nproc N --set
     exchange.strategy=S --set exchange.compress=C`` process, as a user runs it; its measured
     step is what ``phalanx train --auto-plan`` compares against (``planner.prediction``: the
@@ -97,21 +98,19 @@ def predict(cfg: Any, path: str, cluster: Any) -> tuple[dict[str, float], dict[s
     """Phase 2: each cell's predicted step (by ``Cell.key``) from a one-process profile, and
     what the profile measured."""
     config = load_config(path)
-    profile = measure_step_profile(config)
+    profile = measure_step_profile(config, strategies=cfg.strategies)
     threshold = f"{config.exchange.bucket_mb:g}" if config.exchange.bucket_mb != "auto" else "auto"
     strategies = sorted({*cfg.strategies, config.exchange.strategy})
     compressions = sorted({*cfg.compress, config.exchange.compress or "none"})
-    plan = make_plan(
-        profile,
-        cluster,
-        list(cfg.worlds),
-        [(s, dict(config.exchange.options) if s == config.exchange.strategy else {})
-         for s in strategies],
-        thresholds=(threshold,),
-        compressions=compressions,
-    )  # fmt: skip
+    setups = [(s, dict(config.exchange.options) if s == config.exchange.strategy else {})
+              for s in strategies]  # fmt: skip
+    rows = []
+    for world in cfg.worlds:  # every world on this one host, as phalanx train --nproc runs it
+        here = cluster.on_one_host(world)
+        plan = make_plan(profile, here, [world], setups, (threshold,), compressions)
+        rows += plan.rows
     predicted = {}
-    for row in plan.rows:
+    for row in rows:
         if row.result is None:
             continue
         cell = Cell(config=path, world=row.devices, strategy=row.setup.strategy,

@@ -29,10 +29,11 @@ def auto_plan(config: Any, world_size: int, run_dir: Path) -> list[str]:
             "--auto-plan: the planner does not model [parallel] pipeline > 1 yet; "
             "choose the exchange yourself (phalanx plan CONFIG)"
         )
-    cluster = load_or_calibrate(False).cluster
+    # phalanx train --nproc N starts its N workers on this host
+    cluster = load_or_calibrate(False).cluster.on_one_host(world_size)
     cluster.check_devices(world_size)
-    profile = measure_step_profile(config)
     strategies = [s for s in _strategies(None, config.exchange) if _runnable(config, s[0])]
+    profile = measure_step_profile(config, strategies=[name for name, _ in strategies])
     plan = make_plan(profile, cluster, [world_size], strategies)
     best = plan.best(world_size)
     if best is None or best.result is None:

@@ -129,7 +129,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.profile:
         profile = load_step_profile(args.profile)
     else:
-        profile = measure_step_profile(config, steps=args.steps, device=args.device)
+        names = [name for name, _ in strategies]
+        profile = measure_step_profile(config, args.steps, args.device, strategies=names)
     plan = make_plan(profile, cluster, devices, strategies, thresholds, compressions)
     print(format_plan(plan))
     print(recommendation(plan, max(devices)))

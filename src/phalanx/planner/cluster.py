@@ -199,10 +199,20 @@ class ClusterConfig:
     def compute_slowdown_at(self, world: int) -> float:
         """How many times longer a rank's compute takes at ``world`` ranks than alone: the
         measured factor for the ranks sharing one node (the last one past what was measured)."""
-        if not self.compute_slowdown:
-            return 1.0
         ranks = min(world, self.devices_per_node)
-        return self.compute_slowdown[min(ranks, len(self.compute_slowdown)) - 1]
+        measured = self.compute_slowdown or (1.0,)
+        factor = measured[min(ranks, len(measured)) - 1]
+        cores = self.host_cores_per_node
+        if cores > 0 and ranks > cores:  # more CPU ranks than cores: they take turns
+            factor = max(factor, measured[min(cores, len(measured)) - 1] * ranks / cores)
+        return factor
+
+    def on_one_host(self, world: int) -> ClusterConfig:
+        """This cluster with ``world`` ranks started on one of its nodes (``phalanx train
+        --nproc N`` on this machine; N above its devices oversubscribes the cores)."""
+        if world <= self.devices_per_node:
+            return self
+        return replace(self, devices_per_node=world)
 
     def comm_rate_beside_compute(self, world: int) -> float:
         """How fast communication runs while the compute stream is busy, as a fraction of its

@@ -206,8 +206,14 @@ class Simulator:
         cluster: ClusterConfig,
         max_rounds: int = MAX_ROUNDS,
         max_round_messages: int = MAX_ROUND_MESSAGES,
+        measured_beside_exchange: bool = False,
     ) -> None:
+        """``measured_beside_exchange``: the profile's compute was measured in the very
+        multi-process run being predicted (the oracle mode, ``predict_step``), so it already
+        holds what communication took from it on shared cores: not taken again."""
+        self.measured = profile  # as measured (per strategy: ``StepProfile.for_strategy``)
         self.profile = profile.scaled(cluster.compute_speed)
+        self.measured_beside_exchange = measured_beside_exchange
         self.cluster = cluster
         self.max_rounds = max_rounds
         self.max_round_messages = max_round_messages
@@ -215,11 +221,15 @@ class Simulator:
         layer_of_grad = [i for i, layer in enumerate(self.profile.layers) for _ in layer.grad_bytes]
         self._layer_of_grad = layer_of_grad
 
-    def at(self, world: int) -> StepProfile:
-        """The step's compute at ``world`` ranks: slower where ranks share a node's cores or
+    def at(self, world: int, strategy: str | None = None) -> StepProfile:
+        """The step's compute at ``world`` ranks under ``strategy`` (its Engine's own world-1
+        step where the profile measured it): slower where ranks share a node's cores or
         memory bandwidth (``ClusterConfig.compute_slowdown``)."""
+        profile = self.profile
+        if strategy in self.measured.strategy_phases:
+            profile = self.measured.for_strategy(strategy).scaled(self.cluster.compute_speed)
         slowdown = self.cluster.compute_slowdown_at(world)
-        return self.profile if slowdown == 1.0 else self.profile.scaled(1.0 / slowdown)
+        return profile if slowdown == 1.0 else profile.scaled(1.0 / slowdown)
 
     def network(self, compress: str) -> Network:
         if compress not in self._networks:
@@ -258,7 +268,8 @@ class Simulator:
         network = self.network(setup.compress)
         if why := schedule.refuses(network.codec):
             raise ConfigError(f"exchange.compress: {why}")
-        units = schedule.unit_phases(world)
+        # CPU ranks run on Gloo, whose reduce-scatter is an all-reduce (schedules.py)
+        units = schedule.unit_phases(world, self.cluster.host_cores_per_node > 0)
         if units is not None:
             return self._run_units(world, setup, schedule, network, units)
         if setup.fusion_cycle_s > 0:
@@ -268,7 +279,7 @@ class Simulator:
         returns = schedule.return_phases(world)
         durations = self._durations(network, world, buckets, phases)
         return_durations = self._durations(network, world, buckets, [returns] * len(buckets))
-        timeline = _Timeline(self.at(world), buckets, self._layer_of_grad)
+        timeline = _Timeline(self.at(world, setup.strategy), buckets, self._layer_of_grad)
         timeline.agree_s = self._agree_s(network, world) if schedule.agrees_before_backward else 0.0
         timeline.handoff_s = self.cluster.handoff_s if world > 1 else 0.0
         timeline.on_thread = [
@@ -276,6 +287,9 @@ class Simulator:
         ]
         timeline.returns_on_thread = bool(returns) and schedule.on_thread(network.codec, False)
         timeline.comm_rate = self.cluster.comm_rate_beside_compute(world)
+        timeline.steals = not self.measured_beside_exchange
+        if world > 1 and not schedule.loss_rides_verdict and timeline.steals:
+            timeline.loss_s = self._agree_s(network, world)  # the same 1-message all-reduce
         for step in range(NUM_STEPS):
             timeline.step(
                 step,
@@ -311,8 +325,9 @@ class Simulator:
             return [list(zip(phases, unit)) for unit in seconds]
 
         gather, regather, reduce = timed(units.gather), timed(units.regather), timed(units.reduce)
-        timeline = _Timeline(self.at(world), plans, self._layer_of_grad)
+        timeline = _Timeline(self.at(world, setup.strategy), plans, self._layer_of_grad)
         timeline.comm_rate = self.cluster.comm_rate_beside_compute(world)
+        timeline.steals = not self.measured_beside_exchange
         for step in range(NUM_STEPS):
             timeline.step_units(
                 step, gather, regather, reduce, units.prefetch, schedule.optimizer_fraction(world)
@@ -477,6 +492,11 @@ def _progress(start: float, work: float, busy: list[tuple[float, float]], rate: 
     return t + work
 
 
+def _overlap(start: float, end: float, busy: list[tuple[float, float]]) -> float:
+    """Seconds of [start, end] inside the compute stream's ``busy`` intervals."""
+    return sum(max(0.0, min(end, hi) - max(start, lo)) for lo, hi in busy)
+
+
 class _Timeline:
     """The compute and communication streams of consecutive steps (Phases 1-5, module doc)."""
 
@@ -501,6 +521,12 @@ class _Timeline:
         self.on_thread = [False] * len(buckets)  # per bucket: its exchange is a thread's job
         self.returns_on_thread = False  # the send-back (return phases) too
         self.comm_rate = 1.0  # communication's speed while compute is busy (CPU ranks: < 1)
+        # CPU ranks sharing cores: the compute thread runs at the same reduced rate while
+        # communication runs beside it, so compute loses (1 - comm_rate) of every second they
+        # overlap; ``stolen`` collects that until the compute stream is next advanced
+        self.stolen = 0.0
+        self.steals = True  # False: the profile's compute already holds it (the oracle)
+        self.loss_s = 0.0  # the global loss's own all-reduce, beside backward (0: it rides)
         self.events: list[TraceEvent] = []
         self.stats: list[dict[str, float]] = []
         self.step_starts: list[float] = []
@@ -533,6 +559,20 @@ class _Timeline:
             bucket=bucket.index,
             bytes=bucket.nbytes,
         )
+
+    def _steal(self, start: float, end: float, busy: list[tuple[float, float]]) -> None:
+        """Communication over [start, end] beside compute on shared cores: compute runs at
+        ``comm_rate`` too meanwhile, losing (1 - comm_rate) of the overlap."""
+        if self.comm_rate < 1.0 and self.steals:
+            self.stolen += _overlap(start, end, busy) * (1.0 - self.comm_rate)
+
+    def _lose_stolen(self, step: int) -> None:
+        """Advance the compute stream by what communication took from it (an event on the
+        compute lane: the cores it shared)."""
+        if self.stolen > 0:
+            self._event(LANE_COMPUTE, "shared cores", self.now, self.now + self.stolen, step)
+            self.now += self.stolen
+            self.stolen = 0.0
 
     def step_fused(
         self,
@@ -643,6 +683,7 @@ class _Timeline:
         gate the whole step; returns the time spent waiting for parameters."""
         profile = self.profile
         parameter_wait = 0.0
+        self._lose_stolen(step)  # what the previous step's send-back took from this forward
         if profile.input_s > 0:
             self._event(LANE_INPUT, "input", self.now, self.now + profile.input_s, step)
             self.now += profile.input_s
@@ -694,15 +735,21 @@ class _Timeline:
         launched, step_done = backward_start, backward_end
         next_ready = [0.0] * len(self.buckets)
         busy = [(backward_start, backward_end)]  # the compute stream, for comm_rate
+        if self.loss_s > 0:  # on the backend's own thread, launched as backward starts
+            self._steal(backward_start, _progress(backward_start, self.loss_s, busy,
+                                                  self.comm_rate), busy)  # fmt: skip
         for bucket, bucket_phases, seconds in zip(self.buckets, phases, durations):
             b = bucket.index
-            launched = max(launched, ready[b], self.params_ready[b])
+            # backward so far lost ``stolen`` to communication: later gradients are later
+            busy = [(backward_start, backward_end + self.stolen)]
+            launched = max(launched, ready[b] + self.stolen, self.params_ready[b])
             clock = max(launched, self.comm_free)
             if self.on_thread[b] and self.comm_free < launched:  # the thread sleeps: wake it
                 clock += self.handoff_s
             gate_end = clock
             for phase, duration in zip(bucket_phases, seconds):
                 end = _progress(clock, duration, busy, self.comm_rate)
+                self._steal(clock, end, busy)
                 if phase.gates == FORWARD_PASS:
                     self._phase_event(bucket, phase.name, clock, end - clock, step)
                 clock = end
@@ -725,6 +772,10 @@ class _Timeline:
             if self.on_thread[b] and gate_end > backward_end:  # the compute thread waits
                 gate_end += self.handoff_s  # for the job, then wakes
             step_done = max(step_done, gate_end)
+        # The compute that communication took from backward on shared cores: backward ends
+        # that much later (the exchange's own slow-down is already in its phases).
+        self._lose_stolen(step)
+        step_done = max(step_done, self.now)
         # Phase 4: wait for the exchange, then the optimizer on this rank's share.
         self._finish(step, start, step_done, optimizer_fraction, parameter_wait)
         # Phase 5: send the updated buckets back, first those the next forward needs first;
@@ -740,6 +791,7 @@ class _Timeline:
                 clock += self.handoff_s
             for phase, duration in zip(returns, return_durations[b]):
                 end = _progress(clock, duration, busy, self.comm_rate)
+                self._steal(clock, end, busy)  # taken from the next step's forward
                 self._phase_event(bucket, phase.name, clock, end - clock, step)
                 clock = end
                 if phase.gates == STEP:
@@ -803,11 +855,13 @@ class _Timeline:
                     self._event(LANE_WAIT, "parameters", self.now, ready[unit], step, unit=unit)
                     wait += ready[unit] - self.now
                     self.now = segment = ready[unit]
-            self.now += compute_s
+            self.now += compute_s + self.stolen  # the issued phases' share of the cores
+            self.stolen = 0.0
             remaining -= compute_s
             if unit is not None and after is not None:
                 self._issue(step, unit, after[unit], remaining)
         self._event(LANE_COMPUTE, label, segment, self.now, step)
+        self._lose_stolen(step)  # the last reduce-scatter's share, beside the pass's end
         return wait
 
     def _issue(
@@ -824,6 +878,7 @@ class _Timeline:
         nbytes = self.buckets[unit].nbytes
         for phase, duration in phases:
             end = _progress(clock, duration, busy, self.comm_rate)
+            self._steal(clock, end, busy)
             self._event(
                 LANE_EXCHANGE,
                 f"u{unit} {phase.name}",
@@ -904,4 +959,4 @@ def predict_step(
         bucket_bytes=int(bucket_bytes),
         compress=compress,
     )
-    return Simulator(profile, cluster).run(world_size, setup)
+    return Simulator(profile, cluster, measured_beside_exchange=True).run(world_size, setup)

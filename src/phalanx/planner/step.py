@@ -43,6 +43,10 @@ class StepProfile:
     engine_s: float = 0.0  # per-step work of the training loop itself (bucket bookkeeping, checks)
     source: str = ""  # where the numbers come from
     meta: dict[str, Any] = field(default_factory=dict)
+    # per exchange strategy, the run's own Engine at world 1 (``build.engine_phases``): what
+    # ``for_strategy`` calibrates the totals to (fsdp's world-1 step copies every unit in and
+    # out; ps serves on its thread); empty: the layers' own totals for every strategy
+    strategy_phases: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.layers:
@@ -140,6 +144,34 @@ class StepProfile:
             meta={"timed_steps": len(profile.step_s), "step_spread": profile.spread},
         )
 
+    def calibrated(self, phases: dict[str, float]) -> StepProfile:
+        """This profile with its totals set to the run's own Engine's (``build.engine_phases``,
+        world 1): each layer's forward and backward scaled by one factor per pass (the split
+        between layers kept), the optimizer's seconds per byte, and ``engine_s`` the loop's
+        time outside forward, backward, optimizer and input (its bookkeeping; at world 1 the
+        exchange is none)."""
+        forward = phases["forward"] / self.forward_s if self.forward_s > 0 else 1.0
+        backward = phases["backward"] / self.backward_s if self.backward_s > 0 else 1.0
+        layers = [
+            replace(layer, forward_s=layer.forward_s * forward,
+                    backward_s=layer.backward_s * backward)
+            for layer in self.layers
+        ]  # fmt: skip
+        inside = phases["forward"] + phases["backward"] + phases["optimizer"] + self.input_s
+        return replace(
+            self,
+            layers=layers,
+            optimizer_s_per_byte=phases["optimizer"] / max(1, self.total_grad_bytes),
+            engine_s=max(0.0, phases["loop"] - inside),
+            source=f"{self.source}, totals from the run's Engine",
+            meta={**self.meta, "engine_phases": dict(phases)},
+        )
+
+    def for_strategy(self, strategy: str | None) -> StepProfile:
+        """This step as ``strategy``'s Engine runs it at world 1, where that was measured."""
+        phases = self.strategy_phases.get(strategy or "")
+        return self if phases is None else self.calibrated(phases)
+
     @property
     def spread(self) -> float | None:
         """The profiled steps' IQR over their median (``phalanx profile``; None: not known)."""
@@ -214,6 +246,7 @@ class StepProfile:
             "input_s": self.input_s,
             "engine_s": self.engine_s,
             "meta": self.meta,
+            "strategy_phases": self.strategy_phases,
             "layers": [
                 {
                     "name": layer.name,
@@ -243,6 +276,10 @@ class StepProfile:
                 optimizer_s_per_byte=float(data.get("optimizer_s_per_byte", 0.0)),
                 input_s=float(data.get("input_s", 0.0)),
                 engine_s=float(data.get("engine_s", 0.0)),
+                strategy_phases={
+                    str(k): {str(n): float(x) for n, x in v.items()}
+                    for k, v in dict(data.get("strategy_phases", {})).items()
+                },
                 source=str(data.get("source", "")),
                 meta=dict(data.get("meta", {})),
             )
@@ -296,10 +333,26 @@ def load_step_profile(path: Path | str, forward_s: float | None = None) -> StepP
 
 
 def measure_step_profile(
-    config: Any, steps: int | None = None, device: str = "auto"
+    config: Any,
+    steps: int | None = None,
+    device: str = "auto",
+    strategies: tuple[str, ...] | list[str] = (),
 ) -> StepProfile:
     """Measure a run config's step on this process with ``phalanx profile``'s per-layer profiler
-    (build.profile_run: warm-up, then medians; ``steps`` None: until they are stable)."""
-    from phalanx.build import profile_run
+    (build.profile_run: warm-up, then medians; ``steps`` None: until they are stable), its
+    totals then set to what the run's own Engine takes per step at world 1 (``calibrated``:
+    the hooks, checks and bookkeeping of the step ``phalanx train`` runs). A pipeline-parallel
+    config keeps the per-layer totals (its Engine needs every stage's process).
+    ``strategies``: also measure each one's Engine at world 1 (``for_strategy``)."""
+    from phalanx.build import engine_phases, profile_run
 
-    return StepProfile.from_memory_profile(profile_run(config, steps=steps, device=device))
+    profile = StepProfile.from_memory_profile(profile_run(config, steps=steps, device=device))
+    if config.parallel.enabled:
+        return profile
+    own = config.exchange.strategy
+    measured = {own: engine_phases(config, device)}
+    for name in strategies:
+        if name not in measured:
+            other = replace(config, exchange=replace(config.exchange, strategy=name, options={}))
+            measured[name] = engine_phases(other, device)
+    return replace(profile.calibrated(measured[own]), strategy_phases=measured)

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from phalanx.fields import option, require
+from phalanx.memory import measure
 
 Backend = Literal["auto", "gloo", "nccl"]
 DeviceKind = Literal["auto", "cpu", "cuda"]
@@ -36,6 +37,12 @@ class RuntimeConfig:
     device: DeviceKind = option("auto", "auto = cuda:LOCAL_RANK when CUDA is available, else cpu")
     threads: int = option(1, "intra-op threads per CPU process (0 = leave torch's default)")
     timeout_s: float = option(300.0, "collective timeout in seconds; a dead peer fails after it")
+    reuse_host_memory: bool = option(
+        True,
+        "CPU processes: freed tensors up to 32 MiB stay in the heap for the next step "
+        "(glibc's mmap threshold fixed; measured ~25% faster steps on a wide MLP); false: "
+        "glibc's defaults. [memory] release_host_memory takes over while it is on",
+    )
 
     def __post_init__(self) -> None:
         require(self.threads >= 0, "threads", f"must be >= 0, got {self.threads}")
@@ -136,6 +143,8 @@ def init(
     backend = _pick_backend(config.backend, device)
     if device.type == "cpu" and config.threads > 0:
         torch.set_num_threads(config.threads)
+    if device.type == "cpu" and config.reuse_host_memory:
+        measure.reuse_freed_memory()
     if not dist.is_initialized():
         _join_group(backend, config.timeout_s, init_method, rank, world_size)
     group = dist.group.WORLD
