@@ -49,7 +49,8 @@ CACHE_ENV = "PHALANX_CACHE_DIR"
 FORMAT = "phalanx.cluster/1"
 NPROC = 2  # the link needs two ranks; more would oversubscribe a small machine's cores
 ROUNDS = 3  # calibrations whose median is kept (~3 s each here)
-REFERENCE_STEPS = 20  # timed steps of the reference step per process (~0.1 s here)
+REFERENCE_S = 1.0  # seconds each process times the reference step over (the same window)
+REFERENCE_START_S = 4.0  # the window starts this long after the processes are asked to start
 MAX_SLOWDOWN_RANKS = 8  # ranks per node the compute slow-down is measured for (more: the last)
 # Between machines: nothing here measures it. 10 Gb/s Ethernet over TCP, as a plan's stated
 # default: ~1.1 GB/s effective per direction, 50 us per message (kernel TCP round trips).
@@ -106,9 +107,10 @@ def measure_link(nproc: int = NPROC, rounds: int = ROUNDS) -> LinkModel:
     return LinkModel.from_dict(result["median"])
 
 
-def _reference_step_s(_: int) -> float:
+def _reference_step_s(start_at: float) -> float:
     """One CPU rank's reference step (an MLP's forward, backward and Adam step on one intra-op
-    thread, as phalanx runs a CPU rank): the median of its timed steps, in seconds."""
+    thread, as phalanx runs a CPU rank), timed for ``REFERENCE_S`` from the wall-clock time
+    ``start_at`` on (every process of a measurement at once): the median step, in seconds."""
     import time
 
     import torch
@@ -119,29 +121,39 @@ def _reference_step_s(_: int) -> float:
     model = torch.nn.Sequential(*[m for layer in layers for m in (layer, torch.nn.GELU())])
     optimizer = torch.optim.Adam(model.parameters())
     x = torch.randn(64, 512)
-    times = []
-    for step in range(REFERENCE_STEPS + 3):
-        start = time.perf_counter()
+
+    def step() -> None:
         model(x).square().mean().backward()
         optimizer.step()
         optimizer.zero_grad()
-        if step >= 3:  # warm-up: the allocator and the optimizer's state
-            times.append(time.perf_counter() - start)
+
+    for _ in range(3):  # warm-up: the allocator and the optimizer's state
+        step()
+    while time.time() < start_at:  # the others are still starting: wait for them
+        time.sleep(1e-3)
+    times = []
+    while time.time() < start_at + REFERENCE_S:
+        started = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - started)
     return statistics.median(times)
 
 
 def measure_compute_slowdown(cores: int) -> tuple[float, ...]:
     """(1, t2 / t1, ..., tk / t1) for k up to ``cores`` (at most ``MAX_SLOWDOWN_RANKS``): the
-    reference step in k processes at once against one process alone; the ranks of one node
-    share its cores, caches and memory bandwidth, which slows each one's compute."""
+    reference step in k processes at once (started, then timed over the same wall-clock
+    window) against one process alone; the ranks of one node share its cores, caches and
+    memory bandwidth, which slows each one's compute."""
     import multiprocessing
+    import time
     from concurrent.futures import ProcessPoolExecutor
 
     context = multiprocessing.get_context("spawn")
     medians = []
     for ranks in range(1, min(cores, MAX_SLOWDOWN_RANKS) + 1):
         with ProcessPoolExecutor(ranks, mp_context=context) as pool:
-            medians.append(statistics.median(pool.map(_reference_step_s, range(ranks))))
+            start_at = time.time() + REFERENCE_START_S  # after every process imported torch
+            medians.append(statistics.median(pool.map(_reference_step_s, [start_at] * ranks)))
     # ranks together cannot compute faster than alone: a factor under 1 is the machine's noise
     return tuple(max(1.0, m / medians[0]) for m in medians)
 
