@@ -59,6 +59,7 @@ def every_term() -> ClusterConfig:
         host_cores_per_node=8,
         handoff_s=1.6e-5,
         compute_slowdown=(1.0, 1.35),
+        collective_call_s=7e-4,
         assumed=("inter: not measured: 10 GbE assumed",),
     )
 
@@ -104,7 +105,8 @@ MEASURE = calibrate.calibrate_machine  # the real one, before a test replaces it
 
 def fake_calibration(calls: list[int]) -> ClusterConfig:
     calls.append(1)
-    return MEASURE(lambda: LINK, lambda: 2e-10, lambda: 5e-11, lambda cores: (1.0, 1.3)[:cores])
+    return MEASURE(lambda: LINK, lambda: 2e-10, lambda: 5e-11, lambda cores: (1.0, 1.3)[:cores],
+                   lambda alpha: 1e-3)  # fmt: skip
 
 
 def test_the_calibration_measures_every_term_and_states_the_network() -> None:
@@ -113,6 +115,7 @@ def test_the_calibration_measures_every_term_and_states_the_network() -> None:
     assert cluster.compute_slowdown == (1.0, 1.3)[: calibrate.host_cores()]
     assert cluster.host_cores_per_node == calibrate.host_cores() >= 1
     assert cluster.message_overhead_s > 0 and cluster.handoff_s == pytest.approx(2.5e-5)
+    assert cluster.collective_call_s == 1e-3
     assert cluster.nodes == 0 and cluster.inter == calibrate.ASSUMED_INTER
     assert cluster.assumed == (calibrate.INTER_NOTE,)  # the one term not measured
     cluster.check_devices(1024)
@@ -278,3 +281,25 @@ def test_more_ranks_than_cores_on_one_host_take_turns() -> None:
     assert base.compute_slowdown_at(3) == pytest.approx(1.1)  # 2 per node over a network
     devices = dataclasses.replace(base, host_cores_per_node=0)  # GPUs: no turns
     assert devices.on_one_host(3).compute_slowdown_at(3) == pytest.approx(1.1)
+
+
+def test_fsdp_collectives_cost_the_compute_thread_until_ranks_outnumber_cores() -> None:
+    """collective_call_s: each fully_shard collective (all-gather, its repeat before backward,
+    reduce-scatter) costs the compute thread that much per ring step (a 'collective calls'
+    span); none at 1 device, none when more CPU ranks than cores take turns (another rank
+    computes meanwhile); the probe itself returns a cost >= 0."""
+    from phalanx.planner.sim import ExchangeSetup, Simulator
+
+    step = StepProfile.synthesize(samples_per_s=4000, batch_size=32, layer_params=[1000, 5000])
+    base = dataclasses.replace(every_term(), devices_per_node=2, host_cores_per_node=2,
+                               compute_slowdown=(), collective_call_s=0.0)  # fmt: skip
+    costly = dataclasses.replace(base, collective_call_s=1e-3)
+    assert costly.collective_call_s_at(1) == 0.0 and costly.collective_call_s_at(2) == 1e-3
+    assert costly.on_one_host(3).collective_call_s_at(3) == 0.0  # 3 ranks on 2 cores
+    assert dataclasses.replace(costly, host_cores_per_node=0).collective_call_s_at(3) == 2e-3
+    fsdp = ExchangeSetup(strategy="fsdp")
+    free, charged = (Simulator(step, c).run(2, fsdp) for c in (base, costly))
+    calls = [e for e in charged.events if e.name == "collective calls"]
+    assert len(calls) == 3 * 2 and all(e.duration_s == pytest.approx(1e-3) for e in calls)
+    assert not [e for e in free.events if e.name == "collective calls"]
+    assert charged.step_s > free.step_s + 3e-3  # some of the calls replace waits for gathers

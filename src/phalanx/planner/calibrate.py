@@ -158,11 +158,55 @@ def measure_compute_slowdown(cores: int) -> tuple[float, ...]:
     return tuple(max(1.0, m / medians[0]) for m in medians)
 
 
+CALL_UNITS = 8  # tiny fully_shard units of the collective-call probe
+
+
+def _tiny_fsdp_step_s(ctx: Any) -> float:
+    """The median step of ``CALL_UNITS`` tiny fully_shard units (16 x 16 Linear: the bytes
+    moved are nothing) on this rank, one intra-op thread."""
+    import time
+
+    import torch
+    from torch.distributed.fsdp import fully_shard
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(CALL_UNITS)])
+    for layer in model:
+        fully_shard(layer, mesh=None)
+    fully_shard(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(4, 16)
+    times = []
+    for step in range(40):
+        started = time.perf_counter()
+        model(x).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if step >= 10:
+            times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def measure_collective_call_s(alpha_s: float) -> float:
+    """Seconds a fully_shard collective costs its rank's compute thread per ring step beyond
+    the link's latency ``alpha_s``: a tiny model's step at 2 ranks minus alone, over its 3
+    collectives per unit (all-gather, again before backward, reduce-scatter); measured here
+    0.9-1.1 ms on Gloo (latency 0.1 ms)."""
+    from phalanx.runtime.spawn import run_ranks
+
+    alone = run_ranks(_tiny_fsdp_step_s, 1, timeout=120)[0]
+    together = max(run_ranks(_tiny_fsdp_step_s, NPROC, timeout=120))
+    per_call = (together - alone) / (3 * CALL_UNITS) / (NPROC - 1)
+    return max(0.0, per_call - alpha_s)
+
+
 def calibrate_machine(
     measure: Callable[[], Any] = measure_link,
     codec: Callable[[], float] = measure_codec_s_per_byte,
     add: Callable[[], float] = measure_add_s_per_byte,
     slowdown: Callable[[int], tuple[float, ...]] = measure_compute_slowdown,
+    calls: Callable[[float], float] = measure_collective_call_s,
 ) -> ClusterConfig:
     """This machine as a cluster of identical machines, every term measured or stated (see
     the module doc). ``measure``, ``codec``, ``add``, ``slowdown``: the measurements (tests
@@ -183,6 +227,7 @@ def calibrate_machine(
     return replace(
         cluster,
         compute_slowdown=slowdown(cores),
+        collective_call_s=calls(cluster.intra.alpha_s),
         nodes=0,  # as many such machines as a plan asks for, joined by the assumed network
         inter=ASSUMED_INTER,
         assumed=(*cluster.assumed, INTER_NOTE),

@@ -109,6 +109,13 @@ class ClusterConfig:
         "for that thread's job resumes that much after it ends (from_link takes the median of "
         "exchange.comm.measure_handoff_s)",
     )
+    collective_call_s: float = option(
+        0.0,
+        "seconds a per-unit collective of torch's fully_shard costs the rank's compute thread "
+        "per ring step beyond its transfer (the call, FSDP2's hooks and copies, waking up for "
+        "its result); measured once per cluster on a tiny fully_shard model at 2 ranks "
+        "(calibrate.measure_collective_call_s); 0: not charged",
+    )
     compute_slowdown: tuple[float, ...] = option(
         (),
         "the step's compute time with k ranks on a node over its time alone, for k = 1, 2, "
@@ -145,7 +152,8 @@ class ClusterConfig:
             "compute_slowdown",
             f"factors must be > 0, got {list(self.compute_slowdown)}",
         )
-        for key in ("codec_s_per_byte", "add_s_per_byte", "message_overhead_s", "handoff_s"):
+        for key in ("codec_s_per_byte", "add_s_per_byte", "message_overhead_s", "handoff_s",
+                    "collective_call_s"):  # fmt: skip
             value = getattr(self, key)
             require(math.isfinite(value) and value >= 0, key, f"must be >= 0, got {value!r}")
 
@@ -206,6 +214,16 @@ class ClusterConfig:
         if cores > 0 and ranks > cores:  # more CPU ranks than cores: they take turns
             factor = max(factor, measured[min(cores, len(measured)) - 1] * ranks / cores)
         return factor
+
+    def collective_call_s_at(self, world: int) -> float:
+        """A fully_shard collective's cost to its rank's compute thread at ``world`` ranks:
+        ``collective_call_s`` per ring step (world - 1 of them). On a node with more CPU ranks
+        than cores none: while a rank waits in the call, another rank computes on its core
+        (the cores are never idle), so it hides inside the ranks' taking turns."""
+        cores, ranks = self.host_cores_per_node, min(world, self.devices_per_node)
+        if world < 2 or (cores > 0 and ranks > cores):
+            return 0.0
+        return self.collective_call_s * (world - 1)
 
     def on_one_host(self, world: int) -> ClusterConfig:
         """This cluster with ``world`` ranks started on one of its nodes (``phalanx train
@@ -408,7 +426,8 @@ def cluster_to_toml(cluster: ClusterConfig, comment: str = "") -> str:
     lines = [f"# {line}".rstrip() for line in comment.splitlines()]
     for key in ("name", "description", "nodes", "devices_per_node", "shared_nic", "shared_intra",
                 "compute_speed", "codec_s_per_byte", "add_s_per_byte", "message_overhead_s",
-                "handoff_s", "host_cores_per_node", "compute_slowdown", "assumed"):  # fmt: skip
+                "handoff_s", "host_cores_per_node", "collective_call_s", "compute_slowdown",
+                "assumed"):  # fmt: skip
         lines.append(f"{key} = {value(getattr(cluster, key))}")
     for level in LEVELS:
         link = getattr(cluster, level)

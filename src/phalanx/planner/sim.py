@@ -328,6 +328,7 @@ class Simulator:
         timeline = _Timeline(self.at(world, setup.strategy), plans, self._layer_of_grad)
         timeline.comm_rate = self.cluster.comm_rate_beside_compute(world)
         timeline.steals = not self.measured_beside_exchange
+        timeline.call_s = self.cluster.collective_call_s_at(world)
         for step in range(NUM_STEPS):
             timeline.step_units(
                 step, gather, regather, reduce, units.prefetch, schedule.optimizer_fraction(world)
@@ -527,6 +528,7 @@ class _Timeline:
         self.stolen = 0.0
         self.steals = True  # False: the profile's compute already holds it (the oracle)
         self.loss_s = 0.0  # the global loss's own all-reduce, beside backward (0: it rides)
+        self.call_s = 0.0  # per unit collective, on the compute thread (collective_call_s)
         self.events: list[TraceEvent] = []
         self.stats: list[dict[str, float]] = []
         self.step_starts: list[float] = []
@@ -873,6 +875,10 @@ class _Timeline:
         yet), which slows the phases on CPU ranks (``comm_rate``)."""
         if not phases:
             return 0.0
+        calls = self.call_s * len(phases)  # the compute thread's part of each collective
+        if calls > 0:
+            self._event(LANE_COMPUTE, "collective calls", self.now, self.now + calls, step)
+            self.now += calls
         clock = max(self.now, self.comm_free)
         busy = [(self.now, self.now + remaining)]
         nbytes = self.buckets[unit].nbytes
