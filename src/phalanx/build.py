@@ -189,6 +189,15 @@ def _until_stable() -> Any:
     return done
 
 
+def _as_a_worker(config: RunConfig, where: torch.device) -> None:
+    """This process's intra-op threads and heap as ``phalanx.init`` sets a CPU worker's, so a
+    profile measures the step ``phalanx train`` runs."""
+    if where.type == "cpu" and config.runtime.threads > 0:
+        torch.set_num_threads(config.runtime.threads)
+    if where.type == "cpu" and config.runtime.reuse_host_memory:
+        measure.reuse_freed_memory()
+
+
 def profile_run(config: RunConfig, steps: int | None = None, device: str = "auto") -> MemoryProfile:
     """Profile a run's model, data, optimizer and precision on this process as ``phalanx
     train`` runs a step: intra-op threads as ``phalanx.init`` sets them, the config's
@@ -199,10 +208,7 @@ def profile_run(config: RunConfig, steps: int | None = None, device: str = "auto
     if steps is not None and steps < 1:
         raise ConfigError(f"--steps: must be >= 1, got {steps}")
     where = pick_device(device)
-    if where.type == "cpu" and config.runtime.threads > 0:
-        torch.set_num_threads(config.runtime.threads)  # as phalanx.init sets a worker's
-    if where.type == "cpu" and config.runtime.reuse_host_memory:
-        measure.reuse_freed_memory()  # as phalanx.init sets a worker's heap
+    _as_a_worker(config, where)
     torch.manual_seed(config.train.seed)
     network = model(config)
     if isinstance(network, nn.Sequential):
@@ -242,10 +248,7 @@ def engine_phases(config: RunConfig, device: str = "auto") -> dict[str, float]:
     optimizer phases and of the whole loop step (``loop``: batch, step, the loop's own work).
     What the per-layer profile misses: the Engine's hooks, bookkeeping and gradient checks."""
     where = pick_device(device)
-    if where.type == "cpu" and config.runtime.threads > 0:
-        torch.set_num_threads(config.runtime.threads)
-    if where.type == "cpu" and config.runtime.reuse_host_memory:
-        measure.reuse_freed_memory()
+    _as_a_worker(config, where)
     torch.manual_seed(config.train.seed)
     dataset = data(config)
     ctx = current_context()

@@ -12,6 +12,7 @@ import pytest
 from phalanx.bench import planner_validation as validation
 from phalanx.bench.planner import PlannerBenchConfig, format_report, run_benchmark
 from phalanx.errors import ConfigError
+from tests.unit.test_cli import run_main
 
 ROOT = Path(__file__).resolve().parents[2]
 CALIBRATION = str(ROOT / "configs/validation/calibration/cnn_small.toml")
@@ -79,3 +80,29 @@ def test_every_prediction_is_made_before_any_cell_runs(monkeypatch: Any) -> None
 def test_a_missing_config_is_one_line() -> None:
     with pytest.raises(ConfigError, match="--config: 'nope.toml' is not a file"):
         PlannerBenchConfig(config=("nope.toml",)).validate()
+
+
+@pytest.mark.timeout(300)
+def test_a_real_cell_is_profiled_predicted_and_trained_as_users_run_it(
+    monkeypatch: Any, capsys: pytest.CaptureFixture
+) -> None:
+    """End to end through the CLI: the digits CNN profiled in this process, predicted at one
+    process, then trained by a real ``phalanx train`` subprocess; only the calibration is the
+    checked-in cluster file (calibrating this machine takes ~20 s)."""
+    from phalanx.planner.calibrate import Calibration
+    from phalanx.planner.plan import read_cluster
+
+    cluster = read_cluster(str(ROOT / "configs/clusters/this_machine.toml"))
+    calibration = Calibration(host="ci", measured_at="2026-11-25T00:00:00", cluster=cluster,
+                              path=ROOT / "configs/clusters/this_machine.toml")  # fmt: skip
+    monkeypatch.setattr(validation, "load_or_calibrate", lambda _: calibration)
+    config = str(ROOT / "configs/digits_cnn.toml")
+    argv = ["bench", "planner", "--config", config, "--worlds", "1", "--strategies",
+            "allreduce", "--compress", "none", "--train-steps", "12"]  # fmt: skip
+    assert run_main(argv) == 0
+    out = capsys.readouterr().out
+    row = [line for line in out.splitlines() if line.startswith("given ")]  # not the summary
+    assert len(row) == 1 and "digits_cnn" in row[0] and "skipped" not in row[0], out
+    predicted, measured = (float(x) for x in row[0].split()[5:7])
+    assert predicted > 0 and measured > 0
+    assert "given: 1 cells" in out

@@ -406,7 +406,7 @@ class _Allocator:
     ``enabled=False`` (a run on a GPU, whose tensors glibc does not hold): every method is a
     no-op and ``available`` is False."""
 
-    REUSE_MMAP, REUSE_TRIM, MEASURING_TRIM = 32 << 20, 2**31 - 1, 128 << 10
+    REUSE_MMAP, REUSE_TRIM, MEASURING_TRIM = measure.REUSE_MMAP_THRESHOLD, 2**31 - 1, 128 << 10
 
     def __init__(self, enabled: bool = True) -> None:
         self.enabled = enabled
