@@ -270,14 +270,20 @@ def test_ranks_sharing_a_node_slow_each_ones_compute_in_the_plan() -> None:
 def test_more_ranks_than_cores_on_one_host_take_turns() -> None:
     """``phalanx train --nproc 3`` on a 2-core host: ``on_one_host`` keeps the 3 ranks on one
     node, whose CPU ranks then take turns on its cores (compute 3/2 of the 2-rank factor) and
-    whose communication beside compute gets cores / (2 x ranks) of its speed."""
+    whose link model already shares the cores among every rank's messages: beside compute,
+    communication and compute split a rank's turn (1/2 each, not cores / (2 x 3))."""
     base = dataclasses.replace(every_term(), devices_per_node=2, host_cores_per_node=2,
                                compute_slowdown=(1.0, 1.1))  # fmt: skip
     assert base.on_one_host(2) is base
     three = base.on_one_host(3)
     assert three.devices_per_node == 3 and three.node_of(2) == 0
     assert three.compute_slowdown_at(3) == pytest.approx(1.1 * 3 / 2)
-    assert three.comm_rate_beside_compute(3) == pytest.approx(2 / 6)
+    assert three.comm_rate_beside_compute(3) == pytest.approx(1 / 2)
+    assert three.compute_lost_beside_communication(3) == pytest.approx(1 / 2)
+    assert base.compute_lost_beside_communication(2) == pytest.approx(1 / 2)  # 1 - comm_rate
+    assert base.compute_lost_beside_communication(1) == 0.0  # a core for each thread
+    assert dataclasses.replace(base, devices_per_node=8, host_cores_per_node=8
+                               ).compute_lost_beside_communication(2) == 0.0  # fmt: skip
     assert base.compute_slowdown_at(3) == pytest.approx(1.1)  # 2 per node over a network
     devices = dataclasses.replace(base, host_cores_per_node=0)  # GPUs: no turns
     assert devices.on_one_host(3).compute_slowdown_at(3) == pytest.approx(1.1)

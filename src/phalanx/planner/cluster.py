@@ -100,7 +100,8 @@ class ClusterConfig:
         0,
         "CPU ranks: the cores a node's processes share (0: devices compute on their own). "
         "While the compute stream is busy, communication then runs at cores / (2 x ranks on "
-        "the node) of its speed (each rank's compute and communication thread want a core)",
+        "the node, at most the cores) of its speed (each rank's compute and communication "
+        "thread want a core) and compute loses the rest",
     )
     handoff_s: float = option(
         0.0,
@@ -234,12 +235,23 @@ class ClusterConfig:
 
     def comm_rate_beside_compute(self, world: int) -> float:
         """How fast communication runs while the compute stream is busy, as a fraction of its
-        calibrated speed: 1 for devices; for CPU ranks, the node's cores shared by each rank's
-        compute and communication thread (2 x the ranks on a node)."""
+        calibrated speed: 1 for devices; for CPU ranks, the cores a rank has to itself shared
+        by its compute and its communication thread: cores / (2 x ranks), at most 1. Ranks
+        beyond the cores take turns: the link's own model already shares the cores among
+        every rank's messages (``shared_intra``), so only the rank's two threads split its
+        turn (1/2)."""
         if self.host_cores_per_node <= 0:
             return 1.0
-        ranks = min(world, self.devices_per_node)
+        ranks = min(world, self.devices_per_node, self.host_cores_per_node)
         return min(1.0, self.host_cores_per_node / (2 * ranks))
+
+    def compute_lost_beside_communication(self, world: int) -> float:
+        """The fraction of each second of compute beside communication that the compute
+        stream loses on shared cores: what communication runs at (the cores are shared, the
+        work is conserved), 0 where a rank has a core for each of its threads."""
+        if self.host_cores_per_node <= 0:
+            return 0.0
+        return 1.0 - self.comm_rate_beside_compute(world)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
