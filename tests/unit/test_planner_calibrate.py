@@ -248,6 +248,33 @@ def test_auto_plan_picks_a_setup_the_run_uses_and_the_run_reports_its_error(
     assert not auto_plan._runnable(clipped, "ps") and auto_plan._runnable(clipped, "fsdp")
 
 
+def test_predict_reports_the_error_of_the_run_as_configured(tmp_path, monkeypatch, capsys) -> None:
+    """``phalanx train --predict``: the config's own setup predicted (nothing changes: the
+    run keeps its strategy), prediction.json written without --set items, summary.json's
+    predicted vs measured step; with --auto-plan too it is a one-line error (exit 2)."""
+    monkeypatch.setenv(calibrate.CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(calibrate, "calibrate_machine", lambda: fake_calibration([]))
+    run_dir = tmp_path / "run"
+    argv = ["train", CONFIG, "--predict", "--run-dir", str(run_dir),
+            "--set", "exchange.strategy=tree", "--set", "train.steps=5",
+            "--set", "train.progress=false"]  # fmt: skip
+    from tests.unit.test_cli import own_process_group
+
+    with own_process_group():
+        code, out, err = run(argv, capsys)
+    assert code == 0, err
+    assert "predict: tree / 25 MiB / none at 1 process(es)" in out and "plan: predicted" in out
+    prediction = json.loads((run_dir / "prediction.json").read_text())
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert prediction["sets"] == [] and prediction["setup"].startswith("tree")
+    assert summary["predicted_step_s"] == prediction["predicted_step_s"] > 0
+    assert summary["prediction_error"] == pytest.approx(
+        summary["predicted_step_s"] / summary["measured_step_s"] - 1
+    )
+    code, out, err = run([*argv, "--auto-plan"], capsys)
+    assert code == 2 and "drop --predict" in err and "Traceback" not in err
+
+
 def test_ranks_sharing_a_node_slow_each_ones_compute_in_the_plan() -> None:
     """compute_slowdown: a rank's compute at k ranks per node takes the measured factor
     longer (the last factor past what was measured; none at one device), and the

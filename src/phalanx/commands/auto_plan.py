@@ -1,8 +1,9 @@
-"""``phalanx train --auto-plan``: before the workers start, the planner picks the exchange setup
-for this run (strategy, options, fusion threshold, compression) at its number of processes,
-from this machine's cached calibration and a profile of the config; the run then records the
-predicted step time beside the measured one (``summary.json``), so the run is a validation
-point of the planner."""
+"""``phalanx train --auto-plan`` / ``--predict``: before the workers start, the planner predicts
+this run's step at its number of processes from this machine's cached calibration and a profile
+of the config. ``--auto-plan`` picks the exchange setup (strategy, options, fusion threshold,
+compression) it predicts fastest; ``--predict`` predicts the config's own setup and changes
+nothing. Either way the run then records the predicted step time beside the measured one
+(``summary.json``), so the run is a validation point of the planner."""
 
 from __future__ import annotations
 
@@ -24,35 +25,67 @@ from phalanx.planner.step import measure_step_profile
 def auto_plan(config: Any, world_size: int, run_dir: Path) -> list[str]:
     """The ``--set`` items of the fastest setup the config can run at ``world_size``; writes
     ``run_dir/prediction.json`` and says the choice in one line."""
-    if config.parallel.enabled:
-        raise ConfigError(
-            "--auto-plan: the planner does not model [parallel] pipeline > 1 yet; "
-            "choose the exchange yourself (phalanx plan CONFIG)"
-        )
-    # phalanx train --nproc N starts its N workers on this host
-    cluster = load_or_calibrate(False).cluster.on_one_host(world_size)
-    cluster.check_devices(world_size)
+    _check_plannable(config, "--auto-plan")
     strategies = [s for s in _strategies(None, config.exchange) if _runnable(config, s[0])]
-    profile = measure_step_profile(config, strategies=[name for name, _ in strategies])
-    plan = make_plan(profile, cluster, [world_size], strategies)
+    plan = _plan(config, world_size, strategies)
     best = plan.best(world_size)
     if best is None or best.result is None:
         raise ConfigError("--auto-plan: the planner skipped every setup; see phalanx plan CONFIG")
     sets = recommended_sets(best)
-    record = {
-        "devices": world_size,
-        "setup": best.setup.label(),
-        "sets": sets,
-        "predicted_step_s": best.result.step_s,
-        "profile_spread": profile.spread,
-    }
-    run_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(run_dir / PREDICTION, json.dumps(record, indent=2) + "\n")
+    _record(run_dir, best, plan.profile.spread, sets)
     print(
         f"auto-plan: {best.setup.label()} at {world_size} process(es), predicted "
         f"{best.result.step_s * 1e3:.1f} ms per step ({' '.join(sets)})"
     )
     return sets
+
+
+def predict_run(config: Any, world_size: int, run_dir: Path) -> None:
+    """Predict the config's own exchange setup at ``world_size`` (nothing changes); writes
+    ``run_dir/prediction.json`` and says the prediction in one line."""
+    _check_plannable(config, "--predict")
+    exchange = config.exchange
+    threshold = "auto" if exchange.bucket_mb == "auto" else f"{exchange.bucket_mb:g}"
+    strategies = [(exchange.strategy, dict(exchange.options))]
+    plan = _plan(config, world_size, strategies, (threshold,), (exchange.compress or "none",))
+    row = plan.best(world_size)
+    if row is None or row.result is None:
+        why = plan.rows[0].skipped if plan.rows else "no setup"
+        raise ConfigError(f"--predict: the planner cannot model this setup ({why})")
+    _record(run_dir, row, plan.profile.spread, [])
+    print(
+        f"predict: {row.setup.label()} at {world_size} process(es), predicted "
+        f"{row.result.step_s * 1e3:.1f} ms per step"
+    )
+
+
+def _check_plannable(config: Any, flag: str) -> None:
+    if config.parallel.enabled:
+        raise ConfigError(
+            f"{flag}: the planner does not model [parallel] pipeline > 1 yet; "
+            "choose the exchange yourself (phalanx plan CONFIG)"
+        )
+
+
+def _plan(config: Any, world_size: int, strategies: list, *grid: Any) -> Any:
+    """The plan of ``strategies`` at ``world_size`` processes on this host (``phalanx train
+    --nproc N`` starts its N workers here), from a profile of ``config``."""
+    cluster = load_or_calibrate(False).cluster.on_one_host(world_size)
+    cluster.check_devices(world_size)
+    profile = measure_step_profile(config, strategies=[name for name, _ in strategies])
+    return make_plan(profile, cluster, [world_size], strategies, *grid)
+
+
+def _record(run_dir: Path, row: Any, spread: float, sets: list[str]) -> None:
+    record = {
+        "devices": row.devices,
+        "setup": row.setup.label(),
+        "sets": sets,
+        "predicted_step_s": row.result.step_s,
+        "profile_spread": spread,
+    }
+    run_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(run_dir / PREDICTION, json.dumps(record, indent=2) + "\n")
 
 
 def _runnable(config: Any, strategy: str) -> bool:

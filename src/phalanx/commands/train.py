@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from phalanx import checkpoint
-from phalanx.commands.auto_plan import auto_plan
+from phalanx.commands.auto_plan import auto_plan, predict_run
 from phalanx.commands.common import EXIT_PREEMPTED, PROG
 from phalanx.config import config_from_data, load_config
 from phalanx.errors import Interrupted, PhalanxError
@@ -66,6 +66,13 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "config; summary.json then holds its predicted step time beside the measured one",
     )
     p.add_argument(
+        "--predict",
+        action="store_true",
+        help="let the planner predict this run's step time as configured (nothing changes), "
+        "from the same calibration and profile; summary.json then holds it beside the "
+        "measured one and the error",
+    )
+    p.add_argument(
         "--dry-run",
         action="store_true",
         help="print the resolved config, the model and the layout; start nothing",
@@ -86,11 +93,18 @@ def cmd_train(args: argparse.Namespace) -> int:
     run_dir = Path(args.resume or args.run_dir or config.train.run_dir or _default_run_dir(args))
     in_worker = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     world_size = int(os.environ["WORLD_SIZE"]) if in_worker else args.nproc * args.nnodes
-    if getattr(args, "auto_plan", False) and not in_worker and not args.dry_run:
+    planning = getattr(args, "auto_plan", False), getattr(args, "predict", False)
+    if any(planning) and not in_worker and not args.dry_run:
+        flag = "--auto-plan" if planning[0] else "--predict"
+        if all(planning):
+            raise PhalanxError("--auto-plan already predicts the setup it picks; drop --predict")
         if args.resume:
-            raise PhalanxError("--auto-plan: plans a new run; drop it with --resume")
-        args.set = [*args.set, *auto_plan(config, world_size, run_dir)]  # workers get them too
-        config = load_config(args.config, args.set)
+            raise PhalanxError(f"{flag}: predicts a new run; drop it with --resume")
+        if planning[0]:
+            args.set = [*args.set, *auto_plan(config, world_size, run_dir)]  # workers get them
+            config = load_config(args.config, args.set)
+        else:
+            predict_run(config, world_size, run_dir)
     config.check_world(world_size)  # before any process group work
     _check_rescaling(config)
     if args.dry_run:

@@ -1,5 +1,5 @@
-"""What ``phalanx train --auto-plan`` predicted for a run (``prediction.json`` in its run
-directory) and how the run's measured step compares (``summary.json``)."""
+"""What ``phalanx train --auto-plan`` or ``--predict`` predicted for a run (``prediction.json``
+in its run directory) and how the run's measured step compares (``summary.json``)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ PREDICTION = "prediction.json"
 
 def prediction_summary(run_dir: Path, step_times: list[float]) -> dict[str, float]:
     """``summary.json``'s predicted vs measured step (median of the timed steps, the first
-    few left out), where ``--auto-plan`` predicted this run; {} otherwise."""
+    few left out), where ``--auto-plan`` or ``--predict`` predicted this run; {} otherwise."""
     path = run_dir / PREDICTION
     if not path.is_file() or not step_times:
         return {}
