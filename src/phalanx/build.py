@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import statistics
 import time
+import warnings
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -55,7 +56,14 @@ def data(config: RunConfig) -> Dataset:
 
 def model(config: RunConfig) -> nn.Module:
     """The ``[model]`` network (seed torch first for reproducible weights)."""
+    # FSDP2 warns when a unit returns a view, since an in-place op on it would skip the
+    # unit's pre-backward all-gather; phalanx's layers never modify a layer's output in
+    # place, so for a config's model the warning (once per unit and rank) is only noise.
+    warnings.filterwarnings("ignore", message=_FSDP_VIEW_WARNING, category=UserWarning)
     return build_model(config.model)
+
+
+_FSDP_VIEW_WARNING = r"FSDP2-wrapped module \(.*\) returned a view tensor"
 
 
 def optimizer_factory(config: RunConfig) -> Factory:

@@ -142,3 +142,23 @@ def test_transformer_block_is_causal():
         assert not torch.allclose(block(x)[:, 4:], block(changed)[:, 4:])
     with pytest.raises(ConfigError, match="dim 8 is not divisible by num_heads 3"):
         model_from_layers([{"type": "transformer_block", "dim": 8, "num_heads": 3}])
+
+
+def test_a_configs_model_silences_fsdps_view_warning_only() -> None:
+    """FSDP2 warns that an in-place op on a unit's view output would skip its all-gather;
+    phalanx's layers never do that, so a config's model (build.model) silences exactly that
+    warning and no other."""
+    import warnings
+
+    from phalanx import build
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        build.model(load_config("configs/digits_cnn.toml"))
+        warnings.warn(
+            "FSDP2-wrapped module (FSDPLSTMLayer) returned a view tensor. An in-place op ...",
+            UserWarning,
+            stacklevel=1,
+        )
+        warnings.warn("something else", UserWarning, stacklevel=1)
+    assert [str(w.message) for w in caught] == ["something else"]
