@@ -273,6 +273,9 @@ def test_predict_reports_the_error_of_the_run_as_configured(tmp_path, monkeypatc
     )
     code, out, err = run([*argv, "--auto-plan"], capsys)
     assert code == 2 and "drop --predict" in err and "Traceback" not in err
+    pipeline = ["train", "configs/gpt_pipeline.toml", "--predict", "--run-dir", str(run_dir)]
+    code, out, err = run(pipeline, capsys)
+    assert code == 2 and "pipeline > 1 yet; drop --predict" in err
 
 
 def test_ranks_sharing_a_node_slow_each_ones_compute_in_the_plan() -> None:

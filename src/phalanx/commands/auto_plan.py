@@ -61,10 +61,8 @@ def predict_run(config: Any, world_size: int, run_dir: Path) -> None:
 
 def _check_plannable(config: Any, flag: str) -> None:
     if config.parallel.enabled:
-        raise ConfigError(
-            f"{flag}: the planner does not model [parallel] pipeline > 1 yet; "
-            "choose the exchange yourself (phalanx plan CONFIG)"
-        )
+        fix = "choose the exchange yourself" if flag == "--auto-plan" else "drop --predict"
+        raise ConfigError(f"{flag}: the planner does not model [parallel] pipeline > 1 yet; {fix}")
 
 
 def _plan(config: Any, world_size: int, strategies: list, *grid: Any) -> Any:
