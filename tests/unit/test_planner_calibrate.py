@@ -309,11 +309,12 @@ def test_more_ranks_than_cores_on_one_host_take_turns() -> None:
     assert three.devices_per_node == 3 and three.node_of(2) == 0
     assert three.compute_slowdown_at(3) == pytest.approx(1.1 * 3 / 2)
     assert three.comm_rate_beside_compute(3) == pytest.approx(1 / 2)
-    assert three.compute_lost_beside_communication(3) == pytest.approx(1 / 2)
-    assert base.compute_lost_beside_communication(2) == pytest.approx(1 / 2)  # 1 - comm_rate
-    assert base.compute_lost_beside_communication(1) == 0.0  # a core for each thread
-    assert dataclasses.replace(base, devices_per_node=8, host_cores_per_node=8
-                               ).compute_lost_beside_communication(2) == 0.0  # fmt: skip
+    # compute beside communication loses (1 - that rate): 1/2 at 3 ranks and at 2, none
+    # where a rank has a core for each of its threads
+    assert 1 - base.comm_rate_beside_compute(2) == pytest.approx(1 / 2)
+    assert 1 - base.comm_rate_beside_compute(1) == 0.0
+    assert 1 - dataclasses.replace(base, devices_per_node=8, host_cores_per_node=8
+                                   ).comm_rate_beside_compute(2) == 0.0  # fmt: skip
     assert base.compute_slowdown_at(3) == pytest.approx(1.1)  # 2 per node over a network
     devices = dataclasses.replace(base, host_cores_per_node=0)  # GPUs: no turns
     assert devices.on_one_host(3).compute_slowdown_at(3) == pytest.approx(1.1)

@@ -46,7 +46,7 @@ from phalanx.bench import machine_meta
 from phalanx.config import load_config
 from phalanx.errors import ConfigError
 from phalanx.planner.calibrate import load_or_calibrate
-from phalanx.planner.plan import make_plan
+from phalanx.planner.plan import make_plan, threshold_of
 from phalanx.planner.prediction import measured_step_s
 from phalanx.planner.step import measure_step_profile
 
@@ -99,9 +99,9 @@ def predict(cfg: Any, path: str, cluster: Any) -> tuple[dict[str, float], dict[s
     what the profile measured."""
     config = load_config(path)
     profile = measure_step_profile(config, strategies=cfg.strategies)
-    threshold = f"{config.exchange.bucket_mb:g}" if config.exchange.bucket_mb != "auto" else "auto"
+    threshold = threshold_of(config.exchange)
     strategies = sorted({*cfg.strategies, config.exchange.strategy})
-    compressions = sorted({*cfg.compress, config.exchange.compress or "none"})
+    compressions = sorted({*cfg.compress, config.exchange.compress})
     setups = [(s, dict(config.exchange.options) if s == config.exchange.strategy else {})
               for s in strategies]  # fmt: skip
     rows = []

@@ -17,7 +17,7 @@ from phalanx.exchange.base import strategy_factory
 from phalanx.fileio import atomic_write_text
 from phalanx.guard import rescaling_problem
 from phalanx.planner.calibrate import load_or_calibrate
-from phalanx.planner.plan import make_plan, recommended_sets
+from phalanx.planner.plan import make_plan, recommended_sets, threshold_of
 from phalanx.planner.prediction import PREDICTION
 from phalanx.planner.step import measure_step_profile
 
@@ -25,7 +25,7 @@ from phalanx.planner.step import measure_step_profile
 def auto_plan(config: Any, world_size: int, run_dir: Path) -> list[str]:
     """The ``--set`` items of the fastest setup the config can run at ``world_size``; writes
     ``run_dir/prediction.json`` and says the choice in one line."""
-    _check_plannable(config, "--auto-plan")
+    _check_plannable(config, "--auto-plan", "choose the exchange yourself")
     strategies = [s for s in _strategies(None, config.exchange) if _runnable(config, s[0])]
     plan = _plan(config, world_size, strategies)
     best = plan.best(world_size)
@@ -43,11 +43,10 @@ def auto_plan(config: Any, world_size: int, run_dir: Path) -> list[str]:
 def predict_run(config: Any, world_size: int, run_dir: Path) -> None:
     """Predict the config's own exchange setup at ``world_size`` (nothing changes); writes
     ``run_dir/prediction.json`` and says the prediction in one line."""
-    _check_plannable(config, "--predict")
+    _check_plannable(config, "--predict", "drop --predict")
     exchange = config.exchange
-    threshold = "auto" if exchange.bucket_mb == "auto" else f"{exchange.bucket_mb:g}"
     strategies = [(exchange.strategy, dict(exchange.options))]
-    plan = _plan(config, world_size, strategies, (threshold,), (exchange.compress or "none",))
+    plan = _plan(config, world_size, strategies, (threshold_of(exchange),), (exchange.compress,))
     row = plan.best(world_size)
     if row is None or row.result is None:
         why = plan.rows[0].skipped if plan.rows else "no setup"
@@ -59,9 +58,8 @@ def predict_run(config: Any, world_size: int, run_dir: Path) -> None:
     )
 
 
-def _check_plannable(config: Any, flag: str) -> None:
+def _check_plannable(config: Any, flag: str, fix: str) -> None:
     if config.parallel.enabled:
-        fix = "choose the exchange yourself" if flag == "--auto-plan" else "drop --predict"
         raise ConfigError(f"{flag}: the planner does not model [parallel] pipeline > 1 yet; {fix}")
 
 

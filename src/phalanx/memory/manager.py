@@ -206,8 +206,7 @@ class MemoryManager:
         if config.enabled and config.release_host_memory and device.type == "cpu":
             notes.append(
                 "freed host memory goes back to the OS, so each step's new tensors fault their "
-                "pages in again: not in the predicted overhead (+45% on bench memory's GPT "
-                "against an unmanaged run reusing its heap; docs/memory.md)"
+                "pages in again: not in the predicted overhead (docs/memory.md measures it)"
             )
         plan.notes += notes
         plan.notes.append(

@@ -239,19 +239,12 @@ class ClusterConfig:
         by its compute and its communication thread: cores / (2 x ranks), at most 1. Ranks
         beyond the cores take turns: the link's own model already shares the cores among
         every rank's messages (``shared_intra``), so only the rank's two threads split its
-        turn (1/2)."""
+        turn (1/2). The cores' work is conserved: compute beside communication loses the
+        rest, (1 - this rate) of the overlap."""
         if self.host_cores_per_node <= 0:
             return 1.0
         ranks = min(world, self.devices_per_node, self.host_cores_per_node)
         return min(1.0, self.host_cores_per_node / (2 * ranks))
-
-    def compute_lost_beside_communication(self, world: int) -> float:
-        """The fraction of each second of compute beside communication that the compute
-        stream loses on shared cores: what communication runs at (the cores are shared, the
-        work is conserved), 0 where a rank has a core for each of its threads."""
-        if self.host_cores_per_node <= 0:
-            return 0.0
-        return 1.0 - self.comm_rate_beside_compute(world)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -172,6 +172,11 @@ def make_plan(
     return plan
 
 
+def threshold_of(exchange: Any) -> str:
+    """The plan's threshold label for a config's ``[exchange] bucket_mb``: MiB, or ``auto``."""
+    return AUTO if exchange.bucket_mb == AUTO else f"{exchange.bucket_mb:g}"
+
+
 def recommended_sets(row: PlanRow) -> list[str]:
     """The ``--set`` items that run ``row``'s setup (``phalanx train --set ...``): its strategy,
     options, fusion threshold (none for per-unit strategies) and compression."""

@@ -287,7 +287,6 @@ class Simulator:
         ]
         timeline.returns_on_thread = bool(returns) and schedule.on_thread(network.codec, False)
         timeline.comm_rate = self.cluster.comm_rate_beside_compute(world)
-        timeline.lost_rate = self.cluster.compute_lost_beside_communication(world)
         timeline.steals = not self.measured_beside_exchange
         if world > 1 and not schedule.loss_rides_verdict and timeline.steals:
             timeline.loss_s = self._agree_s(network, world)  # the same 1-message all-reduce
@@ -328,7 +327,6 @@ class Simulator:
         gather, regather, reduce = timed(units.gather), timed(units.regather), timed(units.reduce)
         timeline = _Timeline(self.at(world, setup.strategy), plans, self._layer_of_grad)
         timeline.comm_rate = self.cluster.comm_rate_beside_compute(world)
-        timeline.lost_rate = self.cluster.compute_lost_beside_communication(world)
         timeline.steals = not self.measured_beside_exchange
         timeline.call_s = self.cluster.collective_call_s_at(world)
         for step in range(NUM_STEPS):
@@ -524,11 +522,9 @@ class _Timeline:
         self.on_thread = [False] * len(buckets)  # per bucket: its exchange is a thread's job
         self.returns_on_thread = False  # the send-back (return phases) too
         self.comm_rate = 1.0  # communication's speed while compute is busy (CPU ranks: < 1)
-        # CPU ranks sharing cores: the compute thread runs slower while communication runs
-        # beside it, losing ``lost_rate`` of every second they overlap
-        # (ClusterConfig.compute_lost_beside_communication); ``stolen`` collects that until
-        # the compute stream is next advanced
-        self.lost_rate = 0.0
+        # CPU ranks sharing cores: the compute thread runs at the same reduced rate while
+        # communication runs beside it, so compute loses (1 - comm_rate) of every second they
+        # overlap; ``stolen`` collects that until the compute stream is next advanced
         self.stolen = 0.0
         self.steals = True  # False: the profile's compute already holds it (the oracle)
         self.loss_s = 0.0  # the global loss's own all-reduce, beside backward (0: it rides)
@@ -567,10 +563,10 @@ class _Timeline:
         )
 
     def _steal(self, start: float, end: float, busy: list[tuple[float, float]]) -> None:
-        """Communication over [start, end] beside compute on shared cores: compute loses
-        ``lost_rate`` of the overlap."""
-        if self.lost_rate > 0.0 and self.steals:
-            self.stolen += _overlap(start, end, busy) * self.lost_rate
+        """Communication over [start, end] beside compute on shared cores: compute runs at
+        ``comm_rate`` too meanwhile, losing (1 - comm_rate) of the overlap."""
+        if self.comm_rate < 1.0 and self.steals:
+            self.stolen += _overlap(start, end, busy) * (1.0 - self.comm_rate)
 
     def _lose_stolen(self, step: int) -> None:
         """Advance the compute stream by what communication took from it (an event on the
