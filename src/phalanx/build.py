@@ -89,7 +89,7 @@ def step_peak(config: RunConfig, device: torch.device) -> measure.StepPeak:
     """The meter of the peak ``[memory] budget_mb`` is held to, started now (before the memory
     manager profiles): with the memory manager on, freed host memory goes back to the OS from
     here on (``release_host_memory``), so the process's resident peak is the step's."""
-    if config.memory.enabled and config.memory.release_host_memory:
+    if config.memory.releases_host_memory:
         measure.release_freed_memory()
         measure.trim()
     return measure.StepPeak(device)

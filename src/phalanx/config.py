@@ -124,18 +124,25 @@ def _num_layers(model: ModelConfig) -> int:
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
     """Read a TOML file (or start from defaults) and apply ``section.key=value`` overrides."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        data = _read_toml(Path(path))
-    return config_from_data(data, overrides)
+    return config_from_data(read_config(path), overrides)
+
+
+def read_config(path: str | Path | None) -> dict[str, Any]:
+    """A TOML config file's tables, unchecked ({} without a file)."""
+    return _read_toml(Path(path)) if path is not None else {}
 
 
 def config_from_data(data: dict[str, Any], overrides: list[str] | None = None) -> RunConfig:
     """A RunConfig from already-parsed tables (e.g. a run directory's config.json)."""
+    return from_dict(RunConfig, with_overrides(data, overrides), "")
+
+
+def with_overrides(data: dict[str, Any], overrides: list[str] | None) -> dict[str, Any]:
+    """A copy of ``data`` with ``section.key=value`` overrides applied."""
     data = copy.deepcopy(data)
     for item in overrides or []:
         _apply_override(data, item)
-    return from_dict(RunConfig, data, "")
+    return data
 
 
 def _read_toml(path: Path) -> dict[str, Any]:

@@ -15,10 +15,13 @@ from typing import Any, cast
 from phalanx import checkpoint
 from phalanx.commands.auto_plan import auto_plan, predict_run
 from phalanx.commands.common import EXIT_PREEMPTED, PROG
-from phalanx.config import config_from_data, load_config
+from phalanx.config import config_from_data, load_config, read_config, with_overrides
 from phalanx.errors import Interrupted, PhalanxError
 from phalanx.exchange.base import STRATEGIES, Strategy
+from phalanx.fields import from_dict
 from phalanx.guard import rescaling_problem
+from phalanx.memory import measure
+from phalanx.memory.manager import MemoryConfig
 
 
 def _add_launch_flags(p: argparse.ArgumentParser) -> None:
@@ -84,10 +87,12 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 def cmd_train(args: argparse.Namespace) -> int:
     if args.config is None and args.resume is None:
         raise PhalanxError("train needs a CONFIG file or --resume RUN_DIR")
-    if args.config is not None:
-        config = load_config(args.config, args.set)
-    else:
-        config = config_from_data(_saved_config(Path(args.resume)), args.set)
+    data = with_overrides(
+        read_config(args.config) if args.config is not None else _saved_config(Path(args.resume)),
+        args.set,
+    )
+    _host_memory_first(data)
+    config = config_from_data(data)
     if args.trace:
         config.trace.directory = args.trace
     run_dir = Path(args.resume or args.run_dir or config.train.run_dir or _default_run_dir(args))
@@ -118,6 +123,15 @@ def cmd_train(args: argparse.Namespace) -> int:
         resume = bool(args.resume) or _restarted_with_checkpoint(run_dir)
         return _train_here(config, run_dir, resume, quiet=in_worker and _launched())
     return _train_launched(args, run_dir)
+
+
+def _host_memory_first(data: dict) -> None:
+    """Where the memory manager releases freed host memory, tensors of 2 MiB and more get huge
+    pages. torch decides that at its first such block, and checking the config's layers (on
+    the meta device) allocates one, so the ``[memory]`` table is read before the rest."""
+    memory = from_dict(MemoryConfig, data.get("memory", {}), "memory")
+    if memory.releases_host_memory:
+        measure.huge_pages_for_large_tensors()
 
 
 def _check_rescaling(config: Any) -> None:

@@ -114,6 +114,11 @@ class MemoryConfig:
     def enabled(self) -> bool:
         return self.plans_layers or self.optimizer != "device"
 
+    @property
+    def releases_host_memory(self) -> bool:
+        """Whether freed host memory goes back to the OS in this run (``release_host_memory``)."""
+        return self.enabled and self.release_host_memory
+
     def optimizer_place(self, device: torch.device) -> str:
         """``optimizer`` with ``host`` resolved for ``device``: ``mirror`` on CUDA, ``stream``
         where the host is the device (a second copy in the same memory would save nothing)."""
@@ -170,7 +175,7 @@ class MemoryManager:
                 raise ConfigValueError(
                     f"memory.{key}", f"unknown layer {unknown[0]!r}; layers: 0..{len(names) - 1}"
                 )
-        if config.enabled and config.release_host_memory:
+        if config.releases_host_memory:
             measure.release_freed_memory()  # the profile measures the resident set: frees show
         devices = [device] if device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):  # the run's random streams stay untouched
@@ -203,10 +208,12 @@ class MemoryManager:
                 f"planned to {100 * (1 - PLAN_MARGIN):.0f}% of the budget: a margin for what "
                 "the accounting does not see (docs/memory.md)"
             )
-        if config.enabled and config.release_host_memory and device.type == "cpu":
+        if config.releases_host_memory and device.type == "cpu":
+            huge = measure.huge_pages_for_large_tensors()
             notes.append(
                 "freed host memory goes back to the OS, so each step's new tensors fault their "
-                "pages in again: not in the predicted overhead (docs/memory.md measures it)"
+                "pages in again: not in the predicted overhead (docs/memory.md measures it); "
+                + ("tensors of 2 MiB and more in huge pages" if huge else "no huge pages")
             )
         plan.notes += notes
         plan.notes.append(
