@@ -230,25 +230,46 @@ class Partitioned(OwnerUpdateStrategy):
         self, want_norm: bool, riders: torch.Tensor | None = None
     ) -> tuple[bool, float | None]:
         """Each owner checks the partitions it reduced (a bad loss elsewhere arrives as NaN
-        usage flags in the last partition) and sums the squares of its shards' gradients; one
-        small all-reduce makes both global, since no rank holds the whole gradient. The
-        Engine's ``riders`` (its global loss) travel in the same message."""
+        usage flags in the last partition) and, for clipping, sums the squares of their
+        gradients; one small all-reduce makes both global, since no rank holds the whole
+        gradient. The Engine's ``riders`` (its global loss) travel in the same message.
+
+        With ``want_norm`` one pass per partition does both: a float64 sum of squares is
+        inf/NaN exactly where an element is (one read of the gradients instead of a sum for
+        the check and a square per shard for the norm: 0.75 -> 0.15 ms per step on the GPT
+        of ``bench port``). The norm covers every gradient of the partition, as the
+        whole-gradient strategies' does (parameters in no optimizer group included)."""
         num_riders = 0 if riders is None else riders.numel()
         local = torch.zeros(2 + num_riders, dtype=torch.float64, device=self.ctx.device)
         if riders is not None:
             local[2:] = riders
-        for b, (buffer, offset) in self._reduced.items():
-            layout = self.layouts[b]
-            for (lo, hi), owner in zip(layout.ranges, layout.owners):
-                if owner == self.ctx.rank and hi > lo:
-                    local[0] += holds_nonfinite([buffer[lo - offset : hi - offset]])
-        if want_norm:
-            for grad in self._owned_grads():
-                local[1] += grad.double().square().sum()
+        grads, flags = self._owned_partitions()
+        if want_norm and grads:
+            norms = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64) for g in grads])
+            local[1] = norms.square().sum()
+            grads = [local[1:2]]  # inf/NaN in any gradient made the sum inf/NaN
+        local[0] = float(holds_nonfinite(grads + flags))
         dist.all_reduce(local, group=self.ctx.group)
         if riders is not None:
             riders.copy_(local[2:])
         return bool(local[0].item() > 0), (float(local[1].sqrt()) if want_norm else None)
+
+    def _owned_partitions(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Views of the partitions this rank reduced: (gradients, usage flags); 1-D, the
+        bucket's dtype and device."""
+        grads: list[torch.Tensor] = []
+        flags: list[torch.Tensor] = []
+        for b, (buffer, offset) in self._reduced.items():
+            num_grads = self.sharded.buckets[b].grads.numel()
+            layout = self.layouts[b]
+            for (lo, hi), owner in zip(layout.ranges, layout.owners):
+                if owner != self.ctx.rank or hi <= lo:
+                    continue
+                split = min(max(lo, num_grads), hi)  # gradients end, usage flags begin
+                for out, start, end in ((grads, lo, split), (flags, split, hi)):
+                    if end > start:
+                        out.append(buffer[start - offset : end - offset])
+        return grads, flags
 
     def scale_gradients(self, factor: float) -> None:
         for grad in self._owned_grads():
