@@ -5,7 +5,7 @@ Scenarios: only rank 0 reads the weights (``engine.module.state_dict()`` or a pl
 ``torch.save(model.state_dict())``), only rank 0 evaluates, ranks leave ``main`` at different
 times, Engines built one after another in one script -- every strategy, with and without fp16
 compression, at worlds 2, 3 and 4; a rank that raises after its last step (the job fails
-naming it, nobody hangs); the README's Python example verbatim; ``phalanx train``.
+naming it, nobody hangs); the README's Python example verbatim; ``phalanx train``, also with ``--predict``.
 """
 
 from __future__ import annotations
@@ -108,3 +108,43 @@ def test_the_ported_gpt_example_equals_one_process(tmp_path: Path, strategy: str
     assert saved.keys() == expected.keys()
     for name, value in expected.items():
         torch.testing.assert_close(saved[name], value, atol=2e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.timeout(300)
+def test_phalanx_train_predict_reports_its_error_at_two_processes(tmp_path: Path) -> None:
+    """``phalanx train CONFIG --nproc 2 --predict`` as users run it: the planner predicts the
+    run as configured (this host's cached calibration: the checked-in one, to spare the
+    test ~15 s of measuring; a real one-process profile), the two ranks train, and the run
+    reports its own prediction error, in its last line and in summary.json."""
+    import json
+    from datetime import datetime, timezone
+
+    from phalanx.planner import calibrate
+    from phalanx.planner.cluster import load_cluster
+
+    cache = tmp_path / "cache"
+    cluster = load_cluster(ROOT / "configs" / "clusters" / "this_machine.toml")
+    env = {calibrate.CACHE_ENV: str(cache)}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(calibrate.CACHE_ENV, str(cache))
+        calibrate.save_calibration(
+            cluster, calibrate.cache_path(), "this", datetime.now(timezone.utc)
+        )
+    run_dir = tmp_path / "run"
+    command = [sys.executable, "-m", "phalanx", "train", "configs/digits_cnn.toml", "--nproc", "2"]
+    command += ["--predict", "--run-dir", str(run_dir), "--set", "train.steps=12"]
+    command += ["--set", "train.progress=false"]
+    done = run(command, marker=str(tmp_path), env=env)
+    assert_clean(done)
+    assert "calibrating this machine" not in done.output  # the cache was used
+    assert "predict: allreduce / 25 MiB / none at 2 process(es)" in done.output, done.output
+    assert re.search(r"plan: predicted [\d.]+ ms per step, measured [\d.]+ ms", done.output)
+    prediction = json.loads((run_dir / "prediction.json").read_text())
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert (
+        prediction["sets"] == [] and summary["predicted_step_s"] == prediction["predicted_step_s"]
+    )
+    assert summary["measured_step_s"] > 0
+    assert summary["prediction_error"] == pytest.approx(
+        summary["predicted_step_s"] / summary["measured_step_s"] - 1
+    )
