@@ -5,7 +5,8 @@ Scenarios: only rank 0 reads the weights (``engine.module.state_dict()`` or a pl
 ``torch.save(model.state_dict())``), only rank 0 evaluates, ranks leave ``main`` at different
 times, Engines built one after another in one script -- every strategy, with and without fp16
 compression, at worlds 2, 3 and 4; a rank that raises after its last step (the job fails
-naming it, nobody hangs); the README's Python example verbatim; ``phalanx train``, also with ``--predict``.
+naming it, nobody hangs); the README's Python example verbatim; ``phalanx train``, also with
+``--predict``.
 """
 
 from __future__ import annotations
