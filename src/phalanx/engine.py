@@ -37,6 +37,7 @@ from phalanx.hooks import StepEnd, StepHook
 from phalanx.memory.manager import MemoryManager
 from phalanx.memory.residency import OptimizerResidency
 from phalanx.metrics import PhaseTimer, StepStats
+from phalanx.optim import state as optimizer_state
 from phalanx.optim.user import OptimizerSpec, group_of, resolve_optimizer
 from phalanx.parallel.driver import PipelineDriver
 from phalanx.parallel.layout import ParallelConfig
@@ -210,6 +211,13 @@ class Engine:
             optimizer, self.trainable, strategy=factory.name, shards=shards
         )
         self._group_of = group_of(user_optimizer) if shards else None
+        # Sharded: the user's numbering of the parameters (for optimizer_state_dict), and the
+        # state of an optimizer the script loaded before building the Engine (resuming).
+        self._user_order = (
+            optimizer_state.user_order(user_optimizer, self.trainable) if shards else None
+        )
+        resumed = shards and any(user_optimizer.state.values())
+        carried = optimizer_state.canonical_of(user_optimizer, self.trainable) if resumed else None
         self.strategy = self._build_strategy(previous=None)
         if self.pipeline is not None and self.strategy.data_parallel()[1] != self.ctx.world_size:
             raise ConfigError(
@@ -217,6 +225,10 @@ class Engine:
                 "> 1 every rank must train (ps with servers = 0)"
             )
         adopted = self.strategy.adopt_optimizer(user_optimizer, self.trainable)
+        if shards:  # its own state_dict() would hold this rank's shards only: refused
+            optimizer_state.refuse_direct_state(adopted, factory.name)
+        if carried is not None:  # split over this rank's shards
+            self.strategy.load_optimizer_state_dict(adopted, self.trainable, carried)
         if factory.cls.shards_parameters:  # the model's parameters are the shards now
             self.trainable = [p for p in self.local_module.parameters() if p.requires_grad]
         return adopted
@@ -560,6 +572,30 @@ class Engine:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Load what ``state_dict`` describes (also the gathered form of earlier versions)."""
         engine_state.load_state_dict(self, state)
+
+    def optimizer_state_dict(self) -> dict[str, Any]:
+        """The optimizer's state as ``optimizer.state_dict()`` gives it in one process: torch's
+        format for your optimizer over the model's parameters, your groups and their
+        hyperparameters, per-parameter state in the parameters' shapes. Loads into the same
+        optimizer built over the model anywhere (before an Engine is built over it, under any
+        strategy and world size). Collective under ``partitioned`` and ``ps``, whose ranks each
+        hold their shards' state: call it on every rank, then save from one. Under ``fsdp``:
+        phalanx.checkpoint."""
+        self.strategy.sync()
+        with self.optimizer_resident():
+            state = self.strategy.optimizer_state_dict(self.optimizer, self.trainable)
+        if self._user_order is None:  # the optimizer is over the model's own parameters
+            return state
+        return optimizer_state.to_torch_format(state, self._user_order)
+
+    def load_optimizer_state_dict(self, state: dict[str, Any]) -> None:
+        """Load what ``optimizer_state_dict`` returns (or ``optimizer.state_dict()`` of the
+        same optimizer in one process); on every rank."""
+        self.strategy.sync()
+        if self._user_order is not None:
+            state = optimizer_state.from_torch_format(state, self._user_order)
+        with self.optimizer_resident():
+            self.strategy.load_optimizer_state_dict(self.optimizer, self.trainable, state)
 
     def sync(self) -> None:
         """Wait until every parameter holds its updated value. Forward waits by itself (layer

@@ -203,11 +203,8 @@ def _resume_groups(ctx: px.Context, root: str) -> dict[str, dict[str, torch.Tens
     return out
 
 
-@pytest.mark.timeout(300)
-def test_grouped_checkpoints_resume_across_strategies_and_worlds(tmp_path) -> None:
-    run_ranks(_save_groups, 2, str(tmp_path), timeout=240)
-    results = run_ranks(_resume_groups, 3, str(tmp_path), timeout=240)
-    reference = _gpt_run(1, 0, None, clip=False)  # the same global batches at every world
+def _assert_all_equal(results: list[dict], reference: dict[str, torch.Tensor]) -> None:
+    """Every rank's every case's state dict equals ``reference``."""
     for rank, result in enumerate(results):
         for case, state in result.items():
             for name, value in state.items():
@@ -215,3 +212,96 @@ def test_grouped_checkpoints_resume_across_strategies_and_worlds(tmp_path) -> No
                     value, reference[name], atol=2e-5, rtol=1e-4,
                     msg=lambda m, c=case, r=rank, n=name: f"{c} rank {r} {n}: {m}",
                 )  # fmt: skip
+
+
+@pytest.mark.timeout(300)
+def test_grouped_checkpoints_resume_across_strategies_and_worlds(tmp_path) -> None:
+    run_ranks(_save_groups, 2, str(tmp_path), timeout=240)
+    results = run_ranks(_resume_groups, 3, str(tmp_path), timeout=240)
+    reference = _gpt_run(1, 0, None, clip=False)  # the same global batches at every world
+    _assert_all_equal(results, reference)
+
+
+def _save_own_state(ctx: px.Context, root: str) -> dict[str, str]:
+    """A nanoGPT-style checkpoint: every rank asks the Engine for the optimizer's state (its
+    own ``optimizer.state_dict()`` is refused under the sharding strategies), rank 0 saves."""
+    refused = {}
+    for strategy in ["allreduce", "partitioned", "ps"]:
+        torch.manual_seed(0)
+        model = GPT()
+        optimizer = model.configure_optimizers(weight_decay=0.1, lr=lr_at(0))
+        engine = px.Engine(model, optimizer=optimizer, exchange=strategy, bucket_mb=0.002)
+        _gpt_steps(ctx, engine, optimizer, range(FIRST))
+        try:
+            optimizer.state_dict()
+            refused[strategy] = ""
+        except px.PhalanxError as e:
+            refused[strategy] = str(e)
+        state = engine.optimizer_state_dict()  # on every rank: a collective when sharded
+        if ctx.rank == 0:
+            checkpoint = {"model": engine.module.state_dict(), "optimizer": state}
+            torch.save(checkpoint, f"{root}/{strategy}.pt")
+        engine.close()
+    return refused
+
+
+def _resume_own_state(ctx: px.Context, root: str) -> dict[str, dict[str, torch.Tensor]]:
+    """The script's resume: weights and ``optimizer.load_state_dict`` before the Engine."""
+    out = {}
+    for saver, resumer in [("partitioned", "allreduce"), ("ps", "partitioned"),
+                           ("allreduce", "ps")]:  # fmt: skip
+        saved = torch.load(f"{root}/{saver}.pt")
+        torch.manual_seed(1)
+        model = GPT()
+        model.load_state_dict(saved["model"])
+        optimizer = model.configure_optimizers(weight_decay=0.1, lr=lr_at(0))
+        optimizer.load_state_dict(saved["optimizer"])
+        engine = px.Engine(model, optimizer=optimizer, exchange=resumer, bucket_mb=0.002)
+        _gpt_steps(ctx, engine, optimizer, range(FIRST, STEPS))
+        out[f"{saver} -> {resumer}"] = {k: v.clone() for k, v in engine.module.state_dict().items()}
+        engine.close()
+    return out
+
+
+def _one_process_state(steps: int) -> tuple[GPT, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = GPT()
+    optimizer = model.configure_optimizers(weight_decay=0.1, lr=lr_at(0))
+    for step in range(steps):
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step) * group.get("lr_scale", 1.0)
+        optimizer.zero_grad(set_to_none=True)
+        model(*tokens(step, GLOBAL_BATCH))[1].backward()
+        optimizer.step()
+    return model, optimizer
+
+
+@pytest.mark.timeout(300)
+def test_the_scripts_own_optimizer_checkpoint_equals_one_process(tmp_path) -> None:
+    """``engine.optimizer_state_dict()`` is what ``optimizer.state_dict()`` gives in one process
+    (torch's format: the groups, their numbering, per-parameter state) under every strategy;
+    a script that loads it into its optimizer before building the Engine resumes exactly, at
+    another world size and under another strategy."""
+    refused = run_ranks(_save_own_state, 2, str(tmp_path), timeout=240)
+    for rank_refused in refused:
+        assert rank_refused["allreduce"] == ""  # the optimizer over the model's own parameters
+        for strategy in ("partitioned", "ps"):
+            assert "engine.optimizer_state_dict()" in rank_refused[strategy]
+            assert "\n" not in rank_refused[strategy]
+    _, optimizer = _one_process_state(FIRST)
+    expected = optimizer.state_dict()
+    for strategy in ["allreduce", "partitioned", "ps"]:
+        got = torch.load(tmp_path / f"{strategy}.pt")["optimizer"]
+        assert got["param_groups"] == expected["param_groups"], strategy
+        assert got["state"].keys() == expected["state"].keys(), strategy
+        for n, entry in expected["state"].items():
+            assert got["state"][n].keys() == entry.keys(), (strategy, n)
+            for key, value in entry.items():
+                where = f"{strategy} parameter {n} {key}"
+                torch.testing.assert_close(got["state"][n][key], value, atol=1e-6, rtol=1e-4,
+                                           msg=lambda m, w=where: f"{w}: {m}")  # fmt: skip
+        model, optimizer = _one_process_state(0)  # and it loads into a plain optimizer
+        optimizer.load_state_dict(got)
+    results = run_ranks(_resume_own_state, 3, str(tmp_path), timeout=240)
+    reference = _gpt_run(1, 0, None, clip=False)
+    _assert_all_equal(results, reference)

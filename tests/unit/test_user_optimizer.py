@@ -4,6 +4,7 @@ loss (equivalence at worlds 2 and 3: tests/multiproc/test_user_optimizer.py)."""
 
 from __future__ import annotations
 
+import copy
 import functools
 
 import pytest
@@ -74,7 +75,7 @@ def test_a_factory_over_the_same_parameters_is_accepted() -> None:
         ("foreign", "allreduce", "not trainable parameters of the model"),
         ("lbfgs", "allreduce", "LBFGS needs a closure"),
         ("adafactor", "partitioned", "Adafactor is not known to be elementwise"),
-        ("stateful", "ps", "already holds state"),
+        ("stateful", "fsdp", "already holds state"),
     ],
 )
 def test_what_cannot_be_honoured_is_refused_in_one_line(spec, strategy, message) -> None:
@@ -142,3 +143,36 @@ def test_step_arguments_must_fit_the_loss() -> None:
         engine.step(x, y, x)
     with pytest.raises(ConfigError, match="optimizer: required"):
         px.Engine(_model(), nn.functional.cross_entropy)
+
+
+@pytest.mark.parametrize("strategy", ["allreduce", "partitioned", "ps"])
+def test_the_optimizer_state_round_trips_in_torchs_format(strategy: str) -> None:
+    """``engine.optimizer_state_dict()`` equals a plain optimizer's ``state_dict()`` after the
+    same steps, and ``engine.load_optimizer_state_dict`` puts it back; a state of another
+    optimizer is one line (multi-process and resuming: tests/multiproc/test_user_optimizer.py)."""
+    from phalanx.errors import CheckpointError
+
+    model = _model()
+    plain = torch.optim.AdamW(_groups(model), lr=0.01)
+    for _ in range(2):
+        plain.zero_grad()
+        nn.functional.cross_entropy(model(_batch()[0]), _batch()[1]).backward()
+        plain.step()
+    model = _model()
+    optimizer = torch.optim.AdamW(_groups(model), lr=0.01)
+    engine = px.Engine(model, nn.functional.cross_entropy, optimizer, exchange=strategy)
+    engine.step(*_batch())
+    engine.step(*_batch())
+    state = copy.deepcopy(engine.optimizer_state_dict())  # torch's: the live tensors
+    expected = plain.state_dict()
+    assert state["param_groups"] == expected["param_groups"]
+    for n, entry in expected["state"].items():
+        for key, value in entry.items():
+            torch.testing.assert_close(state["state"][n][key], value)
+    engine.step(*_batch())
+    engine.load_optimizer_state_dict(state)  # back to the state after two steps
+    again = engine.optimizer_state_dict()
+    torch.testing.assert_close(again["state"][0]["exp_avg"], expected["state"][0]["exp_avg"])
+    with pytest.raises((CheckpointError, ValueError)) as caught:
+        engine.load_optimizer_state_dict(torch.optim.AdamW(model.parameters()).state_dict())
+    assert "\n" not in str(caught.value)

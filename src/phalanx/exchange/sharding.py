@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from phalanx.exchange.buckets import Bucket
+from phalanx.optim.state import load_into
 
 
 def bounds(length: int, num_parts: int) -> list[tuple[int, int]]:
@@ -190,7 +191,7 @@ class ShardedParameters:
             if entry:
                 shard_state[position[id(shard.param)]] = entry
         groups = merged_groups(optimizer, canonical["param_groups"])
-        optimizer.load_state_dict({"state": shard_state, "param_groups": groups})
+        load_into(optimizer, {"state": shard_state, "param_groups": groups})
 
     # -- this rank's part, for checkpoints that every rank writes ------------------------------
     def _overlaps(self, params: list[torch.nn.Parameter]) -> Any:
@@ -272,11 +273,12 @@ class ShardedParameters:
             if shard.param.data_ptr() != target.data_ptr():
                 with torch.no_grad():
                     shard.param.copy_(target)
-        optimizer.load_state_dict(
+        load_into(
+            optimizer,
             {
                 "state": {n: e for n, e in shard_state.items() if e},
                 "param_groups": merged_groups(optimizer, groups),
-            }
+            },
         )
 
 

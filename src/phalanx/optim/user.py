@@ -32,7 +32,8 @@ def resolve_optimizer(
     """The optimizer over ``params`` (the model's trainable parameters) that ``spec`` names.
 
     ``strategy``: its name, for messages; ``shards``: whether it steps flat shards of the
-    parameters (an optimizer that is not elementwise, or one with state already, is refused).
+    parameters (an optimizer that is not elementwise is refused; state it already holds is
+    split over the shards by the Engine, phalanx.optim.state).
     """
     if isinstance(spec, torch.optim.Optimizer):
         optimizer = spec
@@ -106,11 +107,6 @@ def _check_supported(optimizer: torch.optim.Optimizer, strategy: str, shards: bo
             f"optimizer: {name} is not known to be elementwise, and {strategy!r} steps flat "
             f"shards of the parameters; use one of {known}, or the 'allreduce' or 'tree' "
             "strategy"
-        )
-    if any(optimizer.state.values()):
-        raise ConfigError(
-            f"optimizer: {name} already holds state, which {strategy!r} cannot split over its "
-            "shards; pass a fresh optimizer (resume through phalanx checkpoints)"
         )
 
 
