@@ -176,3 +176,27 @@ def test_the_optimizer_state_round_trips_in_torchs_format(strategy: str) -> None
     with pytest.raises((CheckpointError, ValueError)) as caught:
         engine.load_optimizer_state_dict(torch.optim.AdamW(model.parameters()).state_dict())
     assert "\n" not in str(caught.value)
+
+
+def test_frozen_parameters_left_in_a_group_keep_torchs_numbering() -> None:
+    """Fine-tuning: an optimizer over ``model.parameters()`` with some frozen; under
+    ``partitioned`` its state dict numbers them as one process does (they have no state)."""
+    states = []
+    for strategy in (None, "partitioned"):
+        model = _model()
+        model[1].requires_grad_(False)
+        optimizer = torch.optim.AdamW(_groups(model), lr=0.01)
+        if strategy is None:
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(model(_batch()[0]), _batch()[1]).backward()
+            optimizer.step()
+            states.append(optimizer.state_dict())
+            continue
+        engine = px.Engine(model, nn.functional.cross_entropy, optimizer, exchange=strategy)
+        engine.step(*_batch())
+        states.append(engine.optimizer_state_dict())
+        engine.load_optimizer_state_dict(states[0])  # and one process's loads back
+    plain, sharded = states
+    assert sharded["param_groups"] == plain["param_groups"]
+    assert sharded["state"].keys() == plain["state"].keys()
+    torch.testing.assert_close(sharded["state"][0]["exp_avg"], plain["state"][0]["exp_avg"])

@@ -23,14 +23,17 @@ import torch
 
 from phalanx.errors import CheckpointError
 
-Order = list[list[int]]  # per optimizer group: its parameters' indices in ``params``, its order
+# Per optimizer group: its parameters' indices in ``params``, in its order; FROZEN for one
+# that is not trainable (a frozen parameter the user left in the group: numbered, no state).
+Order = list[list[int]]
+FROZEN = -1
 
 
 def user_order(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter]) -> Order:
     """The user's numbering of ``params`` (the Engine's trainable parameters), taken from the
     optimizer's groups before a strategy points them elsewhere."""
     index = {id(p): i for i, p in enumerate(params)}
-    return [[index[id(p)] for p in g["params"] if id(p) in index] for g in optimizer.param_groups]
+    return [[index.get(id(p), FROZEN) for p in g["params"]] for g in optimizer.param_groups]
 
 
 def canonical_of(
@@ -75,8 +78,8 @@ def from_torch_format(state_dict: Any, order: Order) -> dict[str, Any]:
     index = dict(
         zip([n for g in saved for n in g["params"]], [i for m in order for i in m], strict=True)
     )
-    state = {index[n]: entry for n, entry in state_dict["state"].items() if n in index}
-    groups = [_with_params(g, members) for g, members in zip(saved, order)]
+    state = {index[n]: e for n, e in state_dict["state"].items() if index.get(n, FROZEN) >= 0}
+    groups = [_with_params(g, [i for i in members if i >= 0]) for g, members in zip(saved, order)]
     return {"state": state, "param_groups": groups}
 
 
