@@ -25,10 +25,14 @@ PROBE = (
 
 
 def _probe(before: str = "", **env: str) -> str:
+    """A fresh process's answer; the setting is the probe's own unless ``env`` gives it (a
+    test before this one may have asked for huge pages in pytest's own process, whose
+    environment its children inherit)."""
     code = PROBE.format(before=before)
+    inherited = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
     out = subprocess.run(
         [sys.executable, "-c", code],
-        env={**os.environ, **env},
+        env={**inherited, **env},
         capture_output=True,
         text=True,
         check=True,
