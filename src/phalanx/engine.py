@@ -14,7 +14,7 @@ import torch
 from phalanx import engine_state
 from phalanx.batches import Batch, loss_of, split_batch, step_batch
 from phalanx.compile import CompileClock
-from phalanx.errors import ConfigError
+from phalanx.errors import CheckpointError, ConfigError
 from phalanx.exchange.auto_bucketing import DEFAULT_BUCKET_MB, AutoBucketing, ObservedOrder
 from phalanx.exchange.base import (
     STRATEGIES,
@@ -582,8 +582,17 @@ class Engine:
         hold their shards' state: call it on every rank, then save from one. Under ``fsdp``:
         phalanx.checkpoint."""
         self.strategy.sync()
-        with self.optimizer_resident():
-            state = self.strategy.optimizer_state_dict(self.optimizer, self.trainable)
+        try:
+            with self.optimizer_resident():
+                state = self.strategy.optimizer_state_dict(self.optimizer, self.trainable)
+        except RuntimeError as e:  # the backend's words for a peer that did not take part
+            if self._user_order is None:
+                raise
+            raise CheckpointError(
+                f"optimizer_state_dict: under {self.factory.name!r} it gathers every rank's "
+                "shards, and a rank did not take part (it left or was elsewhere); call it on "
+                f"every rank, then save from one ({str(e).splitlines()[0][:160]})"
+            ) from e
         if self._user_order is None:  # the optimizer is over the model's own parameters
             return state
         return optimizer_state.to_torch_format(state, self._user_order)

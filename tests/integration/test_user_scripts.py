@@ -22,7 +22,7 @@ from tests.faults.procs import ROOT
 from tests.integration.users import SCRIPTS, assert_clean, readme_example, run, torchrun
 
 sys.path.insert(0, str(SCRIPTS))
-from user_model import reference  # noqa: E402
+from user_model import build_model, reference  # noqa: E402
 
 STRATEGIES = ["allreduce", "tree", "partitioned", "ps"]
 SPECS = [f"{s}:{c}" for s in STRATEGIES for c in ("none", "fp16")] + ["fsdp:none"]
@@ -149,3 +149,22 @@ def test_phalanx_train_predict_reports_its_error_at_two_processes(tmp_path: Path
     assert summary["prediction_error"] == pytest.approx(
         summary["predicted_step_s"] / summary["measured_step_s"] - 1
     )
+
+
+@pytest.mark.timeout(300)
+def test_the_optimizers_state_saved_the_nanogpt_way(tmp_path: Path) -> None:
+    """Every rank asks ``engine.optimizer_state_dict()`` and rank 0 saves: the state of the
+    optimizer over the whole model. Only rank 0 asking (a collective under ``partitioned``)
+    fails the job in one clear line instead of hanging."""
+    script = SCRIPTS / "optimizer_state.py"
+    done = torchrun(script, str(tmp_path), "every", nproc=2, marker=str(tmp_path))
+    assert_clean(done)
+    saved = torch.load(tmp_path / "optimizer.pt")
+    plain = torch.optim.Adam(build_model().parameters(), lr=0.01).state_dict()
+    assert saved["param_groups"] == plain["param_groups"]
+    shapes = [tuple(p.shape) for p in build_model().parameters()]
+    for n, entry in saved["state"].items():  # per-parameter state in the parameter's shape
+        assert tuple(entry["exp_avg"].shape) == shapes[n]
+    done = torchrun(script, str(tmp_path), "rank0", nproc=2, marker=str(tmp_path))
+    assert done.returncode != 0
+    assert "call it on every rank, then save from one" in done.output, done.output[-3000:]
