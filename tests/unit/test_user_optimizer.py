@@ -200,3 +200,30 @@ def test_frozen_parameters_left_in_a_group_keep_torchs_numbering() -> None:
     assert sharded["param_groups"] == plain["param_groups"]
     assert sharded["state"].keys() == plain["state"].keys()
     torch.testing.assert_close(sharded["state"][0]["exp_avg"], plain["state"][0]["exp_avg"])
+
+
+@pytest.mark.parametrize("strategy", ["allreduce", "partitioned", "ps"])
+def test_a_parameter_no_rank_used_is_never_moved_silently(strategy: str, caplog) -> None:
+    """One process skips a parameter without a gradient; ``partitioned`` and ``ps`` step it
+    with a zero gradient (AdamW's decay still moves it): said once, in one line, naming it."""
+
+    class WithUnused(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net, self.unused = _model(), nn.Linear(3, 3)  # never called
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.net(x)
+
+    model = WithUnused()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+    engine = px.Engine(model, nn.functional.cross_entropy, optimizer, exchange=strategy)
+    with caplog.at_level("WARNING", logger="phalanx"):
+        engine.step(*_batch())
+        engine.step(*_batch())
+    said = [r.getMessage() for r in caplog.records if "no gradient on any rank" in r.getMessage()]
+    if strategy == "allreduce":
+        assert said == []
+    else:
+        assert len(said) == 1 and "(first: unused." in said[0], said
+        assert "\n" not in said[0] and f"{strategy} steps them with a zero gradient" in said[0]

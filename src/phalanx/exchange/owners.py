@@ -8,6 +8,7 @@ overlaps the send-back. Optimizer state is checkpointed in the canonical per-par
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -20,6 +21,8 @@ from phalanx.exchange.comm import wait
 from phalanx.exchange.sharding import ShardedParameters, hyperparameters
 from phalanx.runtime.context import Context
 
+logger = logging.getLogger("phalanx")
+
 
 class OwnerUpdateStrategy(Strategy):
     """Base of owner-update strategies: pending parameter arrivals, hooks, state, counters.
@@ -31,12 +34,17 @@ class OwnerUpdateStrategy(Strategy):
 
     optimizer_follows_layout = True  # the optimizer steps this layout's shard Parameters
     sharded: ShardedParameters  # set by the subclass's constructor
+    label = ""  # the registered name, for messages
 
     def __init__(self, ctx: Context, buckets: list[Bucket], parts: StrategyParts) -> None:
         super().__init__(ctx, buckets, parts)
         self.comm_thread()
         self._pending_params: dict[int, Any] = {}
         self._hooks: list = []
+        self._names: dict[int, str] = {}  # id(parameter) -> its name in the model
+        self._unused_said = (parts.previous is not None) and getattr(
+            parts.previous, "_unused_said", False
+        )
 
     # -- parameters arriving while the next forward runs --------------------------------------
     def register_module(self, module: torch.nn.Module) -> None:
@@ -44,6 +52,7 @@ class OwnerUpdateStrategy(Strategy):
         its subtree only (containers wait for nothing: their children do; a compiled layer
         waits for its whole subtree, phalanx.compile)."""
         bucket_of = {id(p): b.index for b in self.sharded.buckets for p in b.params}
+        self._names = {id(p): name for name, p in module.named_parameters()}
 
         def waiter(params: list) -> Any:
             indices = sorted({bucket_of[id(p)] for p in params if id(p) in bucket_of})
@@ -65,6 +74,32 @@ class OwnerUpdateStrategy(Strategy):
                 self._wait_params(b)
 
         return hook
+
+    def warn_unused(self, bucket: Bucket, start: int, summed: torch.Tensor) -> None:
+        """``summed``: the range [start, start + len) of ``bucket``'s flat buffer, reduced at
+        its owner. A usage flag 0 there is a parameter no rank used this step: its shards get
+        a zero gradient, so decoupled weight decay and momentum still move it, where one
+        process skips it. Said once, in one line, by the owner that sees it."""
+        num_grads = bucket.grads.numel()
+        lo, hi = max(start, num_grads), start + summed.numel()
+        if self._unused_said or hi <= lo:
+            return
+        flags = summed[lo - start : hi - start]
+        unused = [lo - num_grads + i for i in (flags < 0.5).nonzero().flatten().tolist()]
+        unused = [i for i in unused if i < len(bucket.params)]  # alignment padding follows
+        if not unused:
+            return
+        first = self._names.get(
+            id(bucket.params[unused[0]]), f"of shape {tuple(bucket.params[unused[0]].shape)}"
+        )
+        logger.warning(
+            "phalanx: %s: %d parameter(s) had no gradient on any rank this step (first: %s); "
+            "%s steps them with a zero gradient, so weight decay and momentum still move them, "
+            "where one process skips them: keep every parameter in use, or use 'allreduce' or "
+            "'tree' for one process's update (said once)",
+            self.label, len(unused), first, self.label,
+        )  # fmt: skip
+        self._unused_said = True
 
     def _wait_params(self, b: int) -> None:
         pending = self._pending_params.pop(b, None)

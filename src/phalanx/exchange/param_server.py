@@ -77,6 +77,7 @@ class ParameterServer(OwnerUpdateStrategy):
     """Push, update at the server, pull, per bucket (see the module docstring)."""
 
     Config = ParamServerConfig
+    label = "ps"
     updates_during_exchange = True  # servers update each bucket as it arrives (F8)
 
     def __init__(self, ctx: Context, buckets: list[Bucket], parts: StrategyParts) -> None:
@@ -265,6 +266,7 @@ class ParameterServer(OwnerUpdateStrategy):
             )  # fmt: skip
             self.num_nonfinite_partitions += 1
             return
+        self.warn_unused(bucket, lo, summed)
         started = time.perf_counter()
         mine = [s for s in self.sharded.shards if s.bucket == bucket.index and lo <= s.start < hi]
         for shard in self.sharded.shards:

@@ -191,6 +191,7 @@ class Partitioned(OwnerUpdateStrategy):
 
     Config = PartitionedConfig
     verdict_all_reduces = True
+    label = "partitioned"
 
     def __init__(self, ctx: Context, buckets: list[Bucket], parts: StrategyParts) -> None:
         super().__init__(ctx, buckets, parts)
@@ -285,6 +286,11 @@ class Partitioned(OwnerUpdateStrategy):
 
     # -- phase 5: update and send back --------------------------------------------------------
     def update(self, optimizer: torch.optim.Optimizer) -> None:
+        for b, (buffer, offset) in self._reduced.items():
+            layout = self.layouts[b]
+            for (lo, hi), owner in zip(layout.ranges, layout.owners):
+                if owner == self.ctx.rank and hi > lo:
+                    self.warn_unused(self.sharded.buckets[b], lo, buffer[lo - offset : hi - offset])
         grads = {b: buffer for b, (buffer, _) in self._reduced.items()}
         offsets = {b: offset for b, (_, offset) in self._reduced.items()}
         self.sharded.attach_grads(grads, offsets)
