@@ -23,7 +23,7 @@ test: $(STAMP)
 	$(BIN)/ruff check src tests examples tools
 	$(BIN)/ruff format --check src tests examples tools
 	$(BIN)/mypy
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=20 tests
 
 test-fast: $(STAMP)
 	$(BIN)/ruff check src tests examples tools
