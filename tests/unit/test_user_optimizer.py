@@ -184,8 +184,8 @@ def test_frozen_parameters_left_in_a_group_keep_torchs_numbering() -> None:
     states = []
     for strategy in (None, "partitioned"):
         model = _model()
-        model[1].requires_grad_(False)
-        optimizer = torch.optim.AdamW(_groups(model), lr=0.01)
+        model[1].requires_grad_(False)  # two frozen in the first group, numbered before others
+        optimizer = torch.optim.AdamW(_groups(model)[::-1], lr=0.01)
         if strategy is None:
             optimizer.zero_grad()
             nn.functional.cross_entropy(model(_batch()[0]), _batch()[1]).backward()

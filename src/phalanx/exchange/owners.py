@@ -42,9 +42,7 @@ class OwnerUpdateStrategy(Strategy):
         self._pending_params: dict[int, Any] = {}
         self._hooks: list = []
         self._names: dict[int, str] = {}  # id(parameter) -> its name in the model
-        self._unused_said = (parts.previous is not None) and getattr(
-            parts.previous, "_unused_said", False
-        )
+        self._unused_said = getattr(parts.previous, "_unused_said", False)  # once per run
 
     # -- parameters arriving while the next forward runs --------------------------------------
     def register_module(self, module: torch.nn.Module) -> None:

@@ -22,7 +22,7 @@ Parameters no rank used in a step get a zero gradient here (as in FSDP), not ``N
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -255,21 +255,23 @@ class Partitioned(OwnerUpdateStrategy):
             riders.copy_(local[2:])
         return bool(local[0].item() > 0), (float(local[1].sqrt()) if want_norm else None)
 
-    def _owned_partitions(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Views of the partitions this rank reduced: (gradients, usage flags); 1-D, the
-        bucket's dtype and device."""
-        grads: list[torch.Tensor] = []
-        flags: list[torch.Tensor] = []
+    def _owned_ranges(self) -> Iterator[tuple[Bucket, int, torch.Tensor]]:
+        """(bucket, flat start, reduced view) of each partition this rank reduced; the view is
+        1-D, the bucket's dtype and device."""
         for b, (buffer, offset) in self._reduced.items():
-            num_grads = self.sharded.buckets[b].grads.numel()
             layout = self.layouts[b]
             for (lo, hi), owner in zip(layout.ranges, layout.owners):
-                if owner != self.ctx.rank or hi <= lo:
-                    continue
-                split = min(max(lo, num_grads), hi)  # gradients end, usage flags begin
-                for out, start, end in ((grads, lo, split), (flags, split, hi)):
-                    if end > start:
-                        out.append(buffer[start - offset : end - offset])
+                if owner == self.ctx.rank and hi > lo:
+                    yield self.sharded.buckets[b], lo, buffer[lo - offset : hi - offset]
+
+    def _owned_partitions(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The owned partitions' views cut in two: (gradients, usage flags)."""
+        grads: list[torch.Tensor] = []
+        flags: list[torch.Tensor] = []
+        for bucket, lo, view in self._owned_ranges():
+            split = min(max(0, bucket.grads.numel() - lo), view.numel())  # flags begin here
+            grads += [view[:split]] if split > 0 else []
+            flags += [view[split:]] if split < view.numel() else []
         return grads, flags
 
     def scale_gradients(self, factor: float) -> None:
@@ -286,11 +288,8 @@ class Partitioned(OwnerUpdateStrategy):
 
     # -- phase 5: update and send back --------------------------------------------------------
     def update(self, optimizer: torch.optim.Optimizer) -> None:
-        for b, (buffer, offset) in self._reduced.items():
-            layout = self.layouts[b]
-            for (lo, hi), owner in zip(layout.ranges, layout.owners):
-                if owner == self.ctx.rank and hi > lo:
-                    self.warn_unused(self.sharded.buckets[b], lo, buffer[lo - offset : hi - offset])
+        for bucket, lo, view in self._owned_ranges():
+            self.warn_unused(bucket, lo, view)
         grads = {b: buffer for b, (buffer, _) in self._reduced.items()}
         offsets = {b: offset for b, (_, offset) in self._reduced.items()}
         self.sharded.attach_grads(grads, offsets)

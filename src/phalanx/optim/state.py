@@ -49,11 +49,12 @@ def canonical_of(
 
 def to_torch_format(canonical: dict[str, Any], order: Order) -> dict[str, Any]:
     """Canonical -> torch's format for the user's optimizer (groups in ``order``)."""
-    number: dict[int, int] = {}
-    groups = []
+    number: dict[int, int] = {}  # trainable index -> torch's number (FROZEN ones: none)
+    groups, first = [], 0
     for group, members in zip(canonical["param_groups"], order):
-        ids = list(range(len(number), len(number) + len(members)))
-        number.update(zip(members, ids))
+        ids = list(range(first, first + len(members)))
+        first += len(members)
+        number.update((i, n) for i, n in zip(members, ids) if i != FROZEN)
         groups.append(_with_params(group, ids))
     state = {number[i]: entry for i, entry in canonical["state"].items() if i in number}
     return {"state": state, "param_groups": groups}
