@@ -15,6 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from phalanx.export import export_weights
 from tests.integration.users import assert_clean, run
 
 # Activation-dominated, as the issue's held-out models: per-token MLP blocks (embedding,
@@ -46,7 +47,7 @@ COMMON = """train = { steps = 3, progress = false }
 optimizer = { name = "adam", lr = 0.001 }
 checkpoint = { every = 0 }
 """
-DATA = 'source = "text"\nseq_len = 256\n'
+DATA = 'source = "text"\nseq_len = 256\nval_fraction = 0.01\n'
 
 
 def _train(tmp_path: Path, config: Path, name: str, *sets: str) -> tuple[dict, str]:
@@ -60,12 +61,10 @@ def _train(tmp_path: Path, config: Path, name: str, *sets: str) -> tuple[dict, s
 
 
 def _weights(tmp_path: Path, name: str) -> dict[str, torch.Tensor]:
+    """The run's final weights, as ``phalanx export`` writes them (in this process: a
+    subprocess per export would only add torch's start-up)."""
     out = tmp_path / f"{name}.safetensors"
-    done = run(
-        [sys.executable, "-m", "phalanx", "export", str(tmp_path / name), "-o", str(out)],
-        marker=str(tmp_path),
-    )
-    assert_clean(done)
+    export_weights(tmp_path / name, out)
     return load_file(out)
 
 
@@ -87,6 +86,8 @@ def test_a_budget_of_40_percent_lowers_the_measured_peak(tmp_path: Path, model: 
     assert got.keys() == expected.keys()
     for key, value in expected.items():
         assert torch.equal(got[key], value), key  # bit for bit
+    if model != "mlp_per_token":  # (one model suffices for the refusal)
+        return
     below = run(
         [sys.executable, "-m", "phalanx", "train", str(config), "--set", "memory.budget_mb=8"],
         marker=str(tmp_path),

@@ -19,7 +19,7 @@ CONFIG = (
     '[model]\nlayers = [\n  { type = "embedding", num_embeddings = 97, embedding_dim = 64 },\n'
     + BLOCK * 4
     + '  { type = "linear", in_features = 64, out_features = 97 },\n]\n'
-    '[data]\nsource = "text"\nseq_len = 256\nbatch_size = 16\n'
+    '[data]\nsource = "text"\nseq_len = 256\nbatch_size = 16\nval_fraction = 0.01\n'
 )
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from phalanx.data import DataConfig, ShardedBatches, load_source
-from phalanx.data.sources import split
+from phalanx.data.sources import digits_arrays, split
 from phalanx.errors import DataError
 
 N = 50  # samples in the synthetic set; x[i] == y[i] == i, so a batch shows which samples it holds
@@ -81,6 +81,8 @@ def test_digits_train_and_val_are_disjoint(digits):
     from sklearn.datasets import load_digits
 
     bunch = load_digits()
+    images, target = digits_arrays()  # read without importing scikit-learn: the same arrays
+    assert np.array_equal(images, bunch.images) and np.array_equal(target, bunch.target)
     original = sorted(
         (img.astype(np.float32) / 16.0).tobytes() + bytes([t])
         for img, t in zip(bunch.images, bunch.target)

@@ -187,13 +187,13 @@ class StoreDataset(torch.utils.data.Dataset):
 # -- data ------------------------------------------------------------------------------------------
 def upscaled_digits(size: int) -> tuple[np.ndarray, np.ndarray]:
     """The 1797 digits as uint8 (N, 3, size, size) (bilinear upscaling, tinted) and int64 (N,)."""
-    from sklearn.datasets import load_digits
+    from phalanx.data.sources import digits_arrays
 
-    bunch = load_digits()
-    x = torch.from_numpy(bunch.images.astype(np.float32) / 16.0)[:, None]
+    images, target = digits_arrays()
+    x = torch.from_numpy(images.astype(np.float32) / 16.0)[:, None]
     x = F.interpolate(x, size=(size, size), mode="bilinear", align_corners=False)
     tinted = x.numpy() * TINT[None, :, None, None] * 255.0
-    return np.clip(tinted, 0, 255).astype(np.uint8), bunch.target.astype(np.int64)
+    return np.clip(tinted, 0, 255).astype(np.uint8), target.astype(np.int64)
 
 
 def write_image_store(path: Path, size: int) -> None:
