@@ -57,7 +57,7 @@ from torch import nn
 import phalanx
 from phalanx.data.pipeline import Pipeline
 from phalanx.data.records import Field, RecordStore, write_store
-from phalanx.data.sources import DataConfig, load_source
+from phalanx.data.sources import DataConfig, digits_arrays, load_source
 from phalanx.engine import Engine
 from phalanx.errors import ConfigError
 from phalanx.fields import option
@@ -187,8 +187,6 @@ class StoreDataset(torch.utils.data.Dataset):
 # -- data ------------------------------------------------------------------------------------------
 def upscaled_digits(size: int) -> tuple[np.ndarray, np.ndarray]:
     """The 1797 digits as uint8 (N, 3, size, size) (bilinear upscaling, tinted) and int64 (N,)."""
-    from phalanx.data.sources import digits_arrays
-
     images, target = digits_arrays()
     x = torch.from_numpy(images.astype(np.float32) / 16.0)[:, None]
     x = F.interpolate(x, size=(size, size), mode="bilinear", align_corners=False)
