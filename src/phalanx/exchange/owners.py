@@ -61,10 +61,13 @@ class OwnerUpdateStrategy(Strategy):
         for sub, params in forward_waiters(module):
             if (hook := waiter(params)) is not None:
                 self._hooks.append(sub.register_forward_pre_hook(hook))
-        for sub in module.modules():  # state_dict() of any submodule reads the updated values
+        # state_dict() of any submodule reads the updated values; load_state_dict() writes only
+        # after they arrived (else the send-back would overwrite what it loaded)
+        for sub in module.modules():
             if next(sub.parameters(recurse=False), None) is not None:
                 if (hook := waiter(list(sub.parameters()))) is not None:
                     self._hooks.append(sub.register_state_dict_pre_hook(hook))
+                    self._hooks.append(sub.register_load_state_dict_pre_hook(hook))
 
     def _waiter(self, indices: list[int]) -> Any:
         def hook(module: torch.nn.Module, *args: Any) -> None:
