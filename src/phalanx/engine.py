@@ -38,7 +38,7 @@ from phalanx.memory.manager import MemoryManager
 from phalanx.memory.residency import OptimizerResidency
 from phalanx.metrics import PhaseTimer, StepStats
 from phalanx.optim import state as optimizer_state
-from phalanx.optim.user import OptimizerSpec, group_of, resolve_optimizer
+from phalanx.optim.user import OptimizerSpec, TrainableSet, group_of, resolve_optimizer
 from phalanx.parallel.driver import PipelineDriver
 from phalanx.parallel.layout import ParallelConfig
 from phalanx.parallel.pipeline import PipelineParallel, build_pipeline
@@ -189,6 +189,7 @@ class Engine:
         if self._mirror is not None:  # gradients to the host as each bucket's exchange ends
             self._mirror.listen(self.strategy)
         self.strategy.register_module(self.local_module)
+        self._trainable_set = TrainableSet(self.local_module, self.optimizer)
         # Closing must not depend on this object: a script's ranks may drop their Engine (return
         # from main) while an exchange is still pending. The teardown owns the parts and runs
         # at shutdown, or as soon as the Engine is collected on the thread that built it.
@@ -301,6 +302,7 @@ class Engine:
         for hook in self.hooks:
             hook.begin(self.num_steps + 1)
         self.local_module.train()
+        self._trainable_set.check(self.num_steps + 1)
         # Phase 1: zero buckets; split into micro-batches.
         self.buckets.zero()
         self.strategy.begin_step()

@@ -227,3 +227,28 @@ def test_a_parameter_no_rank_used_is_never_moved_silently(strategy: str, caplog)
     else:
         assert len(said) == 1 and "(first: unused." in said[0], said
         assert "\n" not in said[0] and f"{strategy} steps them with a zero gradient" in said[0]
+
+
+@pytest.mark.parametrize("strategy", ["allreduce", "partitioned", "ps"])
+def test_unfreezing_after_the_engine_was_built_is_refused_in_one_line(strategy: str) -> None:
+    """Progressive unfreezing: a parameter made trainable, or a group added to the optimizer,
+    after the Engine was built would be stepped with each rank's own gradient (its exchange
+    was fixed at construction); the next step refuses it. Freezing later is fine (it is then
+    an unused parameter)."""
+    model = _model()
+    frozen = model[0].weight
+    frozen.requires_grad_(False)
+    params = [p for p in model.parameters() if p.requires_grad]
+    engine = px.Engine(model, nn.functional.cross_entropy, torch.optim.SGD(params, lr=0.1),
+                       exchange=strategy)  # fmt: skip
+    engine.step(*_batch())
+    model[2].bias.requires_grad_(False)  # freezing later: allowed
+    engine.step(*_batch())
+    frozen.requires_grad_(True)
+    with pytest.raises(ConfigError, match=r"step 3: parameter '0.weight' became trainable after"):
+        engine.step(*_batch())
+    frozen.requires_grad_(False)
+    engine.optimizer.add_param_group({"params": [frozen], "lr": 0.01})
+    with pytest.raises(ConfigError, match="step 3: a parameter group was added to the optimizer"):
+        engine.step(*_batch())
+    engine.close()

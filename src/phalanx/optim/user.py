@@ -111,3 +111,36 @@ def _check_supported(optimizer: torch.optim.Optimizer, strategy: str, shards: bo
 
 
 OptimizerSpec = torch.optim.Optimizer | Callable[[list[torch.nn.Parameter]], Any]
+
+
+class TrainableSet:
+    """The parameters an Engine exchanges are fixed when it is built (as DDP's reducer's are). A
+    parameter that becomes trainable later (progressive unfreezing) or a group added to the
+    optimizer would be stepped with each rank's own gradient, and the ranks would drift apart
+    with no word: ``check`` refuses either at the next step, in one line naming the fix.
+
+    ``module``: the Engine's model (after any strategy replaced its parameters);
+    ``optimizer``: the one the Engine steps. A check costs one attribute read per frozen
+    parameter."""
+
+    def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self._frozen = [(n, p) for n, p in module.named_parameters() if not p.requires_grad]
+        self._optimizer = optimizer
+        self._num_groups = len(optimizer.param_groups)
+
+    def check(self, step: int) -> None:
+        """Before step number ``step`` (1-based)."""
+        if len(self._optimizer.param_groups) != self._num_groups:
+            raise ConfigError(
+                f"step {step}: a parameter group was added to the optimizer after the Engine was "
+                "built, and its gradients would not be exchanged; put every group in the "
+                "optimizer before building the Engine (with lr 0 until it should learn)"
+            )
+        for name, p in self._frozen:
+            if p.requires_grad:
+                raise ConfigError(
+                    f"step {step}: parameter {name!r} became trainable after the Engine was "
+                    "built, and its gradient would not be exchanged (each rank would step it "
+                    "with its own); make it trainable before building the Engine (with its "
+                    "group's lr 0 until it should learn)"
+                )
