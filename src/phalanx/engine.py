@@ -301,7 +301,8 @@ class Engine:
         timer.start()
         for hook in self.hooks:
             hook.begin(self.num_steps + 1)
-        self.local_module.train()
+        # (The model's train/eval modes are the user's, as in a plain loop and under DDP: a
+        # script may keep a submodule in eval mode, e.g. a frozen BatchNorm.)
         self._trainable_set.check(self.num_steps + 1)
         # Phase 1: zero buckets; split into micro-batches.
         self.buckets.zero()

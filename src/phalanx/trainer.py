@@ -14,6 +14,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +30,7 @@ from phalanx.fileio import atomic_write_text
 from phalanx.losses import loss_fn  # noqa: F401 (its home was here)
 from phalanx.memory import measure
 from phalanx.metrics import JsonlWriter, Progress
+from phalanx.models.modes import evaluating
 from phalanx.optim.schedule import build_scheduler
 from phalanx.planner.prediction import prediction_summary
 from phalanx.runtime.context import Context, init
@@ -60,8 +62,18 @@ def evaluate(
 
     ``model`` may be a function returning logits, or None on ranks that hold no output (a
     pipeline's stages before the last one)."""
-    if isinstance(model, torch.nn.Module):
-        model.eval()
+    with evaluating(model) if isinstance(model, torch.nn.Module) else nullcontext():
+        return _evaluate(model, data, ctx, batch_size, shard, scores)
+
+
+def _evaluate(
+    model: Any,
+    data: Dataset,
+    ctx: Context,
+    batch_size: int,
+    shard: tuple[int, int] | None,
+    scores: bool | None,
+) -> dict[str, float]:
     index, count = shard or (ctx.rank, ctx.world_size)
     x, y = data.x_val[index::count], data.y_val[index::count]
     if scores is None:

@@ -252,3 +252,32 @@ def test_unfreezing_after_the_engine_was_built_is_refused_in_one_line(strategy: 
     with pytest.raises(ConfigError, match="step 3: a parameter group was added to the optimizer"):
         engine.step(*_batch())
     engine.close()
+
+
+@pytest.mark.parametrize("strategy", ["allreduce", "partitioned"])
+def test_a_submodule_the_script_keeps_in_eval_mode_stays_so(strategy: str) -> None:
+    """Fine-tuning scripts freeze BatchNorm with ``bn.eval()`` once, before the loop: the Engine
+    leaves the modes as the script set them (it used to call ``train()`` every step: 3.0 off
+    one process), as a plain loop and DDP do."""
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
+        model[1].eval()
+        return model
+
+    reference = build()
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for _ in range(3):
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(reference(_batch()[0]), _batch()[1]).backward()
+        optimizer.step()
+    model = build()
+    engine = px.Engine(model, nn.functional.cross_entropy,
+                       torch.optim.SGD(model.parameters(), lr=0.1), exchange=strategy)  # fmt: skip
+    for _ in range(3):
+        engine.step(*_batch())
+    assert not model[1].training and model[0].training
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(engine.module.state_dict()[name], value, msg=name)
+    engine.close()

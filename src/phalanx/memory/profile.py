@@ -458,8 +458,8 @@ def profile_model(
     names = [str(i) for i in range(len(layers))] if names is None else list(names)
     if len(names) != len(layers):
         raise ValueError(f"{len(names)} names for {len(layers)} layers")
-    for layer in layers:
-        layer.to(device).train()
+    for layer in layers:  # in the modes training runs them in (a frozen BatchNorm stays so)
+        layer.to(device)
     owned = _owned_parameters(layers)
     params = [p for group in owned for p in group]
     model_storages = {

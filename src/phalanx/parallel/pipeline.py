@@ -33,6 +33,7 @@ from torch import nn
 
 from phalanx.errors import ConfigError
 from phalanx.exchange.comm import global_rank
+from phalanx.models.modes import evaluating
 from phalanx.parallel.layout import ParallelConfig, check_stage_count
 from phalanx.parallel.schedules import schedule_kind
 from phalanx.parallel.split import balanced_split, describe_split, even_split, profile_layers
@@ -348,8 +349,12 @@ class PipelineParallel:
     def forward(self, x: torch.Tensor) -> torch.Tensor | None:
         """The model's output for ``x`` (any batch size, the same on every rank of this
         replica) on the rank holding the last stage, None elsewhere: stage by stage, the
-        activation sent point to point to the next stage's rank. Layers run in eval mode."""
-        self.local.eval()
+        activation sent point to point to the next stage's rank. Layers run in eval mode (their
+        own modes restored after)."""
+        with evaluating(self.local):
+            return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor | None:
         act: torch.Tensor | None = x.to(self.world.device) if self.holds_first else None
         for s in range(self.num_stages):
             if s not in self.stages:
