@@ -79,7 +79,7 @@ def _on_worker_sigint(signum: int, frame: Any) -> None:
 
 
 def _report(error: BaseException, in_worker: bool) -> None:
-    from phalanx.runtime.launch import PEER_LOSS
+    from phalanx.errors import PEER_LOSS
 
     message = str(error) if isinstance(error, PhalanxError) else f"{type(error).__name__}: {error}"
     if in_worker:  # the launcher reads this file to name the rank and the error

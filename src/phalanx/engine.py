@@ -14,7 +14,7 @@ import torch
 from phalanx import engine_state
 from phalanx.batches import Batch, loss_of, split_batch, step_batch
 from phalanx.compile import CompileClock
-from phalanx.errors import CheckpointError, ConfigError
+from phalanx.errors import PEER_LOSS, CheckpointError, ConfigError, PeerLost, PhalanxError
 from phalanx.exchange.auto_bucketing import DEFAULT_BUCKET_MB, AutoBucketing, ObservedOrder
 from phalanx.exchange.base import (
     STRATEGIES,
@@ -293,8 +293,15 @@ class Engine:
                 "with block); build a new Engine to train again"
             )
         clock = self._compile_clock
-        with nullcontext() if clock is None else clock.measure():
-            return self._step(args, kwargs)
+        try:
+            with nullcontext() if clock is None else clock.measure():
+                return self._step(args, kwargs)
+        except RuntimeError as e:  # the backend's words for a peer that went away
+            first_line = str(e).splitlines()[0] if str(e) else ""
+            if isinstance(e, PhalanxError) or not any(p in first_line.lower() for p in PEER_LOSS):
+                raise
+            said = first_line.split("] ", 1)[-1].split(". ", 1)[0]  # no source path, 1 sentence
+            raise PeerLost(self.num_steps + 1, said[:160]) from e
 
     def _step(self, args: tuple, kwargs: dict[str, Any]) -> torch.Tensor:
         timer = self._timer

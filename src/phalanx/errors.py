@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+# The backends' words for a peer rank that went away (Gloo, NCCL, the process group).
+PEER_LOSS = ("closed by peer", "reset by peer", "remote worker crashing", "remote process exit")
+
 
 class PhalanxError(Exception):
     """Base class of every error phalanx raises for a user-facing problem."""
@@ -39,3 +42,15 @@ class Interrupted(PhalanxError):
 
         self.signum = signum
         super().__init__(f"stopped by {signal.Signals(signum).name}")
+
+
+class PeerLost(PhalanxError, RuntimeError):
+    """A peer rank left the job during a step: its script ended early, or it failed."""
+
+    def __init__(self, step: int, backend_message: str) -> None:
+        super().__init__(
+            f"step {step}: a peer rank left the job during this step ({backend_message}); if "
+            "its script ended, every rank must call step() the same number of times (give "
+            "each rank as many batches, e.g. DistributedSampler(drop_last=True)); if it "
+            "failed, its own error is in its log"
+        )

@@ -191,3 +191,18 @@ def test_a_rollback_with_load_state_dict_right_after_a_step_equals_one_process(
                 saved[name], value, atol=1e-4, rtol=0,
                 msg=lambda m, s=strategy, n=name: f"{s}, {n}: {m}",
             )  # fmt: skip
+
+
+@pytest.mark.timeout(300)
+def test_ranks_that_step_unequally_fail_in_one_line_naming_the_fix(tmp_path: Path) -> None:
+    """Rank 0 calls step() once more than rank 1, whose script then ends: rank 0's step fails
+    at once, saying a peer left and what to do, instead of the backend's "remote worker
+    crashing" (no rank crashed)."""
+    for strategy in ("allreduce", "partitioned"):
+        done = torchrun(SCRIPTS / "uneven.py", strategy, nproc=2, marker=str(SCRIPTS / "uneven.py"))
+        assert done.returncode != 0, done.output[-3000:]
+        assert "PeerLost: step 5: a peer rank left the job during this step" in done.output, (
+            strategy,
+            done.output[-3000:],
+        )
+        assert "every rank must call step() the same number of times" in done.output

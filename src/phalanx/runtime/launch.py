@@ -16,7 +16,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from phalanx.errors import Interrupted, WorkerError
+from phalanx.errors import PEER_LOSS, Interrupted, WorkerError
 
 
 @dataclass(kw_only=True)
@@ -122,7 +122,6 @@ def _quiet_elastic_loggers() -> None:
 # A rank that loses its peer fails too ("connection closed by peer"), often within the same
 # second as the rank that really failed, and the launcher then stops the others with SIGTERM:
 # both are consequences, not the cause.
-PEER_LOSS = ("closed by peer", "reset by peer", "remote worker crashing", "remote process exit")
 # Signals the launcher itself sends to stop the ranks that are left.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 STOPPED = ("stopped by sigterm", "stopped by sigint")  # phalanx.errors.Interrupted

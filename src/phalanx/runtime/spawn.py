@@ -33,10 +33,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, cast
 
-from phalanx.errors import WorkerError
+from phalanx.errors import PEER_LOSS, WorkerError
 from phalanx.runtime import context
 from phalanx.runtime.context import RuntimeConfig
-from phalanx.runtime.launch import PEER_LOSS
 from phalanx.runtime.pool import RemoteTraceback
 
 POLL_S = 0.2  # how often the caller looks for error files (exits are seen at once)
