@@ -20,7 +20,7 @@ from typing import Any
 from phalanx import __version__
 from phalanx.commands import build_parser as build
 from phalanx.commands.common import EXIT_INTERRUPTED, EXIT_PREEMPTED, PROG  # noqa: F401
-from phalanx.errors import Interrupted, PhalanxError, WorkerError
+from phalanx.errors import PEER_LOSS, Interrupted, PhalanxError, WorkerError
 from phalanx.fileio import atomic_write_text
 
 _interrupted = False  # a worker got SIGINT: it exits quietly (the launcher prints the line)
@@ -79,8 +79,6 @@ def _on_worker_sigint(signum: int, frame: Any) -> None:
 
 
 def _report(error: BaseException, in_worker: bool) -> None:
-    from phalanx.errors import PEER_LOSS
-
     message = str(error) if isinstance(error, PhalanxError) else f"{type(error).__name__}: {error}"
     if in_worker:  # the launcher reads this file to name the rank and the error
         _record_for_launcher(error)
