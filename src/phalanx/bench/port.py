@@ -12,7 +12,8 @@ intra-op thread each):
 After ``warmup`` steps each, ``rounds`` rounds run the contenders one after another (the order
 rotates each round), ``steps`` steps each, timed between barriers (the slowest rank's time).
 Then one rank alone: ``plain`` (the one-process loop) against ``engine`` (the Engine in a
-world of one), alternating the same way. Reported: medians over rounds and the median of the
+world of one), alternating the same way in shorter rounds (``single_rounds`` of
+``single_steps``). Reported: medians over rounds and the median of the
 per-round ratios (to ``ddp``; to ``plain``).
 """
 
@@ -49,6 +50,10 @@ class PortBenchConfig:
     steps: int = option(20, "steps per round and contender")
     rounds: int = option(9, "alternating rounds")
     warmup: int = option(3, "untimed steps per contender first")
+    # The world of one alternates more finely: its two contenders differ by a few percent, less
+    # than this shared VM drifts over a 20-step round.
+    single_rounds: int = option(30, "alternating rounds of the world of one")
+    single_steps: int = option(6, "steps per round and contender in the world of one")
 
     def validate(self) -> None:
         for key, value in asdict(self).items():
@@ -171,7 +176,8 @@ def _in_ranks(ctx: Any, cfg: PortBenchConfig) -> dict:
     single = {}
     if ctx.rank == 0:  # a world of one inside the same process
         one = dataclasses.replace(ctx, group=alone, world_size=1)
-        single = _race(one, cfg, SINGLE)
+        fine = dataclasses.replace(cfg, rounds=cfg.single_rounds, steps=cfg.single_steps)
+        single = _race(one, fine, SINGLE)
     return {**multi, **single}
 
 
@@ -180,17 +186,22 @@ def run_benchmark(cfg: PortBenchConfig) -> dict[str, Any]:
 
     started = time.perf_counter()
     seconds = run_ranks(_in_ranks, cfg.nproc, cfg, timeout=None)[0]
-    tokens = cfg.batch_size * cfg.seq_len * cfg.steps
     rows = {}
     for kind, samples in seconds.items():
-        procs = cfg.nproc if kind in MULTI else 1
+        procs, steps = (cfg.nproc, cfg.steps) if kind in MULTI else (1, cfg.single_steps)
+        tokens = cfg.batch_size * cfg.seq_len * steps * procs
         rows[kind] = {
             "seconds": samples,
-            "tokens_per_s": statistics.median(tokens * procs / s for s in samples),
+            "tokens_per_s": statistics.median(tokens / s for s in samples),
         }
     for kind, base in [(k, "ddp") for k in MULTI[1:]] + [("engine", "plain")]:
         ratios = [b / s for s, b in zip(seconds[kind], seconds[base])]
         rows[kind][f"vs_{base}"] = statistics.median(ratios)
+        # the per-round ratios' interquartile range: how far this VM's noise reaches
+        quartiles = (
+            statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else ratios * 3
+        )
+        rows[kind]["ratio_iqr"] = (quartiles[0], quartiles[-1])
     meta = {**machine_meta(), "wall_s": time.perf_counter() - started, "config": asdict(cfg)}
     return {"meta": meta, "rows": rows}
 
@@ -206,10 +217,13 @@ def format_table(result: dict[str, Any]) -> str:
         f"GPT script ({cfg['num_layers']} layers, width {cfg['width']}, vocab {cfg['vocab']}, "
         f"{cfg['batch_size']} x {cfg['seq_len']} tokens per process), AdamW groups, clip 1.0; "
         f"medians of {cfg['rounds']} alternating rounds of {cfg['steps']} steps",
-        f"{'contender':<12} {'processes':>9} {'tokens/s':>10} {'ratio':>16}",
+        f"(the world of one: {cfg['single_rounds']} rounds of {cfg['single_steps']} steps); "
+        "ratio: median of the per-round ratios, and their interquartile range",
+        f"{'contender':<12} {'processes':>9} {'tokens/s':>10} {'ratio':>16} {'rounds IQR':>13}",
     ]
     for kind, row in result["rows"].items():
         procs = cfg["nproc"] if kind in MULTI else 1
         ratio = next((f"{v:.3f}x {k[3:]}" for k, v in row.items() if k.startswith("vs_")), "")
-        lines.append(f"{kind:<12} {procs:>9} {row['tokens_per_s']:>10.0f} {ratio:>16}")
+        iqr = "{:.3f}-{:.3f}".format(*row["ratio_iqr"]) if "ratio_iqr" in row else ""
+        lines.append(f"{kind:<12} {procs:>9} {row['tokens_per_s']:>10.0f} {ratio:>16} {iqr:>13}")
     return "\n".join(lines)
