@@ -723,6 +723,16 @@ def _check_arguments(model: Any, loss_fn: Any, optimizer: Any) -> None:
             f"loss_fn: pass a function (output, targets) -> loss, or None when the model "
             f"returns its own loss; got {type(loss_fn).__name__}"
         )
+    for name, sub in model.named_modules():
+        if getattr(sub, "sparse", False) is True and isinstance(
+            sub, (torch.nn.Embedding, torch.nn.EmbeddingBag)
+        ):
+            if sub.weight.requires_grad:
+                raise ConfigError(
+                    f"model: {name or 'the model'} ({type(sub).__name__}) has sparse=True, "
+                    "whose sparse gradients phalanx does not exchange (its buckets are dense); "
+                    "build it with sparse=False"
+                )
 
 
 def _check_pipeline(bucket_mb: float | str, loss_fn: Any, memory: Any) -> None:

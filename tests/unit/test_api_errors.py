@@ -47,6 +47,10 @@ CONSTRUCTION = {
     "trace": (dict(trace=True), "trace: pass a phalanx.tracing.TraceConfig"),
     "parallel": (dict(parallel={"pipeline": 2}), "parallel: pass a phalanx.parallel.layout"),
     "context": (dict(context="world"), "context: pass the Context of phalanx.init()"),
+    "sparse embedding": (
+        dict(model=nn.Sequential(nn.EmbeddingBag(9, 3, sparse=True), nn.Linear(3, 2))),
+        "model: 0 (EmbeddingBag) has sparse=True, whose sparse gradients phalanx does not",
+    ),
 }
 
 
@@ -123,3 +127,35 @@ def test_a_state_from_the_same_model_still_loads() -> None:
         torch.testing.assert_close(a, b)
     source.close()
     target.close()
+
+
+class _SparseGradient(torch.autograd.Function):
+    """The identity whose backward returns a sparse gradient (as a custom layer might)."""
+
+    @staticmethod
+    def forward(ctx: Any, w: torch.Tensor) -> torch.Tensor:
+        return w.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad.to_sparse()
+
+
+class _SparseLayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(3, 2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ _SparseGradient.apply(self.w)
+
+
+def test_a_sparse_gradient_from_elsewhere_is_one_line() -> None:
+    """Sparse Embeddings are refused when the Engine is built; any other layer whose gradient
+    arrives sparse is refused at its first backward (it used to end in "Cannot access data
+    pointer of Tensor that doesn't have storage" from inside the buckets)."""
+    engine = _engine(model=_SparseLayer())
+    with pytest.raises(PhalanxError) as error:
+        engine.step(*_batch())
+    _one_line(error.value, "got a torch.sparse_coo gradient; phalanx exchanges dense gradients")
+    engine.close()

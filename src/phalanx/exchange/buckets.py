@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from phalanx.errors import ConfigError
+
 FIRST_BUCKET_BYTES = 1 << 20  # a small first bucket starts communication early, as DDP does
 
 
@@ -190,6 +192,11 @@ class GradientBuckets:
         grad = p.grad
         if grad is not view:  # first accumulation after grad was None, or a user reset it
             assert grad is not None  # autograd has just accumulated it
+            if grad.layout != torch.strided:  # (sparse Embeddings are refused at construction)
+                raise ConfigError(
+                    f"a parameter of shape {tuple(p.shape)} got a {grad.layout} gradient; "
+                    "phalanx exchanges dense gradients only: make the layer produce dense ones"
+                )
             if grad.data_ptr() != view.data_ptr():
                 view.copy_(grad)
             p.grad = view
