@@ -38,7 +38,13 @@ from phalanx.memory.manager import MemoryManager
 from phalanx.memory.residency import OptimizerResidency
 from phalanx.metrics import PhaseTimer, StepStats
 from phalanx.optim import state as optimizer_state
-from phalanx.optim.user import OptimizerSpec, TrainableSet, group_of, resolve_optimizer
+from phalanx.optim.user import (
+    OptimizerSpec,
+    StepOwnership,
+    TrainableSet,
+    group_of,
+    resolve_optimizer,
+)
 from phalanx.parallel.driver import PipelineDriver
 from phalanx.parallel.layout import ParallelConfig
 from phalanx.parallel.pipeline import PipelineParallel, build_pipeline
@@ -190,6 +196,7 @@ class Engine:
             self._mirror.listen(self.strategy)
         self.strategy.register_module(self.local_module)
         self._trainable_set = TrainableSet(self.local_module, self.optimizer)
+        self._step_ownership = StepOwnership(self.optimizer, lambda: self._teardown.closed)
         # Closing must not depend on this object: a script's ranks may drop their Engine (return
         # from main) while an exchange is still pending. The teardown owns the parts and runs
         # at shutdown, or as soon as the Engine is collected on the thread that built it.
@@ -293,6 +300,7 @@ class Engine:
                 "with block); build a new Engine to train again"
             )
         clock = self._compile_clock
+        self._step_ownership.inside = True
         try:
             with nullcontext() if clock is None else clock.measure():
                 return self._step(args, kwargs)
@@ -302,6 +310,8 @@ class Engine:
                 raise
             said = first_line.split("] ", 1)[-1].split(". ", 1)[0]  # no source path, 1 sentence
             raise PeerLost(self.num_steps + 1, said[:160]) from e
+        finally:
+            self._step_ownership.inside = False
 
     def _step(self, args: tuple, kwargs: dict[str, Any]) -> torch.Tensor:
         timer = self._timer

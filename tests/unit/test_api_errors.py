@@ -159,3 +159,22 @@ def test_a_sparse_gradient_from_elsewhere_is_one_line() -> None:
         engine.step(*_batch())
     _one_line(error.value, "got a torch.sparse_coo gradient; phalanx exchanges dense gradients")
     engine.close()
+
+
+@pytest.mark.parametrize("strategy", ["allreduce", "partitioned", "ps"])
+def test_a_leftover_optimizer_step_is_one_line(strategy: str) -> None:
+    """A loop ported from DDP that still calls ``optimizer.step()`` after ``engine.step()``
+    updated every parameter twice, with no word (under ``partitioned``/``ps`` only this rank's
+    shards); refused while the Engine is open, the script's own again after ``close()``."""
+    model = nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine = px.Engine(model, CE, optimizer, exchange=strategy)
+    engine.step(*_batch())
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(PhalanxError) as error:
+        optimizer.step()
+    _one_line(error.value, "SGD.step() called outside engine.step(): the Engine steps the")
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))  # no update
+    engine.step(*_batch())  # the Engine's own steps go on
+    engine.close()
+    optimizer.step()

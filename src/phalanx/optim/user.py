@@ -144,3 +144,28 @@ class TrainableSet:
                     "with its own); make it trainable before building the Engine (with its "
                     "group's lr 0 until it should learn)"
                 )
+
+
+class StepOwnership:
+    """The Engine steps the user's optimizer inside ``step()``; a script ported from DDP may
+    still call ``optimizer.step()`` after it, which would update every parameter twice (and
+    under ``partitioned``/``ps`` only this rank's shards, which then differ from the other
+    ranks'). A step pre-hook refuses that call in one line while the Engine is open.
+
+    ``closed``: whether the Engine was closed (the optimizer is the script's again)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, closed: Callable[[], bool]) -> None:
+        self.inside = False  # set by the Engine around its step
+        self._closed = closed
+        self._handle = optimizer.register_step_pre_hook(self._check)
+
+    def _check(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if not self.inside and not self._closed():
+            raise ConfigError(
+                f"{type(optimizer).__name__}.step() called outside engine.step(): the Engine "
+                "steps the optimizer itself, so this would update twice; remove "
+                "optimizer.step() (and loss.backward(), zero_grad()) from the loop"
+            )
+
+    def remove(self) -> None:
+        self._handle.remove()
