@@ -196,11 +196,12 @@ class Engine:
             self._mirror.listen(self.strategy)
         self.strategy.register_module(self.local_module)
         self._trainable_set = TrainableSet(self.local_module, self.optimizer)
-        self._step_ownership = StepOwnership(self.optimizer, lambda: self._teardown.closed)
         # Closing must not depend on this object: a script's ranks may drop their Engine (return
         # from main) while an exchange is still pending. The teardown owns the parts and runs
         # at shutdown, or as soon as the Engine is collected on the thread that built it.
         self._teardown = Teardown(self.strategy, self.buckets, self.pipeline, self.memory)
+        teardown = self._teardown  # (the hook must not hold the Engine: it closes when dropped)
+        self._step_ownership = StepOwnership(self.optimizer, lambda: teardown.closed)
         self._unregister_teardown = on_shutdown(self._teardown)
         weakref.finalize(self, self._teardown.on_collected).atexit = False
         self._timer = PhaseTimer(self.ctx.device)
