@@ -25,6 +25,7 @@ from phalanx.engine import Engine
 from phalanx.exchange.base import OptimizerFactory
 from phalanx.fields import option, require
 from phalanx.losses import loss_fn as sequence_loss
+from phalanx.models.modes import evaluating
 from phalanx.runtime.pool import WorkerPool, current_worker
 
 ModelFactory = Callable[[], torch.nn.Module]
@@ -146,18 +147,16 @@ def _score(block: tuple[torch.Tensor, torch.Tensor], name: str, batch_size: int)
     """Summed loss, correct predictions and count over this worker's share of the data."""
     module = _replica(name).engine.module
     device = current_worker().device
-    was_training = module.training
-    module.eval()
     sums = [0.0, 0.0, 0.0]
     x, y = block
-    for start in range(0, len(x), batch_size):
-        out = module(x[start : start + batch_size].to(device))
-        target = y[start : start + batch_size].to(device).reshape(-1)
-        logits = out.reshape(-1, out.shape[-1])
-        sums[0] += float(F.cross_entropy(logits, target, reduction="sum"))
-        sums[1] += float((logits.argmax(-1) == target).sum())
-        sums[2] += target.numel()
-    module.train(was_training)
+    with evaluating(module):  # each submodule's own mode back after (a frozen BatchNorm too)
+        for start in range(0, len(x), batch_size):
+            out = module(x[start : start + batch_size].to(device))
+            target = y[start : start + batch_size].to(device).reshape(-1)
+            logits = out.reshape(-1, out.shape[-1])
+            sums[0] += float(F.cross_entropy(logits, target, reduction="sum"))
+            sums[1] += float((logits.argmax(-1) == target).sum())
+            sums[2] += target.numel()
     return sums
 
 

@@ -206,3 +206,21 @@ def test_ranks_that_step_unequally_fail_in_one_line_naming_the_fix(tmp_path: Pat
             done.output[-3000:],
         )
         assert "every rank must call step() the same number of times" in done.output
+
+
+@pytest.mark.timeout(300)
+def test_a_fine_tuning_script_with_frozen_batchnorm_equals_one_process(tmp_path: Path) -> None:
+    """``bn.eval()`` once before the loop stays in force (the Engine used to call
+    ``model.train()`` every step), and a leftover ``optimizer.step()`` from the DDP loop fails
+    in one line instead of updating twice."""
+    from finetune import reference
+
+    script = SCRIPTS / "finetune.py"
+    done = torchrun(script, str(tmp_path), "partitioned", "ported", nproc=2)
+    assert_clean(done)
+    saved, expected = torch.load(tmp_path / "partitioned.pt"), reference()
+    for name, value in expected.items():
+        torch.testing.assert_close(saved[name], value, atol=1e-5, rtol=0, msg=name)
+    done = torchrun(script, str(tmp_path), "allreduce", "leftover", nproc=2)
+    assert done.returncode != 0
+    assert "AdamW.step() called outside engine.step()" in done.output, done.output[-3000:]
