@@ -4,6 +4,8 @@ VENV ?= .venv
 TORCH ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.phalanx-installed
+# pytest workers of make test (the machine CI runs on has 2 cores)
+JOBS ?= 2
 
 .PHONY: demo test test-fast test-integration test-cuda lint format bench drill drill-exit clean install
 
@@ -23,7 +25,7 @@ test: $(STAMP)
 	$(BIN)/ruff check src tests examples tools
 	$(BIN)/ruff format --check src tests examples tools
 	$(BIN)/mypy
-	$(BIN)/python -m pytest -q --durations=20 tests
+	$(BIN)/python -m pytest -q --durations=20 -n $(JOBS) --dist worksteal tests
 
 test-fast: $(STAMP)
 	$(BIN)/ruff check src tests examples tools

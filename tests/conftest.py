@@ -1,7 +1,9 @@
 """Test tiers: every test is ``unit`` (tests/unit, in-process), ``multiproc`` (spawned ranks,
 launcher runs, fault drills) or ``integration`` (tests/integration: users' scripts run as
 users run them, under torchrun or ``phalanx train``); ``slow`` marks all but ``unit``.
-``make test-fast`` runs ``unit and not slow``; ``make test`` runs everything."""
+``make test-fast`` runs ``unit and not slow``; ``make test`` runs everything, on two pytest
+workers (pytest-xdist), the ``slow`` tests first so that neither worker is left with a long one
+at the end."""
 
 from __future__ import annotations
 
@@ -17,3 +19,5 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         item.add_marker(getattr(pytest.mark, tier))
         if tier != "unit":
             item.add_marker(pytest.mark.slow)
+    # Longest first (a stable sort: the slow tests keep their order, then the rest)
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)

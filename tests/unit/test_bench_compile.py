@@ -20,6 +20,7 @@ lr = 0.05
 """
 
 
+@pytest.mark.slow  # spawns processes or trains for real: not in make test-fast
 def test_a_compiled_run_reports_its_compile_time_once(tmp_path) -> None:
     config = tmp_path / "tiny.toml"
     config.write_text(TINY)

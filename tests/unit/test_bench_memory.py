@@ -32,6 +32,7 @@ def _positive(x: Any) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
 
 
+@pytest.mark.slow  # spawns processes or trains for real: not in make test-fast
 def test_tiny_run_measures_every_variant() -> None:
     result = bench.run_benchmark(TINY)
     (only,) = result["rounds"]

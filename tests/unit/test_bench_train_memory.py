@@ -23,6 +23,7 @@ CONFIG = (
 )
 
 
+@pytest.mark.slow  # spawns processes or trains for real: not in make test-fast
 @pytest.mark.timeout(300)
 def test_processes_are_measured_and_reported(tmp_path: Path) -> None:
     config = tmp_path / "tiny.toml"

@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -408,3 +409,26 @@ def test_worker_error_file_is_written_whole_for_the_launcher(tmp_path, monkeypat
     failure = ProcessFailure(local_rank=1, pid=123, exitcode=1, error_file=str(path))
     assert "RuntimeError: bucket 3 exploded" in _failure_message(failure)  # the launcher reads
     assert [p.name for p in tmp_path.iterdir()] == ["error.json"]  # no temporary left
+
+
+def test_runs_started_in_the_same_second_get_their_own_directories(
+    tmp_path: Path, monkeypatch, capsys
+) -> None:
+    """A sweep starting several runs at once without --run-dir: each claims its own default
+    directory (runs/<config>-<time>, then -2, ...) instead of all writing into one; a run
+    refused for its config claims none."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(time, "strftime", lambda *_: "20261127-120000")
+    for name in LAUNCH_VARS:
+        monkeypatch.delenv(name, raising=False)
+    refused = ["--set", "exchange.strategy=ps", "--set", "exchange.options.servers=1"]
+    assert run_main(["train", EXAMPLE, *refused]) == 2  # no worker left: refused at the start
+    assert not (tmp_path / "runs").exists()
+    for _ in range(2):
+        assert run_main(["train", EXAMPLE, "--set", "train.steps=1"]) == 0
+    first = Path("runs") / f"{Path(EXAMPLE).stem}-20261127-120000"
+    second = first.with_name(f"{first.name}-2")
+    for run_dir in (first, second):
+        assert json.loads((tmp_path / run_dir / "summary.json").read_text())["steps"] == 1
+    printed = capsys.readouterr().out
+    assert f"run directory {first}" in printed and f"run directory {second}" in printed

@@ -41,6 +41,7 @@ def _probe(before: str = "", **env: str) -> str:
     return out.stdout.strip()
 
 
+@pytest.mark.slow  # spawns processes or trains for real: not in make test-fast
 @needs_thp
 def test_huge_pages_take_only_before_torchs_first_large_block() -> None:
     assert _probe() == "True True"  # the first 2 MiB block: in force, and it stays
@@ -50,6 +51,7 @@ def test_huge_pages_take_only_before_torchs_first_large_block() -> None:
     assert _probe(THP_MEM_ALLOC_ENABLE="0") == "False False"  # the user's value is left alone
 
 
+@pytest.mark.slow  # spawns processes or trains for real: not in make test-fast
 @needs_thp
 @pytest.mark.timeout(300)
 def test_phalanx_train_with_a_budget_backs_large_tensors_with_huge_pages(tmp_path: Path) -> None:

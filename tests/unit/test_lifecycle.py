@@ -93,7 +93,17 @@ def test_optimizer_object_survives_rebuilds_and_scheduler_acts(strategy: str) ->
 
 
 def _os_threads() -> set[str]:
-    return set(os.listdir("/proc/self/task"))
+    """This process's Gloo threads (named ``gloo_tcp_loop`` and ``pt_gloo_runloop``): other
+    threads come and go with whatever ran before in this process (torch's intra-op pool starts
+    at its first parallel op; pytest-xdist's own threads)."""
+    threads = set()
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            name = open(f"/proc/self/task/{tid}/comm").read()
+        except FileNotFoundError:  # ended meanwhile
+            continue
+        threads |= {tid} if "gloo" in name else set()
+    return threads
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs Linux /proc")
@@ -108,7 +118,7 @@ def test_shutdown_joins_the_backends_worker_threads() -> None:
     assert _os_threads() - before  # Gloo's worker and transport threads
     px.shutdown()
     assert ctx.group is None  # the user's Context no longer keeps the group alive
-    assert _os_threads() - before == set()  # (threads of earlier tests may have ended meanwhile)
+    assert _os_threads() - before == set()
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs Linux /proc")
@@ -132,6 +142,7 @@ def test_shutdown_joins_a_group_captured_as_a_default_argument() -> None:
         del sys.modules[captures.__name__]
 
 
+@pytest.mark.slow  # spawns processes or trains for real: not in make test-fast
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs Linux /proc")
 def test_shutdown_after_torch_captured_the_world_group_leaves_no_thread() -> None:
     """The real trigger, in a fresh interpreter: the first optimizer after init imports

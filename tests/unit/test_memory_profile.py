@@ -235,6 +235,7 @@ def test_command_errors_are_one_line_with_exit_2(argv: list[str], fragment: str,
     assert "Traceback" not in err
 
 
+@pytest.mark.slow  # spawns processes or trains for real: not in make test-fast
 def test_the_examples_in_docs_memory_md_run(capsys) -> None:
     """Every Python block of docs/memory.md, as a reader would paste it: the profile, a budget
     from Python, the optimizer in the tier."""

@@ -278,6 +278,7 @@ def test_predict_reports_the_error_of_the_run_as_configured(tmp_path, monkeypatc
     assert code == 2 and "pipeline > 1 yet; drop --predict" in err
 
 
+@pytest.mark.slow  # spawns processes or trains for real: not in make test-fast
 def test_ranks_sharing_a_node_slow_each_ones_compute_in_the_plan() -> None:
     """compute_slowdown: a rank's compute at k ranks per node takes the measured factor
     longer (the last factor past what was measured; none at one device), and the

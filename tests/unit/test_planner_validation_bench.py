@@ -82,6 +82,7 @@ def test_a_missing_config_is_one_line() -> None:
         PlannerBenchConfig(config=("nope.toml",)).validate()
 
 
+@pytest.mark.slow  # spawns processes or trains for real: not in make test-fast
 @pytest.mark.timeout(300)
 def test_a_real_cell_is_profiled_predicted_and_trained_as_users_run_it(
     monkeypatch: Any, capsys: pytest.CaptureFixture

@@ -4,6 +4,7 @@ restarts, preemption, ``--dry-run``."""
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import signal
@@ -40,7 +41,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--trace", metavar="DIR", help="write a Chrome trace of steps 2-4 to DIR/trace.json"
     )
-    p.add_argument("--run-dir", help="run directory (default: runs/<config>-<time>)")
+    p.add_argument(
+        "--run-dir", help="run directory (default: runs/<config>-<time>, -2, ... if taken)"
+    )
     p.add_argument(
         "--max-restarts",
         type=int,
@@ -95,8 +98,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     config = config_from_data(data)
     if args.trace:
         config.trace.directory = args.trace
-    run_dir = Path(args.resume or args.run_dir or config.train.run_dir or _default_run_dir(args))
     in_worker = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    explicit = args.resume or args.run_dir or config.train.run_dir
+    run_dir = Path(explicit or _default_run_dir(args))
+    # a default directory is claimed before anything writes into it (a worker's ranks agree
+    # on rank 0's instead: Trainer)
+    unclaimed = not explicit and not in_worker
     world_size = int(os.environ["WORLD_SIZE"]) if in_worker else args.nproc * args.nnodes
     planning = getattr(args, "auto_plan", False), getattr(args, "predict", False)
     if any(planning) and not in_worker and not args.dry_run:
@@ -105,6 +112,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             raise PhalanxError("--auto-plan already predicts the setup it picks; drop --predict")
         if args.resume:
             raise PhalanxError(f"{flag}: predicts a new run; drop it with --resume")
+        run_dir, unclaimed = (_claim(run_dir) if unclaimed else run_dir), False
         if planning[0]:
             args.set = [*args.set, *auto_plan(config, world_size, run_dir)]  # workers get them
             config = load_config(args.config, args.set)
@@ -117,6 +125,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
         print(describe_run(config, world_size, str(run_dir)))
         return 0
+    run_dir = _claim(run_dir) if unclaimed else run_dir
     if args.resume and not in_worker:
         checkpoint.choose(run_dir / "checkpoints", warn=False)  # fail early; rank 0 warns
     if in_worker or (args.nproc == 1 and args.nnodes == 1):
@@ -244,6 +253,21 @@ def _saved_config(run_dir: Path) -> dict:
 def _default_run_dir(args: argparse.Namespace) -> str:
     stem = Path(args.config).stem if args.config else "run"
     return str(Path("runs") / f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}")
+
+
+def _claim(run_dir: Path) -> Path:
+    """Create the default ``run_dir``, or the first free of ``-2``, ``-3``, ... where a run
+    started in the same second has it: a sweep that starts several runs at once would
+    otherwise write them all into one directory."""
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    for n in itertools.count(1):
+        candidate = run_dir if n == 1 else run_dir.with_name(f"{run_dir.name}-{n}")
+        try:
+            candidate.mkdir()  # atomic: each name goes to one process
+            return candidate
+        except FileExistsError:
+            continue
+    raise AssertionError("unreachable")
 
 
 def _print_summary(summary: dict) -> None:
