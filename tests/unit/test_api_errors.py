@@ -29,6 +29,14 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(4, 3), torch.randint(0, 2, (4,))
 
 
+@pytest.fixture(autouse=True)
+def _no_world_left():
+    """An Engine refused after it joined the implicit world of one leaves that world: close it,
+    so later tests in this process start from none."""
+    yield
+    px.shutdown()
+
+
 CONSTRUCTION = {
     "model": (dict(model=lambda x: x), "model: pass a torch.nn.Module"),
     "optimizer kind": (dict(optimizer="adam"), "optimizer: pass a torch.optim.Optimizer"),

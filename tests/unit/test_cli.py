@@ -318,6 +318,7 @@ def test_config_show_bad_key_exits_2(capsys):
 
 
 def test_dry_run_describes_the_run_and_starts_nothing(tmp_path, capsys):
+    shutdown()  # a world of one an earlier test in this process left (what is checked below)
     run_dir = tmp_path / "never"
     argv = ["train", EXAMPLE, "--nproc", "3", "--dry-run", "--run-dir", str(run_dir),
             "--set", "exchange.strategy=ps", "--set", "exchange.options={servers=1}"]  # fmt: skip

@@ -127,7 +127,16 @@ def test_bubble_fraction_in_theory() -> None:
     assert schedule_kind("dualpipev").bubble_fraction(4, 8, 2) == 0.0
 
 
-def test_v_shaped_schedules_place_stages_r_and_2p_minus_1_minus_r() -> None:
+@pytest.fixture
+def torch_2_13(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The layout checks below hold on any torch; the zero-bubble schedules are refused by
+    version first on older ones (torch 2.11 on the GPU machine), so pretend 2.13 there."""
+    from phalanx.parallel import schedules
+
+    monkeypatch.setattr(schedules, "_torch_version", lambda: "2.13.0")
+
+
+def test_v_shaped_schedules_place_stages_r_and_2p_minus_1_minus_r(torch_2_13: None) -> None:
     for name in ("zbv", "dualpipev"):
         parallel = ParallelConfig(pipeline=3, schedule=name, microbatches=6)
         assert [parallel.rank_of_stage(s) for s in range(6)] == [0, 1, 2, 2, 1, 0]
@@ -168,12 +177,16 @@ def test_v_shaped_schedules_place_stages_r_and_2p_minus_1_minus_r() -> None:
         ),
     ],
 )
-def test_schedule_constraints_are_one_line_errors(parallel: dict, message: str) -> None:
+def test_schedule_constraints_are_one_line_errors(
+    parallel: dict, message: str, torch_2_13: None
+) -> None:
     with pytest.raises(ConfigError, match=re.escape(message) + "$"):
         run_config([None] * 5, **parallel)
 
 
-def test_a_schedule_this_torch_lacks_is_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_schedule_this_torch_lacks_is_refused_by_name(
+    monkeypatch: pytest.MonkeyPatch, torch_2_13: None
+) -> None:
     from phalanx.parallel import schedules
 
     older = {k: v for k, v in schedules._torch_schedules().items() if k != "ScheduleDualPipeV"}
@@ -184,6 +197,19 @@ def test_a_schedule_this_torch_lacks_is_refused_by_name(monkeypatch: pytest.Monk
                        r"interleaved_zb, looped_bfs, zbv$"):  # fmt: skip
         run_config([None] * 5, schedule="dualpipev", microbatches=4)
     run_config([None] * 5, schedule="dualpipev", microbatches=4, pipeline=1)  # no pipeline
+
+
+def test_zero_bubble_schedules_on_an_older_torch_are_refused_by_version(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from phalanx.parallel import schedules
+
+    monkeypatch.setattr(schedules, "_torch_version", lambda: "2.11.0")
+    for name in ("zbv", "dualpipev", "interleaved_zb"):
+        with pytest.raises(ConfigError, match=rf"parallel.schedule: '{name}' needs torch >= "
+                           r"2.13 here .* torch 2.11.0 is installed; upgrade torch or choose "
+                           r"one of: 1f1b, gpipe, interleaved, looped_bfs$"):  # fmt: skip
+            run_config([None] * 5, schedule=name, microbatches=4)
 
 
 def test_gradients_written_past_the_hooks_reach_the_buckets() -> None:
