@@ -29,7 +29,7 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(BIN)/ruff check src tests examples tools
-	$(BIN)/python -m pytest -q -m "unit and not slow" tests
+	$(BIN)/python -m pytest -q -n $(JOBS) -m "unit and not slow" tests
 
 test-integration: $(STAMP)
 	$(BIN)/python -m pytest -q -m integration tests/integration
