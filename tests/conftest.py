@@ -19,5 +19,5 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         item.add_marker(getattr(pytest.mark, tier))
         if tier != "unit":
             item.add_marker(pytest.mark.slow)
-    # Longest first (a stable sort: the slow tests keep their order, then the rest)
+    # The slow tests first (a stable sort: each part keeps its order)
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)

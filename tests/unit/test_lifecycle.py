@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -97,12 +98,12 @@ def _os_threads() -> set[str]:
     threads come and go with whatever ran before in this process (torch's intra-op pool starts
     at its first parallel op; pytest-xdist's own threads)."""
     threads = set()
-    for tid in os.listdir("/proc/self/task"):
+    for task in Path("/proc/self/task").iterdir():
         try:
-            name = open(f"/proc/self/task/{tid}/comm").read()
+            if "gloo" in (task / "comm").read_text():
+                threads.add(task.name)
         except FileNotFoundError:  # ended meanwhile
             continue
-        threads |= {tid} if "gloo" in name else set()
     return threads
 
 
