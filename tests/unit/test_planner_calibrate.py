@@ -60,6 +60,7 @@ def every_term() -> ClusterConfig:
         handoff_s=1.6e-5,
         compute_slowdown=(1.0, 1.35),
         collective_call_s=7e-4,
+        collective_call_cpu_s=4e-4,
         assumed=("inter: not measured: 10 GbE assumed",),
     )
 
@@ -106,7 +107,7 @@ MEASURE = calibrate.calibrate_machine  # the real one, before a test replaces it
 def fake_calibration(calls: list[int]) -> ClusterConfig:
     calls.append(1)
     return MEASURE(lambda: LINK, lambda: 2e-10, lambda: 5e-11, lambda cores: (1.0, 1.3)[:cores],
-                   lambda alpha: 1e-3)  # fmt: skip
+                   lambda alpha: 1e-3, lambda: 6e-4)  # fmt: skip
 
 
 def test_the_calibration_measures_every_term_and_states_the_network() -> None:
@@ -115,7 +116,7 @@ def test_the_calibration_measures_every_term_and_states_the_network() -> None:
     assert cluster.compute_slowdown == (1.0, 1.3)[: calibrate.host_cores()]
     assert cluster.host_cores_per_node == calibrate.host_cores() >= 1
     assert cluster.message_overhead_s > 0 and cluster.handoff_s == pytest.approx(2.5e-5)
-    assert cluster.collective_call_s == 1e-3
+    assert cluster.collective_call_s == 1e-3 and cluster.collective_call_cpu_s == 6e-4
     assert cluster.nodes == 0 and cluster.inter == calibrate.ASSUMED_INTER
     assert cluster.assumed == (calibrate.INTER_NOTE,)  # the one term not measured
     cluster.check_devices(1024)
@@ -135,6 +136,14 @@ def test_the_cache_is_written_once_per_host_and_reused(tmp_path: Path, monkeypat
     assert "measured 20" in again.describe() and str(first.path) in again.describe()
     calibrate.load_or_calibrate(recalibrate=True, calibrate=lambda: fake_calibration(calls))
     assert calls == [1, 1]
+    # a cache from before a term was measured is measured again, never read as 0
+    data["cluster"].pop("collective_call_cpu_s")
+    first.path.write_text(json.dumps(data))
+    said.clear()
+    renewed = calibrate.load_or_calibrate(say=said.append,
+                                          calibrate=lambda: fake_calibration(calls))  # fmt: skip
+    assert renewed.fresh and calls == [1, 1, 1] and "lacks collective_call_cpu_s" in said[0]
+    assert renewed.cluster.collective_call_cpu_s == 6e-4
     first.path.write_text("{}")
     with pytest.raises(ConfigError, match="--recalibrate"):
         calibrate.load_or_calibrate(calibrate=lambda: fake_calibration(calls))
@@ -321,19 +330,20 @@ def test_more_ranks_than_cores_on_one_host_take_turns() -> None:
     assert devices.on_one_host(3).compute_slowdown_at(3) == pytest.approx(1.1)
 
 
-def test_fsdp_collectives_cost_the_compute_thread_until_ranks_outnumber_cores() -> None:
+def test_fsdp_collectives_cost_their_cpu_work_alone_once_ranks_outnumber_cores() -> None:
     """collective_call_s: each fully_shard collective (all-gather, its repeat before backward,
     reduce-scatter) costs the compute thread that much per ring step (a 'collective calls'
-    span); none at 1 device, none when more CPU ranks than cores take turns (another rank
-    computes meanwhile); the probe itself returns a cost >= 0."""
+    span); none at 1 device; when more CPU ranks than cores take turns, only the call's CPU
+    work (collective_call_cpu_s: another rank computes while it waits)."""
     from phalanx.planner.sim import ExchangeSetup, Simulator
 
     step = StepProfile.synthesize(samples_per_s=4000, batch_size=32, layer_params=[1000, 5000])
     base = dataclasses.replace(every_term(), devices_per_node=2, host_cores_per_node=2,
                                compute_slowdown=(), collective_call_s=0.0)  # fmt: skip
-    costly = dataclasses.replace(base, collective_call_s=1e-3)
+    costly = dataclasses.replace(base, collective_call_s=1e-3, collective_call_cpu_s=4e-4)
     assert costly.collective_call_s_at(1) == 0.0 and costly.collective_call_s_at(2) == 1e-3
-    assert costly.on_one_host(3).collective_call_s_at(3) == 0.0  # 3 ranks on 2 cores
+    assert costly.on_one_host(3).collective_call_s_at(3) == 8e-4  # 3 ranks on 2 cores
+    assert costly.on_one_host(4).collective_call_s_at(4) == pytest.approx(1.2e-3)
     assert dataclasses.replace(costly, host_cores_per_node=0).collective_call_s_at(3) == 2e-3
     fsdp = ExchangeSetup(strategy="fsdp")
     free, charged = (Simulator(step, c).run(2, fsdp) for c in (base, costly))
@@ -341,3 +351,10 @@ def test_fsdp_collectives_cost_the_compute_thread_until_ranks_outnumber_cores() 
     assert len(calls) == 3 * 2 and all(e.duration_s == pytest.approx(1e-3) for e in calls)
     assert not [e for e in free.events if e.name == "collective calls"]
     assert charged.step_s > free.step_s + 3e-3  # some of the calls replace waits for gathers
+
+
+@pytest.mark.slow
+def test_the_collective_call_probe_measures_cpu_work_with_more_ranks_than_cores() -> None:
+    """The real probe: 3 ranks pinned to 2 cores (every thread of each) against one alone."""
+    per_step = calibrate.measure_collective_call_cpu_s()
+    assert 0.0 < per_step < 0.05  # the collectives make CPU work; a probe off by 100x is not a cost

@@ -48,7 +48,7 @@ def test_every_prediction_is_made_before_any_cell_runs(monkeypatch: Any) -> None
     def measure(cfg: Any, cell: Any, run_dir: Path) -> float | str:
         events.append("measure")
         if cell.strategy == "ps" and cell.world == 2:
-            return "ps: refused in one line"
+            return "Traceback (most recent call last):\n  ...\nps: refused in one line"
         return 0.011 * cell.world if "held_back" in cell.config else 0.010 * cell.world
 
     class Calibration:
@@ -71,7 +71,8 @@ def test_every_prediction_is_made_before_any_cell_runs(monkeypatch: Any) -> None
     assert halves["calibration"]["median_abs_error"] == pytest.approx(0.0)
     assert halves["held_back"]["median_abs_error"] == pytest.approx(1 - 1 / 1.1)
     skipped = [r for r in result["rows"] if "skipped" in r]
-    assert len(skipped) == 2 and all("refused" in r["skipped"] for r in skipped)
+    assert len(skipped) == 2 and all(r["skipped"] == "ps: refused in one line" for r in skipped)
+    assert all(r["failure_log"].startswith("Traceback") for r in skipped)  # kept for its cause
     report = format_report(result)
     assert "held_back: 2 cells" in report and "MISSED" not in report  # 9.1% median and worst
     assert "skipped: ps: refused in one line" in report

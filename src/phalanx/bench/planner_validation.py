@@ -52,6 +52,7 @@ from phalanx.planner.step import measure_step_profile
 
 MEDIAN_TARGET, WORST_TARGET = 0.10, 0.20  # on the held-back half (issue 28)
 HALVES = ("calibration", "held_back")
+FAILURE_LINES = 40  # of a failed cell's output, kept in the JSON (failure_log) for its cause
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -122,7 +123,7 @@ def predict(cfg: Any, path: str, cluster: Any) -> tuple[dict[str, float], dict[s
 
 def measure(cfg: Any, cell: Cell, run_dir: Path) -> float | str:
     """Phase 3: one ``phalanx train`` process of the cell; its measured step (seconds), or
-    the one line it failed with."""
+    what it failed with: the last ``FAILURE_LINES`` lines of its output, the one line last."""
     command = [sys.executable, "-m", "phalanx", "train", cell.config, "--run-dir", str(run_dir),
                "--nproc", str(cell.world)]  # fmt: skip
     sets = [f"train.steps={cfg.train_steps}", "train.progress=false", "train.val_every=0",
@@ -135,8 +136,8 @@ def measure(cfg: Any, cell: Cell, run_dir: Path) -> float | str:
         return f"no result in {cfg.timeout_s:.0f} s"
     metrics = run_dir / "metrics.jsonl"
     if done.returncode != 0 or not metrics.is_file():
-        lines = (done.stderr or done.stdout).strip().splitlines()
-        return lines[-1] if lines else f"exit {done.returncode}"
+        lines = (done.stdout + done.stderr).strip().splitlines()
+        return "\n".join(lines[-FAILURE_LINES:]) if lines else f"exit {done.returncode}"
     times = [json.loads(line)["time_s"] for line in metrics.read_text().splitlines() if line]
     return measured_step_s(times)
 
@@ -164,7 +165,8 @@ def run_validation(cfg: Any) -> dict[str, Any]:
                     failed[cell.key()] = value
                 else:
                     measured[cell.key()].append(value)
-                shown = value if isinstance(value, str) else f"{value * 1e3:.2f} ms"
+                ms = f"{value * 1e3:.2f} ms" if isinstance(value, float) else ""
+                shown = value.splitlines()[-1] if isinstance(value, str) else ms
                 _say(f"round {r + 1}, {i + 1}/{len(order)}: {cell.key()}: {shown}")
     rows = []
     for cell in cells:
@@ -183,7 +185,10 @@ def run_validation(cfg: Any) -> dict[str, Any]:
             row["measured_s"] = statistics.median(times)
             row["error"] = row["predicted_s"] / row["measured_s"] - 1.0
         else:
-            row["skipped"] = failed.get(key) or "the plan skipped this setup"
+            failure = failed.get(key)
+            row["skipped"] = failure.splitlines()[-1] if failure else "the plan skipped this setup"
+            if failure:
+                row["failure_log"] = failure  # the run's last lines, for the cause
         rows.append(row)
     meta = {
         **machine_meta(),

@@ -9,7 +9,10 @@ plans on when no ``--cluster`` is given.
     byte (``measure_codec_s_per_byte``, ``measure_add_s_per_byte``: ~0.3 s together), and the
     cores the ranks share (``os.cpu_count()``; one rank per core, ``devices_per_node``);
   Phase 3 (k processes at once): the compute slow-down of ranks sharing the node
-    (``measure_compute_slowdown``: a reference step in k processes against one alone).
+    (``measure_compute_slowdown``: a reference step in k processes against one alone);
+  Phase 4 (1, 2 and 3 processes): what a fully_shard collective costs its rank beyond its
+    transfer, in wall time at 2 ranks (``measure_collective_call_s``) and in CPU time with
+    more ranks than cores (``measure_collective_call_cpu_s``).
 What one machine cannot measure is a stated default, listed in the cluster's ``assumed``:
 the link between machines (``ASSUMED_INTER``: 10 Gb/s Ethernet), so that plans past this
 machine's cores (``--devices 1,2,4,...,1024``) say what they stand on.
@@ -27,7 +30,7 @@ import os
 import socket
 import statistics
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -161,14 +164,23 @@ def measure_compute_slowdown(cores: int) -> tuple[float, ...]:
 CALL_UNITS = 8  # tiny fully_shard units of the collective-call probe
 
 
-def _tiny_fsdp_step_s(ctx: Any) -> float:
+def _pin_to(cores: tuple[int, ...]) -> None:
+    """Every thread of this process (Gloo's, started at init, included) on ``cores``."""
+    for task in os.listdir("/proc/self/task"):
+        os.sched_setaffinity(int(task), cores)
+
+
+def _tiny_fsdp_step_s(ctx: Any, cores: tuple[int, ...] = ()) -> tuple[float, float]:
     """The median step of ``CALL_UNITS`` tiny fully_shard units (16 x 16 Linear: the bytes
-    moved are nothing) on this rank, one intra-op thread."""
+    moved are nothing) on this rank, one intra-op thread: (wall seconds, CPU seconds of all
+    the process's threads). ``cores``: run on these cores only (empty: where it is)."""
     import time
 
     import torch
     from torch.distributed.fsdp import fully_shard
 
+    if cores:
+        _pin_to(cores)
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(CALL_UNITS)])
@@ -177,28 +189,44 @@ def _tiny_fsdp_step_s(ctx: Any) -> float:
     fully_shard(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     x = torch.randn(4, 16)
-    times = []
+    walls, cpus = [], []
     for step in range(40):
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         model(x).sum().backward()
         optimizer.step()
         optimizer.zero_grad()
         if step >= 10:
-            times.append(time.perf_counter() - started)
-    return statistics.median(times)
+            walls.append(time.perf_counter() - started)
+            cpus.append(time.process_time() - cpu_started)
+    return statistics.median(walls), statistics.median(cpus)
 
 
 def measure_collective_call_s(alpha_s: float) -> float:
     """Seconds a fully_shard collective costs its rank's compute thread per ring step beyond
     the link's latency ``alpha_s``: a tiny model's step at 2 ranks minus alone, over its 3
     collectives per unit (all-gather, again before backward, reduce-scatter); measured here
-    0.9-1.1 ms on Gloo (latency 0.1 ms)."""
+    0.9-1.6 ms on Gloo (latency 0.1-0.15 ms)."""
     from phalanx.runtime.spawn import run_ranks
 
-    alone = run_ranks(_tiny_fsdp_step_s, 1, timeout=120)[0]
-    together = max(run_ranks(_tiny_fsdp_step_s, NPROC, timeout=120))
+    alone = run_ranks(_tiny_fsdp_step_s, 1, timeout=120)[0][0]
+    together = max(wall for wall, _ in run_ranks(_tiny_fsdp_step_s, NPROC, timeout=120))
     per_call = (together - alone) / (3 * CALL_UNITS) / (NPROC - 1)
     return max(0.0, per_call - alpha_s)
+
+
+def measure_collective_call_cpu_s() -> float:
+    """CPU seconds a fully_shard collective costs its rank per ring step with more ranks than
+    cores: the tiny model's CPU time per step (all of a rank's threads) at 3 ranks pinned to
+    2 cores (1 core: 2 ranks on it) minus alone, over its 3 collectives per unit and the
+    ring steps; measured here 0.9-1.1 ms on Gloo."""
+    from phalanx.runtime.spawn import run_ranks
+
+    cores = tuple(sorted(os.sched_getaffinity(0)))[:2] if hasattr(os, "sched_getaffinity") else ()
+    ranks = len(cores) + 1 if cores else NPROC + 1
+    alone = run_ranks(_tiny_fsdp_step_s, 1, cores, timeout=120)[0][1]
+    shared = statistics.mean(cpu for _, cpu in run_ranks(_tiny_fsdp_step_s, ranks, cores,
+                                                         timeout=120))  # fmt: skip
+    return max(0.0, (shared - alone) / (3 * CALL_UNITS) / (ranks - 1))
 
 
 def calibrate_machine(
@@ -207,13 +235,15 @@ def calibrate_machine(
     add: Callable[[], float] = measure_add_s_per_byte,
     slowdown: Callable[[int], tuple[float, ...]] = measure_compute_slowdown,
     calls: Callable[[float], float] = measure_collective_call_s,
+    call_cpu: Callable[[], float] = measure_collective_call_cpu_s,
 ) -> ClusterConfig:
     """This machine as a cluster of identical machines, every term measured or stated (see
-    the module doc). ``measure``, ``codec``, ``add``, ``slowdown``: the measurements (tests
-    replace them)."""
+    the module doc). ``measure``, ``codec``, ``add``, ``slowdown``, ``calls``, ``call_cpu``:
+    the measurements (tests replace them)."""
     link = measure()
     cores = host_cores()
-    # Repeat the host measurements: one sample on a shared machine can be a scheduler's hiccup.
+    # Repeat the host measurements (the fsdp probes too, below): one sample on a shared machine
+    # can be a scheduler's hiccup.
     codec_s = statistics.median(codec() for _ in range(3))
     add_s = statistics.median(add() for _ in range(3))
     cluster = from_link(
@@ -226,8 +256,9 @@ def calibrate_machine(
     )
     return replace(
         cluster,
-        compute_slowdown=slowdown(cores),
-        collective_call_s=calls(cluster.intra.alpha_s),
+        compute_slowdown=tuple(map(statistics.median, zip(*(slowdown(cores) for _ in range(3))))),
+        collective_call_s=statistics.median(calls(cluster.intra.alpha_s) for _ in range(3)),
+        collective_call_cpu_s=statistics.median(call_cpu() for _ in range(3)),
         nodes=0,  # as many such machines as a plan asks for, joined by the assumed network
         inter=ASSUMED_INTER,
         assumed=(*cluster.assumed, INTER_NOTE),
@@ -264,6 +295,13 @@ def load_calibration(path: Path) -> Calibration:
     )
 
 
+def _terms_lacking(path: Path) -> list[str]:
+    """The cluster terms a cached calibration file does not hold (a cache written before
+    phalanx measured them would otherwise read them as their defaults: a silent 0)."""
+    held = json.loads(path.read_text(encoding="utf-8"))["cluster"]
+    return [f.name for f in fields(ClusterConfig) if f.name not in held]
+
+
 def load_or_calibrate(
     recalibrate: bool = False,
     say: Callable[[str], None] = print,
@@ -272,9 +310,13 @@ def load_or_calibrate(
     """This host's cached calibration, or a new one (measured, cached, then returned)."""
     path = cache_path()
     if path.is_file() and not recalibrate:
-        return load_calibration(path)
-    say(f"calibrating this machine once (the link on {NPROC} processes, the codec, the add; "
-        f"~15 s), cached in {path}")  # fmt: skip
+        cached = load_calibration(path)
+        lacking = _terms_lacking(path)
+        if not lacking:
+            return cached
+        say(f"{path} lacks {', '.join(lacking)} (measured by a newer phalanx): measuring again")
+    say(f"calibrating this machine once (the link on {NPROC} processes, the codec, the add, "
+        f"ranks sharing the cores, fsdp's calls; ~2 min), cached in {path}")  # fmt: skip
     host, when = socket.gethostname() or "localhost", datetime.now(timezone.utc)
     cluster = (calibrate or calibrate_machine)()
     save_calibration(cluster, path, host, when)

@@ -117,6 +117,15 @@ class ClusterConfig:
         "its result); measured once per cluster on a tiny fully_shard model at 2 ranks "
         "(calibrate.measure_collective_call_s); 0: not charged",
     )
+    collective_call_cpu_s: float = option(
+        0.0,
+        "CPU seconds the same collective costs its rank per ring step when a node's CPU ranks "
+        "outnumber its cores (all of the rank's threads: the call, the hooks, Gloo's), charged "
+        "there instead of collective_call_s: a rank's wait in the call is then another rank's "
+        "turn on the core, its CPU work is not; measured once per cluster on the same tiny "
+        "model at 3 ranks pinned to 2 cores (calibrate.measure_collective_call_cpu_s); "
+        "0: not charged",
+    )
     compute_slowdown: tuple[float, ...] = option(
         (),
         "the step's compute time with k ranks on a node over its time alone, for k = 1, 2, "
@@ -154,7 +163,7 @@ class ClusterConfig:
             f"factors must be > 0, got {list(self.compute_slowdown)}",
         )
         for key in ("codec_s_per_byte", "add_s_per_byte", "message_overhead_s", "handoff_s",
-                    "collective_call_s"):  # fmt: skip
+                    "collective_call_s", "collective_call_cpu_s"):  # fmt: skip
             value = getattr(self, key)
             require(math.isfinite(value) and value >= 0, key, f"must be >= 0, got {value!r}")
 
@@ -217,14 +226,16 @@ class ClusterConfig:
         return factor
 
     def collective_call_s_at(self, world: int) -> float:
-        """A fully_shard collective's cost to its rank's compute thread at ``world`` ranks:
-        ``collective_call_s`` per ring step (world - 1 of them). On a node with more CPU ranks
-        than cores none: while a rank waits in the call, another rank computes on its core
-        (the cores are never idle), so it hides inside the ranks' taking turns."""
+        """A fully_shard collective's cost to its rank's compute thread at ``world`` ranks, per
+        ring step (world - 1 of them): ``collective_call_s``, the call's wall time beyond its
+        transfer; on a node with more CPU ranks than cores ``collective_call_cpu_s``, the
+        call's CPU work only: while a rank waits in the call another rank computes on its
+        core (the cores are never idle), so only the work the call makes takes turns."""
         cores, ranks = self.host_cores_per_node, min(world, self.devices_per_node)
-        if world < 2 or (cores > 0 and ranks > cores):
+        if world < 2:
             return 0.0
-        return self.collective_call_s * (world - 1)
+        per_step = self.collective_call_cpu_s if 0 < cores < ranks else self.collective_call_s
+        return per_step * (world - 1)
 
     def on_one_host(self, world: int) -> ClusterConfig:
         """This cluster with ``world`` ranks started on one of its nodes (``phalanx train
@@ -431,7 +442,8 @@ def cluster_to_toml(cluster: ClusterConfig, comment: str = "") -> str:
     lines = [f"# {line}".rstrip() for line in comment.splitlines()]
     for key in ("name", "description", "nodes", "devices_per_node", "shared_nic", "shared_intra",
                 "compute_speed", "codec_s_per_byte", "add_s_per_byte", "message_overhead_s",
-                "handoff_s", "host_cores_per_node", "collective_call_s", "compute_slowdown",
+                "handoff_s", "host_cores_per_node", "collective_call_s", "collective_call_cpu_s",
+                "compute_slowdown",
                 "assumed"):  # fmt: skip
         lines.append(f"{key} = {value(getattr(cluster, key))}")
     for level in LEVELS:
