@@ -23,8 +23,8 @@ from phalanx.engine import Engine
 from phalanx.errors import ConfigError
 from phalanx.exchange.base import StrategyFactory, strategy_factory
 from phalanx.losses import loss_fn
-from phalanx.memory import measure
-from phalanx.memory.manager import MemoryManager
+from phalanx.memory import host_cache, measure
+from phalanx.memory.manager import PLAN_MARGIN, MemoryManager
 from phalanx.memory.profile import MemoryProfile, pick_device, profile_model
 from phalanx.models.config import build_model
 from phalanx.optim.factory import Factory, make_optimizer_factory
@@ -88,11 +88,19 @@ def sample_microbatch(config: RunConfig, data: Dataset) -> torch.Tensor | None:
 def step_peak(config: RunConfig, device: torch.device) -> measure.StepPeak:
     """The meter of the peak ``[memory] budget_mb`` is held to, started now (before the memory
     manager profiles): with the memory manager on, freed host memory goes back to the OS from
-    here on (``release_host_memory``), so the process's resident peak is the step's."""
+    here on (``release_host_memory``), so the process's resident peak is the step's; with a
+    budget on a CPU device, freed tensors are kept for reuse under it (``[memory] host_cache``,
+    memory/host_cache.py)."""
     if config.memory.releases_host_memory:
         measure.release_freed_memory()
         measure.trim()
-    return measure.StepPeak(device)
+    meter = measure.StepPeak(device)
+    memory = config.memory
+    if memory.budget_mb and memory.host_cache and device.type == "cpu" and meter.exact:
+        # freed tensors kept for reuse while the process stays under the budget, less the
+        # plan's margin for what no allocator sees (the interpreter, small blocks' heap)
+        host_cache.install(meter.start_bytes + int(memory.budget_mb * 2**20 * (1 - PLAN_MARGIN)))
+    return meter
 
 
 def memory_manager(

@@ -41,7 +41,7 @@ from torch import nn
 
 from phalanx.costs import LayerCost
 from phalanx.fields import ConfigValueError, option, require
-from phalanx.memory import measure
+from phalanx.memory import host_cache, measure
 from phalanx.memory.host_mirror import HostMirror
 from phalanx.memory.mirror import OptimizerMirror
 from phalanx.memory.plan import OFFLOAD, RECOMPUTE, Plan, make_plan, predict_peak
@@ -66,6 +66,23 @@ OPTIMIZER_NOTES = {
 }
 
 
+def _host_memory_note() -> str:
+    """What becomes of freed host memory in this process, for the plan's notes."""
+    huge = measure.huge_pages_for_large_tensors()
+    pages = "tensors of 2 MiB and more in huge pages" if huge else "no huge pages"
+    why = host_cache.problem()
+    if why is None:
+        return (
+            "freed host tensors of 64 KiB and more are kept for reuse while the process stays "
+            f"under the budget, the rest go back to the OS (host cache, docs/memory.md); {pages}"
+        )
+    return (
+        "freed host memory goes back to the OS, so each step's new tensors fault their pages "
+        f"in again: not in the predicted overhead (docs/memory.md measures it); {pages}"
+        + ("" if why == "not installed" else f"; no host cache: {why}")
+    )
+
+
 @dataclass(kw_only=True)
 class MemoryConfig:
     """Fit a step into less device memory: offload or recompute layers' saved activations."""
@@ -86,6 +103,13 @@ class MemoryConfig:
         True,
         "return freed host tensors to the OS (glibc's mmap threshold fixed at 64 KiB), so a "
         "CPU run's resident memory falls when tensors are freed and the budget holds for it",
+    )
+    host_cache: bool = option(
+        True,
+        "with a budget on a CPU device: keep freed host tensors of 64 KiB and more for reuse "
+        "while the process's resident size stays under the budget (a C++ allocator built once "
+        "per torch version, docs/memory.md); false, or where it cannot be built: every freed "
+        "tensor goes back to the OS and the next step faults fresh pages in",
     )
 
     def __post_init__(self) -> None:
@@ -180,9 +204,10 @@ class MemoryManager:
         devices = [device] if device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):  # the run's random streams stay untouched
             notes: list[str] = []
-            costs, fixed, transient = _costs(
-                layers, config, device, sample, loss_fn, optimizer_factory, notes, shards
-            )
+            with host_cache.paused():  # the profile measures what the step itself holds
+                costs, fixed, transient = _costs(
+                    layers, config, device, sample, loss_fn, optimizer_factory, notes, shards
+                )
             # Phase 2: the tier and its measured bandwidth.
             tier = make_tier(config.tier, device)
             probe = _probe_bytes(costs, config.budget_mb)
@@ -209,12 +234,7 @@ class MemoryManager:
                 "the accounting does not see (docs/memory.md)"
             )
         if config.releases_host_memory and device.type == "cpu":
-            huge = measure.huge_pages_for_large_tensors()
-            notes.append(
-                "freed host memory goes back to the OS, so each step's new tensors fault their "
-                "pages in again: not in the predicted overhead (docs/memory.md measures it); "
-                + ("tensors of 2 MiB and more in huge pages" if huge else "no huge pages")
-            )
+            notes.append(_host_memory_note())
         plan.notes += notes
         plan.notes.append(
             f"tier {type(tier).__name__}: write {write / 1e9:.2f} GB/s, read {read / 1e9:.2f} GB/s"

@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+from phalanx.memory import host_cache
+
 MMAP_THRESHOLD = 1 << 16  # bytes: blocks above this get their own mapping (freed to the kernel)
 _STATUS = Path("/proc/self/status")
 _CLEAR_REFS = Path("/proc/self/clear_refs")
@@ -126,7 +128,9 @@ def reuse_freed_memory() -> bool:
 
 
 def trim() -> None:
-    """Hand the heap's free pages back to the kernel (glibc ``malloc_trim``; no-op elsewhere)."""
+    """Hand freed host memory back to the kernel: the host cache's blocks
+    (memory/host_cache.py) and the heap's free pages (glibc ``malloc_trim``)."""
+    host_cache.empty()
     libc = _libc()
     if libc is not None:
         libc.malloc_trim(0)
