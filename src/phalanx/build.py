@@ -95,8 +95,9 @@ def step_peak(config: RunConfig, device: torch.device) -> measure.StepPeak:
         measure.release_freed_memory()
         measure.trim()
     meter = measure.StepPeak(device)
-    memory = config.memory
-    if memory.budget_mb and memory.host_cache and device.type == "cpu" and meter.exact:
+    memory = config.memory  # the cache's evicted blocks go back to the OS only when released
+    on_host = device.type == "cpu" and memory.releases_host_memory and meter.exact
+    if memory.budget_mb and memory.host_cache and on_host:
         # freed tensors kept for reuse while the process stays under the budget, less the
         # plan's margin for what no allocator sees (the interpreter, small blocks' heap)
         host_cache.install(meter.start_bytes + int(memory.budget_mb * 2**20 * (1 - PLAN_MARGIN)))

@@ -10,6 +10,18 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+CACHE_ENV = "PHALANX_CACHE_DIR"
+
+
+def cache_dir() -> Path:
+    """Where phalanx keeps what it measured or built for a machine (calibrations, the host
+    cache's build): ``$PHALANX_CACHE_DIR``, else ``$XDG_CACHE_HOME/phalanx``, else
+    ``~/.cache/phalanx``."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "phalanx"
+
 
 def atomic_write_bytes(path: Path, data: bytes, midway: Callable[[], object] | None = None) -> None:
     """Write ``data`` to ``path`` so that readers see the old file or the new one, never a mix:

@@ -120,14 +120,15 @@ def test_phalanx_train_predict_reports_its_error_at_two_processes(tmp_path: Path
     import json
     from datetime import datetime, timezone
 
+    from phalanx.fileio import CACHE_ENV
     from phalanx.planner import calibrate
     from phalanx.planner.cluster import load_cluster
 
     cache = tmp_path / "cache"
     cluster = load_cluster(ROOT / "configs" / "clusters" / "this_machine.toml")
-    env = {calibrate.CACHE_ENV: str(cache)}
+    env = {CACHE_ENV: str(cache)}
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv(calibrate.CACHE_ENV, str(cache))
+        patch.setenv(CACHE_ENV, str(cache))
         calibrate.save_calibration(
             cluster, calibrate.cache_path(), "this", datetime.now(timezone.utc)
         )

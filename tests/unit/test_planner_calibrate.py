@@ -15,6 +15,7 @@ import pytest
 from phalanx.cli import main
 from phalanx.errors import ConfigError
 from phalanx.exchange.link import LinkModel
+from phalanx.fileio import CACHE_ENV
 from phalanx.planner import calibrate, plan
 from phalanx.planner.cluster import (
     ClusterConfig,
@@ -123,7 +124,7 @@ def test_the_calibration_measures_every_term_and_states_the_network() -> None:
 
 
 def test_the_cache_is_written_once_per_host_and_reused(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setenv(calibrate.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path))
     calls: list[int] = []
     said: list[str] = []
     first = calibrate.load_or_calibrate(say=said.append, calibrate=lambda: fake_calibration(calls))
@@ -157,7 +158,7 @@ def run(argv: list[str], capsys: pytest.CaptureFixture) -> tuple[int, str, str]:
 
 
 def test_plan_without_a_cluster_plans_this_machine_to_1024(tmp_path, monkeypatch, capsys) -> None:
-    monkeypatch.setenv(calibrate.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path))
     calls: list[int] = []
     monkeypatch.setattr(calibrate, "calibrate_machine", lambda: fake_calibration(calls))
     step = StepProfile.synthesize(samples_per_s=4000, batch_size=32, layer_params=[1000, 5000])
@@ -229,7 +230,7 @@ def test_auto_plan_picks_a_setup_the_run_uses_and_the_run_reports_its_error(
     from phalanx.planner.plan import PlanRow, recommended_sets
     from phalanx.planner.sim import ExchangeSetup
 
-    monkeypatch.setenv(calibrate.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path))
     monkeypatch.setattr(calibrate, "calibrate_machine", lambda: fake_calibration([]))
     step = StepProfile.synthesize(samples_per_s=4000, batch_size=32, layer_params=[1000, 5000])
     monkeypatch.setattr(step_module, "measure_step_profile", lambda config: step)
@@ -261,7 +262,7 @@ def test_predict_reports_the_error_of_the_run_as_configured(tmp_path, monkeypatc
     """``phalanx train --predict``: the config's own setup predicted (nothing changes: the
     run keeps its strategy), prediction.json written without --set items, summary.json's
     predicted vs measured step; with --auto-plan too it is a one-line error (exit 2)."""
-    monkeypatch.setenv(calibrate.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path))
     monkeypatch.setattr(calibrate, "calibrate_machine", lambda: fake_calibration([]))
     run_dir = tmp_path / "run"
     argv = ["train", CONFIG, "--predict", "--run-dir", str(run_dir),

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from phalanx.fileio import cache_dir
+
 MIN_BYTES = 1 << 16  # blocks from this size up are cached (the size glibc would map on its own)
 SOURCE = Path(__file__).with_name("host_cache.cpp")
 logger = logging.getLogger("phalanx")
@@ -43,8 +45,6 @@ class CacheStats:
 
 
 def _build_dir() -> Path:
-    from phalanx.planner.calibrate import cache_dir
-
     return cache_dir() / "host_cache" / torch.__version__.replace("+", "-")
 
 

@@ -38,7 +38,7 @@ from typing import Any
 from phalanx.bench.link import LinkBenchConfig, run_benchmark
 from phalanx.errors import ConfigError
 from phalanx.exchange.link import LinkModel
-from phalanx.fileio import atomic_write_text
+from phalanx.fileio import atomic_write_text, cache_dir
 from phalanx.planner.cluster import (
     ClusterConfig,
     LinkConfig,
@@ -48,7 +48,6 @@ from phalanx.planner.cluster import (
     measure_codec_s_per_byte,
 )
 
-CACHE_ENV = "PHALANX_CACHE_DIR"
 FORMAT = "phalanx.cluster/1"
 NPROC = 2  # the link needs two ranks; more would oversubscribe a small machine's cores
 ROUNDS = 3  # calibrations whose median is kept (~3 s each here)
@@ -87,14 +86,6 @@ def host_cores() -> int:
     if hasattr(os, "sched_getaffinity"):
         return len(os.sched_getaffinity(0)) or 1
     return os.cpu_count() or 1
-
-
-def cache_dir() -> Path:
-    """Where phalanx caches what it measured about a machine (see the module doc)."""
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV])
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "phalanx"
 
 
 def cache_path(host: str | None = None) -> Path:
