@@ -58,3 +58,22 @@ def test_freed_blocks_are_reused_and_the_process_stays_under_its_limit() -> None
     assert out["reused"] and out["zeros"] and out["hits"] >= 1
     assert out["released"] > 0 and out["cached_mib"] < 48  # it gave blocks back to stay under
     assert out["over_limit_mib"] <= 0, out
+
+
+def test_where_it_cannot_be_built_the_reason_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No ninja (or no compiler): one line naming why, and the plan's note says it; the run
+    then gives freed memory back to the OS as before."""
+    import torch.utils.cpp_extension as cpp_extension
+
+    from phalanx.memory import manager
+
+    def no_ninja() -> None:
+        raise RuntimeError("Ninja is required to load C++ extensions")
+
+    monkeypatch.setattr(cpp_extension, "verify_ninja_availability", no_ninja)
+    reason = host_cache.library.__wrapped__()
+    assert reason == "could not build the host cache (Ninja is required to load C++ extensions)"
+    monkeypatch.setattr(host_cache, "_problem", reason)
+    note = manager._host_memory_note()
+    assert "goes back to the OS" in note and note.endswith(f"no host cache: {reason}")
+    assert "\n" not in note
