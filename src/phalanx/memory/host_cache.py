@@ -20,7 +20,6 @@ import contextlib
 import ctypes
 import functools
 import logging
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -83,8 +82,8 @@ _limit = 0  # bytes: the resident size the cache keeps the process under
 
 def install(limit_bytes: int) -> str | None:
     """Make torch's CPU allocator a cache that keeps freed blocks while the process's resident
-    size stays under ``limit_bytes`` (absolute, as /proc/self/statm counts it; a later call
-    changes the limit). Returns None when in force, else one line saying why not."""
+    size stays under ``limit_bytes`` (absolute, as ``measure.current_rss_bytes`` counts it; a
+    later call changes the limit). Returns None when in force, else one line saying why not."""
     global _problem, _limit
     lib = library()
     if isinstance(lib, str):
@@ -133,9 +132,3 @@ def stats() -> CacheStats | None:
     out = (ctypes.c_int64 * 4)()
     lib.phalanx_host_cache_stats(out)
     return CacheStats(hits=out[0], misses=out[1], released=out[2], cached_bytes=out[3])
-
-
-def resident_bytes() -> int:
-    """The process's resident bytes now (what the cache's limit is compared with)."""
-    pages = int(Path("/proc/self/statm").read_text().split()[1])
-    return pages * os.sysconf("SC_PAGESIZE")
