@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -74,12 +75,16 @@ def test_two_nodes_on_localhost_train_one_model(tmp_path: Path) -> None:
     assert _losses(tmp_path / "two_nodes") == pytest.approx(_losses(tmp_path / "single"), 1e-5)
 
 
-def test_failing_worker_is_reported_and_the_others_stop() -> None:
+def test_failing_worker_is_reported_and_the_others_stop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     script = str(ROOT / "tests" / "multiproc" / "scripts" / "fail_on_rank1.py")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     started = time.monotonic()
     with pytest.raises(WorkerError, match="rank 1 failed: RuntimeError: injected failure"):
         launch(LaunchSpec(nproc=2), [script])
     assert time.monotonic() - started < 60  # rank 0 was stopped, not left in its barrier
+    assert list(tmp_path.iterdir()) == []  # the agent's error files were read, then removed
 
 
 def test_resume_continues_exactly(tmp_path: Path) -> None:

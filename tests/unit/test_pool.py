@@ -287,12 +287,16 @@ assert pool.run(lambda: 1) == [1] * pool.num_workers
 def test_no_orphans_when_the_controller_exits_or_is_killed(tmp_path):
     script = tmp_path / "controller.py"
     script.write_text(textwrap.dedent(CONTROLLER))
+    tmp_dirs = {mode: tmp_path / f"tmp-{mode}" for mode in ("exit", "busy")}
+    for folder in tmp_dirs.values():
+        folder.mkdir()
     procs = {
         mode: subprocess.Popen(
             [sys.executable, str(script), mode, str(workers)],
             stdout=subprocess.PIPE,
             text=True,
             cwd=ROOT,
+            env={**os.environ, "TMPDIR": str(tmp_dirs[mode])},
         )
         for mode, workers in (("exit", 1), ("busy", 1))
     }
@@ -307,3 +311,5 @@ def test_no_orphans_when_the_controller_exits_or_is_killed(tmp_path):
     while any(running(pid) for pid in pids["busy"]) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not any(running(pid) for pid in pids["busy"])
+    # the pool's rendezvous folder is removed either way (by the workers when killed)
+    assert [list(d.iterdir()) for d in tmp_dirs.values()] == [[], []]

@@ -67,8 +67,9 @@ def launch(spec: LaunchSpec, python_args: list[str]) -> None:
     the same signal (and are killed if they outlive the elastic agent's grace period).
     """
     import os
+    import tempfile
 
-    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -76,6 +77,9 @@ def launch(spec: LaunchSpec, python_args: list[str]) -> None:
         _quiet_elastic_loggers()
     port = spec.master_port or free_port(spec.master_addr)
     os.environ.setdefault("OMP_NUM_THREADS", str(spec.threads))
+    # The agent's folder of per-rank error files: its own default is a fresh /tmp/torchelastic_*
+    # that nothing removes (one per run); the failures are read before it goes.
+    log_dir = tempfile.TemporaryDirectory(prefix="phalanx-launch-", ignore_cleanup_errors=True)
     config = LaunchConfig(
         min_nodes=spec.nnodes,
         max_nodes=spec.nnodes,
@@ -87,6 +91,7 @@ def launch(spec: LaunchSpec, python_args: list[str]) -> None:
         max_restarts=spec.max_restarts,
         monitor_interval=0.2,
         start_method="spawn",
+        logs_specs=DefaultLogsSpecs(log_dir=log_dir.name),
         **_grace_option(spec.stop_grace_s),
     )
     try:
@@ -95,6 +100,8 @@ def launch(spec: LaunchSpec, python_args: list[str]) -> None:
         raise WorkerError(*_describe(e.failures)) from None
     except SignalException as e:
         raise Interrupted(int(e.sigval)) from None
+    finally:
+        log_dir.cleanup()
 
 
 def _grace_option(seconds: int) -> dict[str, Any]:

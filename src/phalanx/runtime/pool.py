@@ -163,7 +163,7 @@ def _worker_main(spec_json: str) -> None:
     sys.path[:] = spec["sys_path"] + [p for p in sys.path if p not in spec["sys_path"]]
     inbox = io.FileIO(spec["in_fd"], "rb")
     outbox = io.FileIO(spec["out_fd"], "wb")
-    _watch_parent(spec["parent_pid"])
+    _watch_parent(spec["parent_pid"], spec["tmp_dir"])
     try:
         worker = _join(spec)
     except BaseException as e:  # reported to the controller, which names the rank
@@ -193,12 +193,14 @@ def _join(spec: dict[str, Any]) -> PoolWorker:
     return _WORKER
 
 
-def _watch_parent(parent_pid: int) -> None:
-    """Exit when the controller is gone, even in the middle of a task (no orphans)."""
+def _watch_parent(parent_pid: int, tmp_dir: str) -> None:
+    """Exit when the controller is gone, even in the middle of a task (no orphans). A killed
+    controller cannot remove the pool's rendezvous folder, so its workers do."""
 
     def watch() -> None:
         while os.getppid() == parent_pid:
             time.sleep(1.0)
+        shutil.rmtree(tmp_dir, ignore_errors=True)
         os._exit(1)
 
     threading.Thread(target=watch, name="phalanx-pool-parent-watch", daemon=True).start()
@@ -404,6 +406,7 @@ class WorkerPool:
             "timeout_s": timeout_s,
             "sys_path": [p for p in sys.path if p],
             "parent_pid": os.getpid(),
+            "tmp_dir": self._state.tmp_dir,
         }
         try:
             for rank, dev in enumerate(devices):
