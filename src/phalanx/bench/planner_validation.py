@@ -6,17 +6,22 @@ For every run config given, with only what a user has before training:
   Phase 1 (calibrate, once): this machine's cached cluster calibration
     (``planner.calibrate.load_or_calibrate``: what ``phalanx plan CONFIG`` uses with no flags;
     measured on the first use, then reused).
-  Phase 2 (predict, once per config): a one-process profile of the config
-    (``planner.step.measure_step_profile``, as ``phalanx plan`` takes it), then ``make_plan``
-    at every world size for every strategy and compression at the config's fusion threshold,
-    the ranks on this one host (``ClusterConfig.on_one_host``: more ranks than cores take
-    turns): the predicted step of each cell.
-  Phase 3 (measure): each cell is one ``phalanx train CONFIG --nproc N --set
-    exchange.strategy=S --set exchange.compress=C`` process, as a user runs it; its measured
-    step is what ``phalanx train --auto-plan`` compares against (``planner.prediction``: the
-    median step of rank 0's ``metrics.jsonl``, the first fifth left out). ``rounds`` rounds
-    run every cell once, the cells' order reversed every other round; a cell's measured step
-    is its median over rounds.
+  Phase 2 (predict, per config, right before its cells run): a one-process profile of the
+    config (``planner.step.measure_step_profile``, as ``phalanx plan`` takes it), then
+    ``make_plan`` at every world size for every strategy and compression at the config's
+    fusion threshold, the ranks on this one host (``ClusterConfig.on_one_host``: more ranks
+    than cores take turns): the predicted step of each cell.
+  Phase 3 (measure, right after): each cell of the config is one ``phalanx train CONFIG
+    --nproc N --set exchange.strategy=S --set exchange.compress=C`` process, as a user runs
+    it; its measured step is what ``phalanx train --auto-plan`` compares against
+    (``planner.prediction``: the median step of rank 0's ``metrics.jsonl``, the first fifth
+    left out).
+
+Phases 2 and 3 alternate per config, as a user runs ``phalanx plan CONFIG`` and then ``phalanx
+train``: on this shared VM, whose speed moves by 10-30% within an hour, a prediction made half
+an hour before its run would measure the VM's drift, not the planner. ``rounds`` rounds repeat
+both for every config, the configs' and the cells' order reversed every other round; a cell's
+error is the median over rounds of each round's predicted / measured - 1.
 
 World 1 runs the config's own exchange setup only (no exchange happens). A strategy that
 cannot run a compression (fsdp with fp16) is not a cell. The error of a cell is predicted /
@@ -25,9 +30,9 @@ measured - 1. The report splits the configs by the name of the directory they ar
 the first half only) and gives each half's median and worst absolute error, against the
 issue's targets on the held-back half (median <= 10%, worst <= 20%).
 
-Nothing here is fed from the measured runs into the predictions: every prediction is made
-before any cell runs (the oracle mode, ``phalanx bench planner`` without ``--config``, feeds
-the simulator each run's own measured compute and is a diagnostic only).
+Nothing here is fed from the measured runs into the predictions: each prediction is made
+before the cells it predicts run (the oracle mode, ``phalanx bench planner`` without
+``--config``, feeds the simulator each run's own measured compute and is a diagnostic only).
 """
 
 from __future__ import annotations
@@ -146,50 +151,33 @@ def run_validation(cfg: Any) -> dict[str, Any]:
     """Every phase over every config; one row per cell."""
     started = time.perf_counter()
     calibration = load_or_calibrate(False)  # Phase 1
-    cluster = calibration.cluster
-    cells, predicted, profiles = [], {}, {}
-    for path in cfg.config:  # Phase 2: every prediction before any cell runs
-        cells += cells_of(cfg, path)
-        found, profiles[path] = predict(cfg, path, cluster)
-        predicted.update(found)
-        one = profiles[path]["one_process_step_s"] * 1e3
-        _say(f"predicted {Path(path).stem}: one process {one:.1f} ms per step")
-    measured: dict[str, list[float]] = {c.key(): [] for c in cells}
+    cells = {path: cells_of(cfg, path) for path in cfg.config}
+    rounds: dict[str, list[tuple[float, float]]] = {
+        c.key(): [] for group in cells.values() for c in group
+    }  # per cell, each round's (predicted, measured) step
     failed: dict[str, str] = {}
+    profiles: dict[str, list[dict[str, Any]]] = {path: [] for path in cfg.config}
     with tempfile.TemporaryDirectory(prefix="phalanx-validate-") as tmp:
-        for r in range(cfg.rounds):  # Phase 3
-            order = cells if r % 2 == 0 else cells[::-1]
-            for i, cell in enumerate(order):
-                value = measure(cfg, cell, Path(tmp) / f"r{r}-{i}")
-                if isinstance(value, str):
-                    failed[cell.key()] = value
-                else:
-                    measured[cell.key()].append(value)
-                ms = f"{value * 1e3:.2f} ms" if isinstance(value, float) else ""
-                shown = value.splitlines()[-1] if isinstance(value, str) else ms
-                _say(f"round {r + 1}, {i + 1}/{len(order)}: {cell.key()}: {shown}")
-    rows = []
-    for cell in cells:
-        key, times = cell.key(), measured[cell.key()]
-        row: dict[str, Any] = {
-            "config": cell.config,
-            "family": Path(cell.config).stem,
-            "half": half_of(cell.config),
-            "world": cell.world,
-            "strategy": cell.strategy,
-            "compress": cell.compress,
-            "predicted_s": predicted.get(key),
-            "measured_rounds_s": times,
-        }
-        if times and row["predicted_s"] is not None:
-            row["measured_s"] = statistics.median(times)
-            row["error"] = row["predicted_s"] / row["measured_s"] - 1.0
-        else:
-            failure = failed.get(key)
-            row["skipped"] = failure.splitlines()[-1] if failure else "the plan skipped this setup"
-            if failure:
-                row["failure_log"] = failure  # the run's last lines, for the cause
-        rows.append(row)
+        for r in range(cfg.rounds):
+            forward = r % 2 == 0  # the order reversed every other round
+            for path in cfg.config if forward else cfg.config[::-1]:
+                # Phase 2: as a user runs `phalanx plan CONFIG`, right before its runs.
+                predicted, about = predict(cfg, path, calibration.cluster)
+                profiles[path].append(about)
+                one = about["one_process_step_s"] * 1e3
+                _say(f"round {r + 1}: predicted {Path(path).stem}: one process {one:.1f} ms")
+                order = cells[path] if forward else cells[path][::-1]
+                for i, cell in enumerate(order):  # Phase 3
+                    value = measure(cfg, cell, Path(tmp) / f"r{r}-{cell.key()}".replace(" ", "_"))
+                    if isinstance(value, str):
+                        failed[cell.key()] = value
+                    elif cell.key() in predicted:
+                        rounds[cell.key()].append((predicted[cell.key()], value))
+                    ms = f"{value * 1e3:.2f} ms" if isinstance(value, float) else ""
+                    shown = value.splitlines()[-1] if isinstance(value, str) else ms
+                    _say(f"round {r + 1}, {i + 1}/{len(order)}: {cell.key()}: {shown}")
+    rows = [_row(cell, rounds[cell.key()], failed.get(cell.key()))
+            for group in cells.values() for cell in group]  # fmt: skip
     meta = {
         **machine_meta(),
         "wall_s": time.perf_counter() - started,
@@ -206,6 +194,30 @@ def run_validation(cfg: Any) -> dict[str, Any]:
         },  # fmt: skip
     }
     return {"meta": meta, "rows": rows, "halves": summarize(rows)}
+
+
+def _row(cell: Cell, rounds: list[tuple[float, float]], failure: str | None) -> dict[str, Any]:
+    """One cell's report. Its error is the median over rounds of each round's predicted /
+    measured - 1: a prediction is compared with the runs made right after it."""
+    row: dict[str, Any] = {
+        "config": cell.config,
+        "family": Path(cell.config).stem,
+        "half": half_of(cell.config),
+        "world": cell.world,
+        "strategy": cell.strategy,
+        "compress": cell.compress,
+        "predicted_rounds_s": [p for p, _ in rounds],
+        "measured_rounds_s": [m for _, m in rounds],
+    }
+    if rounds:
+        row["predicted_s"] = statistics.median(row["predicted_rounds_s"])
+        row["measured_s"] = statistics.median(row["measured_rounds_s"])
+        row["error"] = statistics.median(p / m - 1.0 for p, m in rounds)
+    else:
+        row["skipped"] = failure.splitlines()[-1] if failure else "the plan skipped this setup"
+    if failure:  # in some round: the run's last lines, for the cause
+        row["failure_log"] = failure
+    return row
 
 
 def _say(line: str) -> None:
