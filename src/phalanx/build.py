@@ -11,6 +11,7 @@ from __future__ import annotations
 import statistics
 import time
 import warnings
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -256,32 +257,58 @@ def profile_run(config: RunConfig, steps: int | None = None, device: str = "auto
     return profile
 
 
-ENGINE_WARMUP, ENGINE_STEPS = 3, 20  # the world-1 Engine's untimed, then timed steps
+ENGINE_PASSES = 3  # passes over the configs, their order reversed every other pass
+ENGINE_WARMUP = 3  # untimed steps of each Engine in each pass
+ENGINE_STEPS, ENGINE_MIN_S = 10, 0.5  # timed, per config and pass: at least so many, so long
+ENGINE_MAX_STEPS = 200  # a pass's timed steps at most (a step of microseconds)
+ENGINE_PHASES = ("forward", "backward", "optimizer", "loop")
 
 
-def engine_phases(config: RunConfig, device: str = "auto") -> dict[str, float]:
-    """The run's own Engine on this one process (world 1: no exchange) over its input pipeline,
-    timed as ``phalanx train`` times a step: the medians (seconds) of its forward, backward and
-    optimizer phases and of the whole loop step (``loop``: batch, step, the loop's own work).
-    What the per-layer profile misses: the Engine's hooks, bookkeeping and gradient checks."""
+def engine_phases(configs: Sequence[RunConfig], device: str = "auto") -> list[dict[str, float]]:
+    """Each config's Engine on this one process (world 1: no exchange) over its input
+    pipeline, timed as ``phalanx train`` times a step: the medians (seconds) of its forward,
+    backward and optimizer phases and of the whole loop step (``loop``: batch, step, the
+    loop's own work). What the per-layer profile misses: the Engine's hooks, bookkeeping and
+    gradient checks.
+
+    The configs (one per exchange strategy, say) are measured in ``ENGINE_PASSES`` passes, their
+    order reversed every other pass, each pass at least ``ENGINE_STEPS`` steps and
+    ``ENGINE_MIN_S`` seconds per config (a fresh Engine each pass): a shared machine's slow
+    second then lands in every config's steps, not in one config's whole measurement. (One
+    pass of 20 steps, 0.2 s on a small CNN, read the same world-1 step of two strategies 25%
+    apart on this project's VM, and the plan printed 125% efficiency at one device.)"""
     where = pick_device(device)
+    samples: list[dict[str, list[float]]] = [{k: [] for k in ENGINE_PHASES} for _ in configs]
+    for p in range(ENGINE_PASSES):
+        order = list(range(len(configs)))
+        for i in order if p % 2 == 0 else order[::-1]:
+            _time_engine(configs[i], where, samples[i])
+    return [{k: statistics.median(v) for k, v in times.items()} for times in samples]
+
+
+def _time_engine(config: RunConfig, where: torch.device, times: dict[str, list[float]]) -> None:
+    """One pass of ``engine_phases`` over one config: a fresh Engine, its warm-up, then its
+    timed steps' phases appended to ``times``."""
     _as_a_worker(config, where)
     torch.manual_seed(config.train.seed)
     dataset = data(config)
-    ctx = current_context()
-    run = engine(config, ctx, model(config).to(where), dataset, None)
-    times: dict[str, list[float]] = {"forward": [], "backward": [], "optimizer": [], "loop": []}
+    run = engine(config, current_context(), model(config).to(where), dataset, None)
+    timed_s, num_timed = 0.0, 0
     try:
         with loader(config, dataset, run, where) as pipeline:
-            for i in range(ENGINE_WARMUP + ENGINE_STEPS):
+            for _ in range(ENGINE_WARMUP):
+                run.step(*pipeline.next()[:2])
+            while num_timed < ENGINE_MAX_STEPS and (
+                num_timed < ENGINE_STEPS or timed_s < ENGINE_MIN_S
+            ):
                 started = time.perf_counter()
                 x, y = pipeline.next()[:2]
                 run.step(x, y)
-                if i >= ENGINE_WARMUP:
-                    times["loop"].append(time.perf_counter() - started)
-                    times["forward"].append(run.stats.forward_s)
-                    times["backward"].append(run.stats.backward_s)
-                    times["optimizer"].append(run.stats.optimizer_s)
+                elapsed = time.perf_counter() - started
+                times["loop"].append(elapsed)
+                times["forward"].append(run.stats.forward_s)
+                times["backward"].append(run.stats.backward_s)
+                times["optimizer"].append(run.stats.optimizer_s)
+                timed_s, num_timed = timed_s + elapsed, num_timed + 1
     finally:
         run.close()
-    return {k: statistics.median(v) for k, v in times.items()}

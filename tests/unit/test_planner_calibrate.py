@@ -359,3 +359,31 @@ def test_the_collective_call_probe_measures_cpu_work_with_more_ranks_than_cores(
     """The real probe: 3 ranks pinned to 2 cores (every thread of each) against one alone."""
     per_step = calibrate.measure_collective_call_cpu_s()
     assert 0.0 < per_step < 0.05  # the collectives make CPU work; a probe off by 100x is not a cost
+
+
+@pytest.mark.slow  # trains for real: not in make test-fast
+def test_each_strategys_engine_is_timed_in_alternating_passes(monkeypatch) -> None:
+    """The world-1 Engines of a config's strategies are measured in passes whose order
+    reverses, so a slow second of a shared machine lands in every strategy's steps."""
+    from phalanx import build
+    from phalanx.config import load_config
+
+    order: list[str] = []
+    config = load_config(str(ROOT / "configs" / "digits_cnn.toml"))
+    real = build._time_engine
+
+    def timed(cfg, where, times):  # the pass's steps, then a slow second for whoever is next
+        order.append(cfg.exchange.strategy)
+        real(cfg, where, times)
+        if len(order) == 2:
+            for values in times.values():
+                values[-build.ENGINE_STEPS :] = [1.0] * build.ENGINE_STEPS
+
+    monkeypatch.setattr(build, "_time_engine", timed)
+    others = [dataclasses.replace(config, exchange=dataclasses.replace(config.exchange,
+              strategy=s, options={})) for s in ("tree", "ps")]  # fmt: skip
+    phases = build.engine_phases([config, *others], device="cpu")
+    assert order == ["allreduce", "tree", "ps", "ps", "tree", "allreduce"] + order[:3]
+    assert build.ENGINE_PASSES == 3
+    assert all(0 < p["loop"] < 0.5 for p in phases)  # one slow pass in three: not the median
+    assert all(p["forward"] + p["backward"] + p["optimizer"] <= p["loop"] for p in phases)

@@ -350,9 +350,11 @@ def measure_step_profile(
     if config.parallel.enabled:
         return profile
     own = config.exchange.strategy
-    measured = {own: engine_phases(config, device)}
-    for name in strategies:
-        if name not in measured:
-            other = replace(config, exchange=replace(config.exchange, strategy=name, options={}))
-            measured[name] = engine_phases(other, device)
+    names = list(dict.fromkeys([own, *strategies]))
+    configs = [
+        config if name == own
+        else replace(config, exchange=replace(config.exchange, strategy=name, options={}))
+        for name in names
+    ]  # fmt: skip
+    measured = dict(zip(names, engine_phases(configs, device)))
     return replace(profile.calibrated(measured[own]), strategy_phases=measured)
