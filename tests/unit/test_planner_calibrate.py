@@ -316,6 +316,37 @@ def test_ranks_sharing_a_node_slow_each_ones_compute_in_the_plan() -> None:
     assert calibrate.measure_compute_slowdown(1) == (1.0,)
 
 
+def test_the_slowdown_probe_pairs_neighbouring_windows_and_cancels_a_drift() -> None:
+    """The probe's windows: a warm-up, then (1 alone, k together) pairs for each k whose order
+    flips every round; a machine whose speed drifts 2% per window and whose true factor is
+    1.25 at 2 ranks and 1.5 at 3 reads exactly those factors (windows seconds apart would
+    read the drift); a pair a late rank missed is dropped; no pair at all is an error."""
+    schedule = calibrate.slowdown_schedule(3, 4)
+    assert schedule[:5] == [3, 1, 2, 1, 3] and schedule[5:9] == [2, 1, 3, 1]
+    assert len(schedule) == 1 + 4 * 2 * 2
+    factor = {1: 1.0, 2: 1.25, 3: 1.5}
+
+    def step_s(rank: int, window: int) -> float | None:
+        ranks = schedule[window]
+        return None if rank >= ranks else 0.01 * factor[ranks] * 1.02**window
+
+    per_rank = [[step_s(rank, w) for w in range(len(schedule))] for rank in range(3)]
+    # one pair alone reads the drift (2% off); the rounds' flipped pairs cancel it
+    assert per_rank[0][2] / per_rank[0][1] == pytest.approx(1.25 * 1.02, rel=1e-3)
+    true = pytest.approx((1.0, 1.25, 1.5), rel=1e-3)
+    assert calibrate.slowdown_factors(schedule, per_rank) == true
+    per_rank[1][2] = None  # rank 1 started late: the first 2-rank pair is dropped (the
+    # three left no longer balance the drift)
+    assert calibrate.slowdown_factors(schedule, per_rank) == pytest.approx((1.0, 1.25, 1.5),
+                                                                           rel=0.021)  # fmt: skip
+    faster = [[None if m is None else m * (0.5 if schedule[w] > 1 else 1) for w, m in
+               enumerate(ranks)] for ranks in per_rank]  # fmt: skip
+    assert calibrate.slowdown_factors(schedule, faster) == (1.0, 1.0, 1.0)  # noise, not < 1
+    late = [[m if schedule[w] == 1 else None for w, m in enumerate(r)] for r in per_rank]
+    with pytest.raises(RuntimeError, match="started too late"):
+        calibrate.slowdown_factors(schedule, late)
+
+
 def test_more_ranks_than_cores_on_one_host_take_turns() -> None:
     """``phalanx train --nproc 3`` on a 2-core host: ``on_one_host`` keeps the 3 ranks on one
     node, whose CPU ranks then take turns on its cores (compute 3/2 of the 2-rank factor) and

@@ -9,7 +9,8 @@ plans on when no ``--cluster`` is given.
     byte (``measure_codec_s_per_byte``, ``measure_add_s_per_byte``: ~0.3 s together), and the
     cores the ranks share (``os.cpu_count()``; one rank per core, ``devices_per_node``);
   Phase 3 (k processes at once): the compute slow-down of ranks sharing the node
-    (``measure_compute_slowdown``: a reference step in k processes against one alone);
+    (``measure_compute_slowdown``: a reference step in k processes against one alone, in
+    many pairs of neighbouring windows);
   Phase 4 (1, 2 and 3 processes): what a fully_shard collective costs its rank beyond its
     transfer, in wall time at 2 ranks (``measure_collective_call_s``) and in CPU time with
     more ranks than cores (``measure_collective_call_cpu_s``).
@@ -51,8 +52,10 @@ from phalanx.planner.cluster import (
 FORMAT = "phalanx.cluster/1"
 NPROC = 2  # the link needs two ranks; more would oversubscribe a small machine's cores
 ROUNDS = 3  # calibrations whose median is kept (~3 s each here)
-REFERENCE_S = 1.0  # seconds each process times the reference step over (the same window)
-REFERENCE_START_S = 4.0  # the window starts this long after the processes are asked to start
+REFERENCE_START_S = 4.0  # the first window opens this long after the processes are started
+SLOWDOWN_WINDOW_S = 0.4  # one window of the compute slow-down probe (~150 reference steps)
+SLOWDOWN_GAP_S = 0.05  # between windows: the last step of one ends before the next opens
+SLOWDOWN_PAIRS = 16  # pairs of windows (alone, k together) per k: ~15 s at k <= 2
 MAX_SLOWDOWN_RANKS = 8  # ranks per node the compute slow-down is measured for (more: the last)
 # Between machines: nothing here measures it. 10 Gb/s Ethernet over TCP, as a plan's stated
 # default: ~1.1 GB/s effective per direction, 50 us per message (kernel TCP round trips).
@@ -101,10 +104,24 @@ def measure_link(nproc: int = NPROC, rounds: int = ROUNDS) -> LinkModel:
     return LinkModel.from_dict(result["median"])
 
 
-def _reference_step_s(start_at: float) -> float:
+def slowdown_schedule(max_ranks: int, num_pairs: int) -> list[int]:
+    """The ranks at work in each window of ``measure_compute_slowdown``: one warm-up window
+    of every rank, then ``num_pairs`` rounds of one pair (1 alone, k together) for each k
+    from 2 to ``max_ranks``, the pair's order flipped every round so that a drift of the
+    machine's speed during a pair cancels out over the rounds."""
+    windows = [max_ranks]
+    for round_ in range(num_pairs):
+        for ranks in range(2, max_ranks + 1):
+            windows += [1, ranks] if round_ % 2 == 0 else [ranks, 1]
+    return windows
+
+
+def _reference_windows(rank: int, start_at: float, schedule: list[int]) -> list[float | None]:
     """One CPU rank's reference step (an MLP's forward, backward and Adam step on one intra-op
-    thread, as phalanx runs a CPU rank), timed for ``REFERENCE_S`` from the wall-clock time
-    ``start_at`` on (every process of a measurement at once): the median step, in seconds."""
+    thread, as phalanx runs a CPU rank) in each window of ``schedule`` (the ranks at work in
+    it; window i runs ``SLOWDOWN_WINDOW_S`` from the wall-clock time ``start_at + i *
+    (SLOWDOWN_WINDOW_S + SLOWDOWN_GAP_S)``, the same for every process): this rank's median
+    step in seconds, or None where it rests (``rank`` >= the window's ranks) or started late."""
     import time
 
     import torch
@@ -123,33 +140,73 @@ def _reference_step_s(start_at: float) -> float:
 
     for _ in range(3):  # warm-up: the allocator and the optimizer's state
         step()
-    while time.time() < start_at:  # the others are still starting: wait for them
-        time.sleep(1e-3)
-    times = []
-    while time.time() < start_at + REFERENCE_S:
-        started = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
+    medians: list[float | None] = []
+    for window, ranks in enumerate(schedule):
+        opens = start_at + window * (SLOWDOWN_WINDOW_S + SLOWDOWN_GAP_S)
+        closes = opens + SLOWDOWN_WINDOW_S
+        while time.time() < opens:  # the others are still starting or in the gap: wait
+            time.sleep(1e-3)
+        if rank >= ranks or time.time() > opens + SLOWDOWN_GAP_S:
+            medians.append(None)
+            continue
+        times = []
+        while time.time() < closes:
+            started = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - started)
+        medians.append(statistics.median(times))
+    return medians
 
 
-def measure_compute_slowdown(cores: int) -> tuple[float, ...]:
+def measure_compute_slowdown(cores: int, num_pairs: int = SLOWDOWN_PAIRS) -> tuple[float, ...]:
     """(1, t2 / t1, ..., tk / t1) for k up to ``cores`` (at most ``MAX_SLOWDOWN_RANKS``): the
-    reference step in k processes at once (started, then timed over the same wall-clock
-    window) against one process alone; the ranks of one node share its cores, caches and
-    memory bandwidth, which slows each one's compute."""
+    reference step in k processes at once against one process alone; the ranks of one node
+    share its cores, caches and memory bandwidth, which slows each one's compute.
+
+    One pool of k processes runs ``slowdown_schedule``'s windows: t_k / t_1 is taken within
+    each pair of neighbouring windows (under a second apart), and the median over the pairs
+    is kept. A shared machine's speed drifts by as much as the factor within seconds (on a
+    2-core VM, one process alone: 0.4-s medians of 9.3-14 ms in one 20-s probe), so one
+    window each for 1 and k ranks, seconds apart, measured the drift; many pairs close in
+    time, in alternating order, cancel it. What they cannot cancel: the factor itself moves
+    with the machine's other tenants (there, probes minutes apart read 1.04-1.17)."""
     import multiprocessing
     import time
     from concurrent.futures import ProcessPoolExecutor
 
+    max_ranks = min(cores, MAX_SLOWDOWN_RANKS)
+    if max_ranks < 2:
+        return (1.0,)
+    schedule = slowdown_schedule(max_ranks, num_pairs)
     context = multiprocessing.get_context("spawn")
-    medians = []
-    for ranks in range(1, min(cores, MAX_SLOWDOWN_RANKS) + 1):
-        with ProcessPoolExecutor(ranks, mp_context=context) as pool:
-            start_at = time.time() + REFERENCE_START_S  # after every process imported torch
-            medians.append(statistics.median(pool.map(_reference_step_s, [start_at] * ranks)))
+    with ProcessPoolExecutor(max_ranks, mp_context=context) as pool:
+        start_at = time.time() + REFERENCE_START_S  # after every process imported torch
+        per_rank = list(pool.map(_reference_windows, range(max_ranks), [start_at] * max_ranks,
+                                 [schedule] * max_ranks))  # fmt: skip
+    return slowdown_factors(schedule, per_rank)
+
+
+def slowdown_factors(schedule: list[int], per_rank: list[list[float | None]]) -> tuple[float, ...]:
+    """(1, t2 / t1, ...) from the probe's windows: ``per_rank[rank][window]``, that rank's
+    median step in seconds (None: it rested or started late) in each window of ``schedule``
+    (``slowdown_schedule``'s). Within each pair of neighbouring windows, the mean step of the
+    k ranks at work over the step of the one alone; the median over the pairs of each k."""
+    ratios: dict[int, list[float]] = {k: [] for k in set(schedule) - {1}}
+    for first in range(1, len(schedule), 2):  # window 0 warms up
+        pair = {}
+        for window in (first, first + 1):
+            medians = [per_rank[rank][window] for rank in range(schedule[window])]
+            if None not in medians:  # a rank started late: drop the pair
+                pair[schedule[window]] = statistics.mean(m for m in medians if m is not None)
+        if len(pair) == 2:
+            ratios[max(pair)].append(pair[max(pair)] / pair[1])
+    if not all(ratios.values()):
+        raise RuntimeError(
+            "the compute slow-down probe's processes started too late for every window; "
+            "run the calibration again on a less loaded machine"
+        )
     # ranks together cannot compute faster than alone: a factor under 1 is the machine's noise
-    return tuple(max(1.0, m / medians[0]) for m in medians)
+    return (1.0, *(max(1.0, statistics.median(ratios[k])) for k in sorted(ratios)))
 
 
 CALL_UNITS = 8  # tiny fully_shard units of the collective-call probe
@@ -247,7 +304,7 @@ def calibrate_machine(
     )
     return replace(
         cluster,
-        compute_slowdown=tuple(map(statistics.median, zip(*(slowdown(cores) for _ in range(3))))),
+        compute_slowdown=slowdown(cores),  # many pairs of windows inside: no repeats
         collective_call_s=statistics.median(calls(cluster.intra.alpha_s) for _ in range(3)),
         collective_call_cpu_s=statistics.median(call_cpu() for _ in range(3)),
         nodes=0,  # as many such machines as a plan asks for, joined by the assumed network
