@@ -97,6 +97,12 @@ class PlannerBenchConfig:
     train_steps: int = option(40, "with --config: training steps per phalanx train run")
     rounds: int = option(1, "with --config: rounds over every cell (order reversed each round)")
     timeout_s: float = option(300.0, "with --config: seconds per phalanx train process")
+    probe_slowdown: bool = option(
+        False,
+        "with --config, a diagnostic: also probe the compute slow-down right before each "
+        "config's cells and report the error with it beside the calibration's (the term's "
+        "drift on a shared machine, separated from the model's error)",
+    )
 
     def validate(self) -> None:
         if self.config:
