@@ -84,30 +84,44 @@ def test_each_config_is_predicted_right_before_its_cells_run(monkeypatch: Any) -
     assert "skipped: ps: refused in one line" in report
 
 
-def test_the_probed_slowdown_diagnostic_predicts_beside_the_calibration(monkeypatch: Any) -> None:
-    """--probe-slowdown: the real ``predict`` probes the compute slow-down after the profile
-    and predicts every cell again with it (worlds above 1 slower by the probed factor, world
-    1 unchanged); the report keeps the calibration's figures and adds the diagnostic's."""
+def test_each_config_is_predicted_with_the_slowdown_probed_after_its_profile(
+    monkeypatch: Any,
+) -> None:
+    """The real ``predict``, as ``phalanx plan`` predicts: the compute slow-down is probed after
+    the profile and every cell is predicted with it (worlds above 1 slower by the probed
+    factor than with the cached one, world 1 the same); --cached-slowdown also predicts with
+    the cached factor, and the report adds that error as a labelled diagnostic."""
     import dataclasses
 
+    from phalanx.planner import calibrate
     from phalanx.planner.plan import read_cluster
     from phalanx.planner.step import StepProfile
 
+    events: list[str] = []
     step = StepProfile.synthesize(samples_per_s=4000, batch_size=32, layer_params=[1000, 5000])
-    monkeypatch.setattr(validation, "measure_step_profile", lambda config, strategies: step)
-    monkeypatch.setattr(validation, "measure_compute_slowdown", lambda cores: (1.0, 1.5))
+
+    def profile(config: Any, strategies: Any) -> StepProfile:
+        events.append("profile")
+        return step
+
+    def probe(cores: int) -> tuple[float, ...]:
+        events.append("probe")
+        return (1.0, 1.5)
+
+    monkeypatch.setattr(validation, "measure_step_profile", profile)
+    monkeypatch.setattr(calibrate, "measure_compute_slowdown", probe)
     cluster = read_cluster(str(ROOT / "configs/clusters/this_machine.toml"))
-    cluster = dataclasses.replace(cluster, compute_slowdown=(1.0, 1.0))
+    cluster = dataclasses.replace(cluster, compute_slowdown=(1.0, 1.0), host_cores_per_node=2)
     cfg = PlannerBenchConfig(config=(HELD_BACK,), worlds=(1, 2), strategies=("allreduce",),
-                             compress=("none",), probe_slowdown=True)  # fmt: skip
+                             compress=("none",), cached_slowdown=True)  # fmt: skip
     predicted, about = validation.predict(cfg, HELD_BACK, cluster)
-    assert about["probed_slowdown"] == [1.0, 1.5]
-    probed = about["predicted_probed"]
+    assert events == ["profile", "probe"] and about["probed_slowdown"] == [1.0, 1.5]
+    cached = about["predicted_cached"]
     one, two = (next(k for k in predicted if f" {n} " in k) for n in (1, 2))
-    assert probed[one] == pytest.approx(predicted[one]) and probed[two] > 1.2 * predicted[two]
+    assert cached[one] == pytest.approx(predicted[one]) and predicted[two] > 1.2 * cached[two]
 
     monkeypatch.setattr(validation, "predict", lambda cfg, path, cluster: (predicted, about))
-    monkeypatch.setattr(validation, "measure", lambda cfg, cell, run_dir: probed[cell.key()])
+    monkeypatch.setattr(validation, "measure", lambda cfg, cell, run_dir: predicted[cell.key()])
 
     class Calibration:
         host, measured_at, cluster = "vm", "2026-11-27T12:00:00", None
@@ -115,10 +129,10 @@ def test_the_probed_slowdown_diagnostic_predicts_beside_the_calibration(monkeypa
     monkeypatch.setattr(validation, "load_or_calibrate", lambda _: Calibration())
     result = run_benchmark(cfg)  # the runs measure what the probed slow-down predicts
     held = [r for r in result["rows"] if r["world"] == 2]
-    assert held[0]["probed_error"] == pytest.approx(0.0) and held[0]["error"] < -0.15
-    assert result["probed_halves"]["held_back"]["median_abs_error"] == pytest.approx(0.0)
+    assert held[0]["error"] == pytest.approx(0.0) and held[0]["cached_error"] < -0.15
+    assert result["halves"]["held_back"]["median_abs_error"] == pytest.approx(0.0)
     report = format_report(result)
-    assert "diagnostic, not the figures above" in report and "MISSED" in report
+    assert "diagnostic, not the figures above" in report and "met" in report
 
 
 def test_a_missing_config_is_one_line() -> None:

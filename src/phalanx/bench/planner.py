@@ -97,11 +97,11 @@ class PlannerBenchConfig:
     train_steps: int = option(40, "with --config: training steps per phalanx train run")
     rounds: int = option(1, "with --config: rounds over every cell (order reversed each round)")
     timeout_s: float = option(300.0, "with --config: seconds per phalanx train process")
-    probe_slowdown: bool = option(
+    cached_slowdown: bool = option(
         False,
-        "with --config, a diagnostic: also probe the compute slow-down right before each "
-        "config's cells and report the error with it beside the calibration's (the term's "
-        "drift on a shared machine, separated from the model's error)",
+        "with --config, a diagnostic: also predict each cell with the cached calibration's "
+        "compute slow-down instead of the one probed before the config's cells (as phalanx "
+        "plan does), reported beside the figures",
     )
 
     def validate(self) -> None:

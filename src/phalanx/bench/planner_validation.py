@@ -7,7 +7,8 @@ For every run config given, with only what a user has before training:
     (``planner.calibrate.load_or_calibrate``: what ``phalanx plan CONFIG`` uses with no flags;
     measured on the first use, then reused).
   Phase 2 (predict, per config, right before its cells run): a one-process profile of the
-    config (``planner.step.measure_step_profile``, as ``phalanx plan`` takes it), then
+    config (``planner.step.measure_step_profile``, as ``phalanx plan`` takes it) and the
+    compute slow-down probed after it (``planner.calibrate.slowdown_now``), then
     ``make_plan`` at every world size for every strategy and compression at the config's
     fusion threshold, the ranks on this one host (``ClusterConfig.on_one_host``: more ranks
     than cores take turns): the predicted step of each cell.
@@ -30,10 +31,10 @@ measured - 1. The report splits the configs by the name of the directory they ar
 the first half only) and gives each half's median and worst absolute error, against the
 issue's targets on the held-back half (median <= 10%, worst <= 20%).
 
-``--probe-slowdown`` (a diagnostic) also probes the compute slow-down
-(``measure_compute_slowdown``) after each config's profile and predicts its cells again with
-that reading: the error left once the one term a shared machine moves most is taken at the
-time of the runs. It is reported beside the figures, labelled, and never replaces them.
+The compute slow-down is probed after each config's profile, as ``phalanx plan`` does
+(``planner.calibrate.slowdown_now``: it moves with the host's load). ``--cached-slowdown`` (a
+diagnostic) also predicts every cell with the cached calibration's factor and reports that
+error beside the figures, labelled; it never replaces them.
 
 Nothing here is fed from the measured runs into the predictions: each prediction is made
 before the cells it predicts run (the oracle mode, ``phalanx bench planner`` without
@@ -48,14 +49,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from phalanx.bench import machine_meta
 from phalanx.config import load_config
 from phalanx.errors import ConfigError
-from phalanx.planner.calibrate import host_cores, load_or_calibrate, measure_compute_slowdown
+from phalanx.planner.calibrate import load_or_calibrate, slowdown_now
 from phalanx.planner.plan import make_plan, threshold_of
 from phalanx.planner.prediction import measured_step_s
 from phalanx.planner.step import measure_step_profile
@@ -106,19 +107,22 @@ def cells_of(cfg: Any, path: str) -> list[Cell]:
 
 
 def predict(cfg: Any, path: str, cluster: Any) -> tuple[dict[str, float], dict[str, Any]]:
-    """Phase 2: each cell's predicted step (by ``Cell.key``) from a one-process profile, and
-    what the profile measured. With ``cfg.probe_slowdown`` (a diagnostic), ``about`` also
-    holds the compute slow-down probed now (``probed_slowdown``) and each cell's prediction
-    with it (``predicted_probed``)."""
+    """Phase 2, as ``phalanx plan CONFIG`` does it: a one-process profile, the compute
+    slow-down probed right after it (``slowdown_now``), each cell's predicted step (by
+    ``Cell.key``); and what was measured. With ``cfg.cached_slowdown`` (a diagnostic),
+    ``about`` also holds each cell's prediction with the cached calibration's slow-down
+    (``predicted_cached``)."""
     config = load_config(path)
     profile = measure_step_profile(config, strategies=cfg.strategies)
-    about: dict[str, Any] = {"one_process_step_s": profile.compute_s, "spread": profile.spread}
-    predicted = _predicted_cells(cfg, path, config, profile, cluster)
-    if cfg.probe_slowdown:
-        factors = measure_compute_slowdown(cluster.host_cores_per_node or host_cores())
-        about["probed_slowdown"] = list(factors)
-        probed = replace(cluster, compute_slowdown=factors)
-        about["predicted_probed"] = _predicted_cells(cfg, path, config, profile, probed)
+    now = slowdown_now(cluster, say=lambda line: None)
+    about: dict[str, Any] = {
+        "one_process_step_s": profile.compute_s,
+        "spread": profile.spread,
+        "probed_slowdown": list(now.compute_slowdown),
+    }
+    predicted = _predicted_cells(cfg, path, config, profile, now)
+    if cfg.cached_slowdown:
+        about["predicted_cached"] = _predicted_cells(cfg, path, config, profile, cluster)
     return predicted, about
 
 
@@ -175,7 +179,7 @@ def run_validation(cfg: Any) -> dict[str, Any]:
     rounds: dict[str, list[tuple[float, float]]] = {
         c.key(): [] for group in cells.values() for c in group
     }  # per cell, each round's (predicted, measured) step
-    probed: dict[str, list[tuple[float, float]]] = {key: [] for key in rounds}  # the diagnostic
+    cached: dict[str, list[tuple[float, float]]] = {key: [] for key in rounds}  # diagnostic
     failed: dict[str, str] = {}
     profiles: dict[str, list[dict[str, Any]]] = {path: [] for path in cfg.config}
     with tempfile.TemporaryDirectory(prefix="phalanx-validate-") as tmp:
@@ -186,8 +190,8 @@ def run_validation(cfg: Any) -> dict[str, Any]:
                 predicted, about = predict(cfg, path, calibration.cluster)
                 profiles[path].append(about)
                 one = about["one_process_step_s"] * 1e3
-                slow = about.get("probed_slowdown")
-                probe = f", slow-down probed now {slow[-1]:.3f}" if slow else ""
+                slow = about.get("probed_slowdown", [])
+                probe = f", compute slow-down at 2 probed now {slow[1]:.3f}" if slow[1:] else ""
                 _say(f"round {r + 1}: predicted {Path(path).stem}: one process {one:.1f} ms{probe}")
                 order = cells[path] if forward else cells[path][::-1]
                 for i, cell in enumerate(order):  # Phase 3
@@ -196,13 +200,13 @@ def run_validation(cfg: Any) -> dict[str, Any]:
                         failed[cell.key()] = value
                     elif cell.key() in predicted:
                         rounds[cell.key()].append((predicted[cell.key()], value))
-                        if cell.key() in about.get("predicted_probed", {}):
-                            guess = about["predicted_probed"][cell.key()]
-                            probed[cell.key()].append((guess, value))
+                        if cell.key() in about.get("predicted_cached", {}):
+                            guess = about["predicted_cached"][cell.key()]
+                            cached[cell.key()].append((guess, value))
                     ms = f"{value * 1e3:.2f} ms" if isinstance(value, float) else ""
                     shown = value.splitlines()[-1] if isinstance(value, str) else ms
                     _say(f"round {r + 1}, {i + 1}/{len(order)}: {cell.key()}: {shown}")
-    rows = [_row(cell, rounds[cell.key()], failed.get(cell.key()), probed[cell.key()])
+    rows = [_row(cell, rounds[cell.key()], failed.get(cell.key()), cached[cell.key()])
             for group in cells.values() for cell in group]  # fmt: skip
     meta = {
         **machine_meta(),
@@ -217,12 +221,12 @@ def run_validation(cfg: Any) -> dict[str, Any]:
             "compress": list(cfg.compress),
             "train_steps": cfg.train_steps,
             "rounds": cfg.rounds,
-            "probe_slowdown": cfg.probe_slowdown,
+            "cached_slowdown": cfg.cached_slowdown,
         },  # fmt: skip
     }
     result = {"meta": meta, "rows": rows, "halves": summarize(rows)}
-    if cfg.probe_slowdown:  # the diagnostic, beside (never instead of) the figures above
-        result["probed_halves"] = summarize(rows, "probed_error")
+    if cfg.cached_slowdown:  # the diagnostic, beside (never instead of) the figures above
+        result["cached_halves"] = summarize(rows, "cached_error")
     return result
 
 
@@ -230,11 +234,11 @@ def _row(
     cell: Cell,
     rounds: list[tuple[float, float]],
     failure: str | None,
-    probed: list[tuple[float, float]] | None = None,
+    cached: list[tuple[float, float]] | None = None,
 ) -> dict[str, Any]:
     """One cell's report. Its error is the median over rounds of each round's predicted /
-    measured - 1: a prediction is compared with the runs made right after it. ``probed``:
-    the same with the slow-down probed before the cells (the diagnostic: ``probed_error``)."""
+    measured - 1: a prediction is compared with the runs made right after it. ``cached``:
+    the same with the cached calibration's slow-down (the diagnostic: ``cached_error``)."""
     row: dict[str, Any] = {
         "config": cell.config,
         "family": Path(cell.config).stem,
@@ -249,9 +253,9 @@ def _row(
         row["predicted_s"] = statistics.median(row["predicted_rounds_s"])
         row["measured_s"] = statistics.median(row["measured_rounds_s"])
         row["error"] = statistics.median(p / m - 1.0 for p, m in rounds)
-        if probed:
-            row["predicted_probed_rounds_s"] = [p for p, _ in probed]
-            row["probed_error"] = statistics.median(p / m - 1.0 for p, m in probed)
+        if cached:
+            row["predicted_cached_rounds_s"] = [p for p, _ in cached]
+            row["cached_error"] = statistics.median(p / m - 1.0 for p, m in cached)
     else:
         row["skipped"] = failure.splitlines()[-1] if failure else "the plan skipped this setup"
     if failure:  # in some round: the run's last lines, for the cause
@@ -307,11 +311,11 @@ def format_validation(result: dict[str, Any]) -> str:
             f"{100 * r['error']:>+6.1f}%"
         )
     lines += [_half_line(half, s) for half, s in result["halves"].items() if s["cells"]]
-    probed = result.get("probed_halves", {})
-    if probed:
-        lines.append("diagnostic, not the figures above: with the compute slow-down probed right "
-                     "before each config's cells instead of the calibration's")  # fmt: skip
-        lines += [_half_line(half, s, targets=False) for half, s in probed.items() if s["cells"]]
+    cached = result.get("cached_halves", {})
+    if cached:
+        lines.append("diagnostic, not the figures above: with the cached calibration's compute "
+                     "slow-down instead of the one probed before each config's cells")  # fmt: skip
+        lines += [_half_line(half, s, targets=False) for half, s in cached.items() if s["cells"]]
     return "\n".join(lines)
 
 

@@ -16,7 +16,7 @@ from phalanx.errors import ConfigError
 from phalanx.exchange.base import strategy_factory
 from phalanx.fileio import atomic_write_text
 from phalanx.guard import rescaling_problem
-from phalanx.planner.calibrate import load_or_calibrate
+from phalanx.planner.calibrate import load_or_calibrate, slowdown_now
 from phalanx.planner.plan import make_plan, recommended_sets, threshold_of
 from phalanx.planner.prediction import PREDICTION
 from phalanx.planner.step import measure_step_profile
@@ -69,6 +69,7 @@ def _plan(config: Any, world_size: int, strategies: list, *grid: Any) -> Any:
     cluster = load_or_calibrate(False).cluster.on_one_host(world_size)
     cluster.check_devices(world_size)
     profile = measure_step_profile(config, strategies=[name for name, _ in strategies])
+    cluster = slowdown_now(cluster)  # after the profile, as close to the run as it gets
     return make_plan(profile, cluster, [world_size], strategies, *grid)
 
 

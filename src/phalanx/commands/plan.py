@@ -11,7 +11,7 @@ from typing import Any
 from phalanx.config import load_config
 from phalanx.errors import ConfigError
 from phalanx.fileio import atomic_write_text
-from phalanx.planner.calibrate import load_or_calibrate
+from phalanx.planner.calibrate import load_or_calibrate, slowdown_now
 from phalanx.planner.plan import (
     AUTO,
     DEFAULT_COMPRESSIONS,
@@ -131,6 +131,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     else:
         names = [name for name, _ in strategies]
         profile = measure_step_profile(config, args.steps, args.device, strategies=names)
+    if not args.cluster:  # this host: its compute slow-down moves with its load, probe it now
+        cluster = slowdown_now(cluster)
     plan = make_plan(profile, cluster, devices, strategies, thresholds, compressions)
     print(format_plan(plan))
     print(recommendation(plan, max(devices)))

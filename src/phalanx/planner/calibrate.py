@@ -209,6 +209,25 @@ def slowdown_factors(schedule: list[int], per_rank: list[list[float | None]]) ->
     return (1.0, *(max(1.0, statistics.median(ratios[k])) for k in sorted(ratios)))
 
 
+def slowdown_now(cluster: ClusterConfig, say: Callable[[str], None] = print) -> ClusterConfig:
+    """This host's cached cluster with its compute slow-down probed now
+    (``measure_compute_slowdown``, ~20 s), as ``phalanx plan`` takes it beside the profile.
+
+    The ranks of a CPU host share its cores with whatever else runs there, and that moves the
+    factor while the other terms hold: on this project's 2-core VM, 16 probes within 75
+    minutes read 1.03-1.22 for 2 ranks, and predictions with a calibration's 1.01 were 16%
+    too fast at 2-3 processes where the same predictions with the factor probed before each
+    config's runs were 8% too fast (docs/planner.md). A cached value is a moment of the
+    machine; the plan's own moment is closer to the run it predicts."""
+    cores = cluster.host_cores_per_node
+    if cores < 2:  # one core: ranks take turns (compute_slowdown_at), nothing to probe
+        return cluster
+    factors = measure_compute_slowdown(cores)
+    cached = cluster.compute_slowdown[1] if len(cluster.compute_slowdown) > 1 else 1.0
+    say(f"compute slow-down probed now: {factors[1]:.2f} at 2 ranks (calibration: {cached:.2f})")
+    return replace(cluster, compute_slowdown=factors)
+
+
 CALL_UNITS = 8  # tiny fully_shard units of the collective-call probe
 
 
