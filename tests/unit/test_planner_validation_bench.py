@@ -82,6 +82,16 @@ def test_each_config_is_predicted_right_before_its_cells_run(monkeypatch: Any) -
     report = format_report(result)
     assert "held_back: 2 cells" in report and "MISSED" not in report  # 9.1% median and worst
     assert "skipped: ps: refused in one line" in report
+    # every measured cell ran at 1.5x in round 2: the measurement's own spread, reported apart
+    assert [r["repeat_spread"] for r in result["rows"] if "error" in r] == pytest.approx([0.5] * 4)
+    noise = result["repeatability"]
+    assert noise["held_back"] == {
+        "cells": 2,
+        "median_spread": pytest.approx(0.5),
+        "worst_spread": pytest.approx(0.5),
+        "over_worst_target": 2,
+    }
+    assert "held_back: the measurement's own noise" in report and "2 of 2 cells over 20%" in report
 
 
 def test_each_config_is_predicted_with_the_slowdown_probed_after_its_profile(

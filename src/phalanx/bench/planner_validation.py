@@ -225,6 +225,8 @@ def run_validation(cfg: Any) -> dict[str, Any]:
         },  # fmt: skip
     }
     result = {"meta": meta, "rows": rows, "halves": summarize(rows)}
+    if cfg.rounds > 1:
+        result["repeatability"] = repeatability(rows)
     if cfg.cached_slowdown:  # the diagnostic, beside (never instead of) the figures above
         result["cached_halves"] = summarize(rows, "cached_error")
     return result
@@ -253,6 +255,9 @@ def _row(
         row["predicted_s"] = statistics.median(row["predicted_rounds_s"])
         row["measured_s"] = statistics.median(row["measured_rounds_s"])
         row["error"] = statistics.median(p / m - 1.0 for p, m in rounds)
+        if len(rounds) > 1:  # the measurement's own noise between rounds (repeatability)
+            measured = row["measured_rounds_s"]
+            row["repeat_spread"] = max(measured) / min(measured) - 1.0
         if cached:
             row["predicted_cached_rounds_s"] = [p for p, _ in cached]
             row["cached_error"] = statistics.median(p / m - 1.0 for p, m in cached)
@@ -278,6 +283,26 @@ def summarize(rows: list[dict[str, Any]], key: str = "error") -> dict[str, dict[
             str(w): _stats([r for r in mine if r["world"] == w], key)
             for w in sorted({r["world"] for r in mine})
         }
+    return out
+
+
+def repeatability(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per half: how far the same cell's measured step moved between rounds (``repeat_spread``
+    of each row: the slowest round over the fastest, - 1): the cells, the median and the
+    worst spread, and the cells that moved more than ``WORST_TARGET``. The same command and
+    code, one round apart: the machine's own noise, to read the errors against. A profile
+    taken right before a config's cells follows what the machine's speed does over minutes;
+    what one run does differently from the next, no prediction made before it can."""
+    out = {}
+    for half in sorted({r["half"] for r in rows}):
+        spreads = [r["repeat_spread"] for r in rows if r["half"] == half and "repeat_spread" in r]
+        if spreads:
+            out[half] = {
+                "cells": len(spreads),
+                "median_spread": statistics.median(spreads),
+                "worst_spread": max(spreads),
+                "over_worst_target": sum(s > WORST_TARGET for s in spreads),
+            }
     return out
 
 
@@ -311,6 +336,13 @@ def format_validation(result: dict[str, Any]) -> str:
             f"{100 * r['error']:>+6.1f}%"
         )
     lines += [_half_line(half, s) for half, s in result["halves"].items() if s["cells"]]
+    for half, s in result.get("repeatability", {}).items():
+        lines.append(
+            f"{half}: the measurement's own noise, the same cell between rounds (slowest / "
+            f"fastest - 1): median {100 * s['median_spread']:.1f}%, worst "
+            f"{100 * s['worst_spread']:.1f}%, {s['over_worst_target']} of {s['cells']} cells "
+            f"over {100 * WORST_TARGET:.0f}%"
+        )
     cached = result.get("cached_halves", {})
     if cached:
         lines.append("diagnostic, not the figures above: with the cached calibration's compute "
