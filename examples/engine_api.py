@@ -1,5 +1,6 @@
 """The Engine from Python: run with `python examples/engine_api.py` (a world of one) or
-`torchrun --nproc-per-node 2 examples/engine_api.py` (two processes, same result)."""
+`torchrun --nproc-per-node 2 examples/engine_api.py` (two processes: each takes 32 samples a
+step, so the global batch is 64 and the result differs from one process's, as under DDP)."""
 
 from __future__ import annotations
 

@@ -28,6 +28,7 @@ from phalanx.memory import host_cache, measure
 from phalanx.memory.manager import PLAN_MARGIN, MemoryManager
 from phalanx.memory.profile import MemoryProfile, pick_device, profile_model
 from phalanx.models.config import build_model
+from phalanx.models.layers import shape_error as layer_shape_error
 from phalanx.optim.factory import Factory, make_optimizer_factory
 from phalanx.precision import Precision
 from phalanx.runtime.context import Context, current_context
@@ -75,6 +76,15 @@ def optimizer_factory(config: RunConfig) -> Factory:
 def strategy(config: RunConfig) -> StrategyFactory:
     """The ``[exchange]`` strategy's factory, with its options."""
     return strategy_factory(config.exchange.strategy, config.exchange.options)
+
+
+def shape_error(config: RunConfig, inputs: torch.Tensor) -> ConfigError | None:
+    """Why the config's model cannot take ``inputs`` (a batch), in one line naming the layer,
+    or None: a fresh copy of the model on the CPU, run one layer at a time (no hooks of the
+    run's strategy and no collectives, so one rank may ask alone)."""
+    if not config.model.layers:
+        return None
+    return layer_shape_error(model(config), config.model.layers, inputs.detach().cpu())
 
 
 def sample_microbatch(config: RunConfig, data: Dataset) -> torch.Tensor | None:

@@ -473,6 +473,8 @@ def _verify_dir(path: Path, record: dict[str, Any]) -> None:
 
 
 def _choose(directory: Path, warn: bool) -> tuple[Found, Any]:
+    if not directory.exists():  # a mistyped run directory, say: not the same as an empty one
+        raise CheckpointError(f"no checkpoint in {directory}: no such directory")
     candidates = _candidates(directory)
     if not candidates:
         raise CheckpointError(f"no checkpoint in {directory}{_orphans_note(directory)}")

@@ -146,6 +146,8 @@ def with_overrides(data: dict[str, Any], overrides: list[str] | None) -> dict[st
 
 
 def _read_toml(path: Path) -> dict[str, Any]:
+    if path.is_dir():
+        raise ConfigError(f"{path}: is a directory; give a run config file (TOML)")
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     try:

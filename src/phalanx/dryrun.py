@@ -29,6 +29,7 @@ def describe_run(config: RunConfig, world_size: int, run_dir: str) -> str:
     shown, pipeline_lines = model, []
     if config.parallel.enabled:
         shown, pipeline_lines = _pipeline(config, model, world_size)
+    shapes = _shapes(config, model)
     total = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     strategy = build.strategy(config)
@@ -46,6 +47,7 @@ def describe_run(config: RunConfig, world_size: int, run_dir: str) -> str:
         "model:",
         str(shown),
         f"parameters: {total:,} ({trainable:,} trainable, {4 * trainable / 2**20:.2f} MiB fp32)",
+        *shapes,
         "",
         "layout:",
         f"  processes: {world_size} ({data_ranks} training on data"
@@ -65,6 +67,33 @@ def describe_run(config: RunConfig, world_size: int, run_dir: str) -> str:
         "dry run: nothing was started",
     ]  # fmt: skip
     return "\n".join(lines)
+
+
+def _shapes(config: RunConfig, model: Any) -> list[str]:
+    """One batch of the training inputs through the configured layers (eval mode, no
+    gradients): the line with the input and output shapes, or the one-line ConfigError
+    naming the first layer whose sizes do not fit (what the run's first step would hit)."""
+    import torch
+
+    from phalanx import build
+    from phalanx.models.layers import shape_error
+
+    if not config.model.layers:
+        return []
+    inputs = build.data(config).x_train[: config.data.batch_size // config.train.accumulate_steps]
+    if not len(inputs):  # no samples to try (the shapes show in the run's first step)
+        return []
+    if (wrong := shape_error(model, config.model.layers, inputs)) is not None:
+        raise wrong
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            output = model(inputs)
+    finally:
+        model.train(was_training)
+    shape = list(output.shape) if isinstance(output, torch.Tensor) else type(output).__name__
+    return [f"shapes: one batch {list(inputs.shape)} -> output {shape}"]
 
 
 def _pipeline(config: RunConfig, model: Any, world_size: int) -> tuple[Any, list[str]]:

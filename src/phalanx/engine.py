@@ -729,6 +729,10 @@ def _check_arguments(model: Any, loss_fn: Any, optimizer: Any) -> None:
             "optimizer: required; pass the optimizer built over model.parameters() or a "
             "factory params -> Optimizer"
         )
+    if isinstance(loss_fn, type) and issubclass(loss_fn, torch.nn.Module):
+        raise ConfigError(  # the class is callable too: its first step would fail inside torch
+            f"loss_fn: pass an instance, {loss_fn.__name__}(), not the class {loss_fn.__name__}"
+        )
     if loss_fn is not None and not callable(loss_fn):
         raise ConfigError(
             f"loss_fn: pass a function (output, targets) -> loss, or None when the model "

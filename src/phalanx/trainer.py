@@ -26,6 +26,7 @@ from phalanx import build, checkpoint
 from phalanx.config import TrainConfig  # noqa: F401 (its home was here)
 from phalanx.data.pipeline import Pipeline
 from phalanx.data.sources import Dataset
+from phalanx.errors import PhalanxError
 from phalanx.fileio import atomic_write_text
 from phalanx.losses import loss_fn  # noqa: F401 (its home was here)
 from phalanx.memory import measure
@@ -163,7 +164,14 @@ class Trainer:
                 t0 = time.perf_counter()
                 x, y = self.loader.next()
                 self.engine.trace_input(t0, time.perf_counter())
-                self.engine.step(x, y)  # its stats: the global mean loss and any stop vote
+                try:
+                    self.engine.step(x, y)  # its stats: the global mean loss and any stop vote
+                except RuntimeError as e:  # a layer's sizes wrong in the config: name it
+                    if self.step > start_step or isinstance(e, PhalanxError):
+                        raise
+                    if (wrong := build.shape_error(self.config, x)) is not None:
+                        raise wrong from e
+                    raise
                 loss, self.preempted = self.engine.stats.loss, self.engine.stats.stop_requested
                 lr = self.engine.optimizer.param_groups[0]["lr"]  # the rate this step used
                 if self.scheduler is not None:

@@ -41,6 +41,10 @@ CONSTRUCTION = {
     "model": (dict(model=lambda x: x), "model: pass a torch.nn.Module"),
     "optimizer kind": (dict(optimizer="adam"), "optimizer: pass a torch.optim.Optimizer"),
     "loss_fn": (dict(loss_fn=3), "loss_fn: pass a function"),
+    "loss_fn class": (
+        dict(loss_fn=nn.CrossEntropyLoss),
+        "loss_fn: pass an instance, CrossEntropyLoss(), not the class CrossEntropyLoss",
+    ),
     "exchange": (dict(exchange="allredcue"), "unknown exchange strategy 'allredcue'"),
     "compress": (dict(compress="fp61"), "unknown compression 'fp61'"),
     "bucket_mb": (dict(bucket_mb="big"), "bucket_mb: got 'big'"),

@@ -185,6 +185,8 @@ def test_missing_config_exits_2(tmp_path, capsys):
     missing = tmp_path / "missing.toml"
     assert run_main(["train", str(missing)]) == 2
     assert_one_line_error(capsys.readouterr().err, "not found", str(missing))
+    assert run_main(["train", str(tmp_path), "--dry-run"]) == 2
+    assert_one_line_error(capsys.readouterr().err, f"{tmp_path}: is a directory")
 
 
 def test_unknown_set_key_exits_2(capsys):
@@ -331,6 +333,25 @@ def test_dry_run_describes_the_run_and_starts_nothing(tmp_path, capsys):
     assert not run_dir.exists() and not dist.is_initialized()
 
 
+def test_a_layer_whose_sizes_do_not_fit_is_named_by_dry_run_and_by_the_first_step(tmp_path, capsys):
+    """in_features 1000 where the flattened conv output has 1024: --dry-run runs one batch
+    through the layers and names the layer, and so does a run's first step (no traceback)."""
+    assert run_main(["train", EXAMPLE, "--dry-run"]) == 0
+    assert "shapes: one batch [32, 1, 8, 8] -> output [32, 10]" in capsys.readouterr().out
+    text = Path(EXAMPLE).read_text()
+    assert text.count("in_features = 1024") == 1
+    bad = tmp_path / "bad.toml"
+    bad.write_text(text.replace("in_features = 1024", "in_features = 1000"))
+    said = ("model.layers[6] (linear): mat1 and mat2 shapes cannot be multiplied",
+            "its input has shape [32, 1024]")  # fmt: skip
+    assert run_main(["train", str(bad), "--dry-run"]) == 2
+    assert_one_line_error(capsys.readouterr().err, *said)
+    argv = ["train", str(bad), "--run-dir", str(tmp_path / "run"), "--set", "train.steps=2",
+            "--set", "train.progress=false"]  # fmt: skip
+    assert run_main(argv) == 2
+    assert_one_line_error(capsys.readouterr().err, *said)
+
+
 @pytest.mark.parametrize(
     ("setting", "fragment"),
     [
@@ -389,7 +410,7 @@ def test_export_loads_into_plain_pytorch(tmp_path, capsys):
     assert got.keys() == expected.keys()
     assert all(torch.equal(got[k], expected[k]) for k in expected)
     assert run_main(["export", str(tmp_path / "nothing")]) == 2
-    assert_one_line_error(capsys.readouterr().err, "no checkpoint in")
+    assert_one_line_error(capsys.readouterr().err, "no checkpoint in", ": no such directory")
 
 
 def test_worker_error_file_is_written_whole_for_the_launcher(tmp_path, monkeypatch):

@@ -189,8 +189,10 @@ def test_plan_without_a_cluster_plans_this_machine_to_1024(
     assert "cluster: this machine" in out and "measured now" in out
     assert "assumed (not measured): inter: not measured" in out
     assert json.loads((tmp_path / "plan.json").read_text())["devices"] == [2**k for k in range(11)]
-    code, out, err = run([*argv, "--devices", "1,2"], capsys)
+    code, out, err = run([*argv, "--devices", "1,2", "--set", "train.steps=7"], capsys)
     assert code == 0 and calls == [1] and "cached in" in out  # reused, not measured again
+    # the recommended command is ready to paste: this config, the plan's own --set first
+    assert f"phalanx train {CONFIG} --nproc 2 --set train.steps=7 --set exchange." in out
     if calibrate.host_cores() >= 2:  # the slow-down, unlike the rest, is probed every plan
         assert len(probed_slowdown) == 2
         assert "compute slow-down probed now: 1.20 at 2 ranks (calibration: 1.30)" in out

@@ -100,16 +100,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.set)
     if args.cluster and args.recalibrate:
         raise ConfigError("--recalibrate: measures this machine; drop it or --cluster")
+    asked = None if args.devices is None else _parse_devices(args.devices)  # before measuring
     if args.cluster:
         cluster = read_cluster(args.cluster)
     else:
         calibration = load_or_calibrate(args.recalibrate)
         print(calibration.describe())
         cluster = calibration.cluster
-    if args.devices is None:
+    if asked is None:
         devices = [n for n in DEFAULT_DEVICES if cluster.capacity is None or n <= cluster.capacity]
     else:
-        devices = _parse_devices(args.devices)
+        devices = asked
     for n in devices:
         cluster.check_devices(n)
     strategies = _strategies(args.strategies, config.exchange)
@@ -135,7 +136,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         cluster = slowdown_now(cluster)
     plan = make_plan(profile, cluster, devices, strategies, thresholds, compressions)
     print(format_plan(plan))
-    print(recommendation(plan, max(devices)))
+    print(recommendation(plan, max(devices), args.config, args.set))
     if args.json:
         atomic_write_text(Path(args.json), json.dumps(plan.to_dict(), indent=1) + "\n")
         print(f"wrote {args.json}")

@@ -166,7 +166,10 @@ class RecordWriter:
             raise DataError(f"shard size must be > 0 bytes, got {shard_bytes}")
         self.out_dir = Path(out_dir)
         if self.out_dir.exists() and (not self.out_dir.is_dir() or any(self.out_dir.iterdir())):
-            raise DataError(f"{self.out_dir}: exists and is not an empty directory")
+            raise DataError(
+                f"{self.out_dir}: exists and is not an empty directory; pack into a new "
+                "directory, or delete this one first"
+            )
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.fields = tuple(fields)
         self.shard_bytes = shard_bytes

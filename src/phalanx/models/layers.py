@@ -19,6 +19,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from phalanx.errors import ConfigError
 from phalanx.fields import ConfigValueError, require
 from phalanx.registry import Registry
 
@@ -134,3 +135,42 @@ def build_layers(layers: list[dict]) -> nn.Sequential:
     """An ``nn.Sequential`` of the configured layers, in order."""
     modules = [LAYERS.get(spec["type"])(**layer_arguments(spec)) for spec in layers]
     return nn.Sequential(*modules)
+
+
+def failing_layer(
+    model: nn.Module, layers: list[dict], inputs: torch.Tensor
+) -> tuple[str, torch.Size] | None:
+    """Which configured layer a forward error comes from: ``inputs`` (one batch, on the
+    model's device) through ``model`` (``build_layers(layers)``) one layer at a time, in eval
+    mode and without gradients (no statistics updated, no random numbers drawn): ("model.layers
+    [i] (type): torch's first line", the shape the layer was given) for the first layer that
+    raises, or None where none does (or ``model`` is not that Sequential)."""
+    if not isinstance(model, nn.Sequential) or len(model) != len(layers):
+        return None
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            x = inputs
+            for i, (layer, spec) in enumerate(zip(model, layers)):
+                try:
+                    y = layer(x)
+                except (RuntimeError, ValueError, IndexError) as e:
+                    said = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                    shape = x.shape if isinstance(x, torch.Tensor) else torch.Size()
+                    return f"model.layers[{i}] ({spec['type']}): {said}", shape
+                x = y
+    finally:
+        model.train(was_training)
+    return None
+
+
+def shape_error(model: nn.Module, layers: list[dict], inputs: torch.Tensor) -> ConfigError | None:
+    """``failing_layer`` as the one-line error ``phalanx train`` and ``--dry-run`` print."""
+    found = failing_layer(model, layers, inputs)
+    if found is None:
+        return None
+    where, shape = found
+    return ConfigError(
+        f"{where}; its input has shape {list(shape)}: set its sizes to match the layer before"
+    )

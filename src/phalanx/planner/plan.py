@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import math
+import shlex
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -192,16 +193,21 @@ def recommended_sets(row: PlanRow) -> list[str]:
     return sets
 
 
-def recommendation(plan: Plan, devices: int) -> str:
-    """One line: the fastest setup at ``devices`` and how to run it."""
+def recommendation(
+    plan: Plan, devices: int, config: str = "CONFIG", sets: Sequence[str] = ()
+) -> str:
+    """One line: the fastest setup at ``devices`` and the command that runs it, ready to paste
+    (``config``: the run config's path; ``sets``: the plan's own ``--set`` overrides, which
+    the recommended ones follow)."""
     best = plan.best(devices)
     if best is None or best.result is None:
         return f"recommendation at {devices}: none (every setup was skipped)"
-    flags = " ".join(f"--set {item}" for item in recommended_sets(best))
+    given = "".join(f" --set {shlex.quote(item)}" for item in sets)
+    run = f"phalanx train {shlex.quote(config)} --nproc {devices}{given}"
+    flags = " ".join(f"--set {shlex.quote(item)}" for item in recommended_sets(best))
     return (
         f"recommendation at {devices}: {best.setup.label()}, predicted "
-        f"{best.result.step_s * 1e3:.1f} ms per step: phalanx train CONFIG --nproc {devices} "
-        f"{flags} (or phalanx train CONFIG --nproc {devices} --auto-plan)"
+        f"{best.result.step_s * 1e3:.1f} ms per step: {run} {flags} (or {run} --auto-plan)"
     )
 
 

@@ -16,7 +16,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from phalanx.errors import PEER_LOSS, Interrupted, WorkerError
+from phalanx.errors import PEER_LOSS, ConfigError, Interrupted, WorkerError
 
 
 @dataclass(kw_only=True)
@@ -38,15 +38,15 @@ class LaunchSpec:
 
     def __post_init__(self) -> None:
         if self.nproc < 1:
-            raise ValueError(f"--nproc must be >= 1, got {self.nproc}")
+            raise ConfigError(f"--nproc must be >= 1, got {self.nproc}")
         if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
-            raise ValueError(f"--node-rank must be in [0, {self.nnodes}), got {self.node_rank}")
+            raise ConfigError(f"--node-rank must be in [0, {self.nnodes}), got {self.node_rank}")
         if self.nnodes > 1 and self.master_port == 0:
-            raise ValueError("--master-port is required with --nnodes > 1")
+            raise ConfigError("--master-port is required with --nnodes > 1")
         if self.stop_grace_s < 0:
-            raise ValueError(f"--stop-grace must be >= 0, got {self.stop_grace_s}")
+            raise ConfigError(f"--stop-grace must be >= 0, got {self.stop_grace_s}")
         if self.max_restarts < 0:
-            raise ValueError(f"--max-restarts must be >= 0, got {self.max_restarts}")
+            raise ConfigError(f"--max-restarts must be >= 0, got {self.max_restarts}")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
