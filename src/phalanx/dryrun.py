@@ -8,6 +8,7 @@ import json
 from typing import TYPE_CHECKING, Any
 
 from phalanx.data.readers import training_reader
+from phalanx.models.layers import shape_error
 from phalanx.parallel.pipeline import (
     describe_stages,
     pipelined_view,
@@ -76,7 +77,6 @@ def _shapes(config: RunConfig, model: Any) -> list[str]:
     import torch
 
     from phalanx import build
-    from phalanx.models.layers import shape_error
 
     if not config.model.layers:
         return []
