@@ -11,6 +11,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 CACHE_ENV = "PHALANX_CACHE_DIR"
+# The process's umask, read once at import (reading it means setting it): a written file gets
+# the mode open() would give it, 0o666 less the umask, not mkstemp's private 0o600.
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)
+FILE_MODE = 0o666 & ~_UMASK
 
 
 def cache_dir() -> Path:
@@ -31,6 +36,7 @@ def atomic_write_bytes(path: Path, data: bytes, midway: Callable[[], object] | N
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.chmod(tmp, FILE_MODE)  # readable by whom any file the user writes is
         with os.fdopen(fd, "wb") as f:
             view, half = memoryview(data), len(data) // 2  # slices of a view copy nothing
             if midway is not None:

@@ -457,6 +457,9 @@ def test_atomic_write_creates_parents_overwrites_and_leaves_no_temp(tmp_path):
     assert [p.name for p in target.parent.iterdir()] == ["file.bin"]
     atomic_write_text(tmp_path / "t.txt", "h\u00e9\n")
     assert (tmp_path / "t.txt").read_bytes() == "h\u00e9\n".encode()
+    (tmp_path / "plain.txt").write_text("x")  # the mode any file the user writes gets
+    plain_mode = (tmp_path / "plain.txt").stat().st_mode & 0o777
+    assert target.stat().st_mode & 0o777 == plain_mode  # not mkstemp's private 0o600
 
 
 def test_atomic_write_failure_keeps_old_content_and_no_temp(tmp_path, monkeypatch):
