@@ -28,7 +28,7 @@ from phalanx.memory import host_cache, measure
 from phalanx.memory.manager import PLAN_MARGIN, MemoryManager
 from phalanx.memory.profile import MemoryProfile, pick_device, profile_model
 from phalanx.models.config import build_model
-from phalanx.models.layers import shape_error as layer_shape_error
+from phalanx.models.layers import run_layers
 from phalanx.optim.factory import Factory, make_optimizer_factory
 from phalanx.precision import Precision
 from phalanx.runtime.context import Context, current_context
@@ -84,7 +84,10 @@ def shape_error(config: RunConfig, inputs: torch.Tensor) -> ConfigError | None:
     run's strategy and no collectives, so one rank may ask alone)."""
     if not config.model.layers:
         return None
-    return layer_shape_error(model(config), config.model.layers, inputs.detach().cpu())
+    try:
+        return run_layers(model(config), config.model.layers, inputs.detach().cpu())[1]
+    except RuntimeError:  # not the layers' sizes (a whole-model failure): the run's own error
+        return None
 
 
 def sample_microbatch(config: RunConfig, data: Dataset) -> torch.Tensor | None:

@@ -8,7 +8,7 @@ import json
 from typing import TYPE_CHECKING, Any
 
 from phalanx.data.readers import training_reader
-from phalanx.models.layers import shape_error
+from phalanx.models.layers import run_layers
 from phalanx.parallel.pipeline import (
     describe_stages,
     pipelined_view,
@@ -71,9 +71,9 @@ def describe_run(config: RunConfig, world_size: int, run_dir: str) -> str:
 
 
 def _shapes(config: RunConfig, model: Any) -> list[str]:
-    """One batch of the training inputs through the configured layers (eval mode, no
-    gradients): the line with the input and output shapes, or the one-line ConfigError
-    naming the first layer whose sizes do not fit (what the run's first step would hit)."""
+    """One batch of the training inputs through the configured layers (``run_layers``): the
+    line with the input and output shapes, or the one-line ConfigError naming the first layer
+    whose sizes do not fit (what the run's first step would hit)."""
     import torch
 
     from phalanx import build
@@ -83,15 +83,9 @@ def _shapes(config: RunConfig, model: Any) -> list[str]:
     inputs = build.data(config).x_train[: config.data.batch_size // config.train.accumulate_steps]
     if not len(inputs):  # no samples to try (the shapes show in the run's first step)
         return []
-    if (wrong := shape_error(model, config.model.layers, inputs)) is not None:
+    output, wrong = run_layers(model, config.model.layers, inputs)
+    if wrong is not None:
         raise wrong
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            output = model(inputs)
-    finally:
-        model.train(was_training)
     shape = list(output.shape) if isinstance(output, torch.Tensor) else type(output).__name__
     return [f"shapes: one batch {list(inputs.shape)} -> output {shape}"]
 

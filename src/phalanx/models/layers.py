@@ -21,6 +21,7 @@ from torch import nn
 
 from phalanx.errors import ConfigError
 from phalanx.fields import ConfigValueError, require
+from phalanx.models.modes import evaluating
 from phalanx.registry import Registry
 
 LAYERS: Registry[nn.Module] = Registry("layer type")
@@ -137,40 +138,27 @@ def build_layers(layers: list[dict]) -> nn.Sequential:
     return nn.Sequential(*modules)
 
 
-def failing_layer(
+def run_layers(
     model: nn.Module, layers: list[dict], inputs: torch.Tensor
-) -> tuple[str, torch.Size] | None:
-    """Which configured layer a forward error comes from: ``inputs`` (one batch, on the
-    model's device) through ``model`` (``build_layers(layers)``) one layer at a time, in eval
-    mode and without gradients (no statistics updated, no random numbers drawn): ("model.layers
-    [i] (type): torch's first line", the shape the layer was given) for the first layer that
-    raises, or None where none does (or ``model`` is not that Sequential)."""
+) -> tuple[Any, ConfigError | None]:
+    """``inputs`` (one batch, on the model's device) through ``model`` (``build_layers(layers)``)
+    one layer at a time, in eval mode and without gradients (no statistics updated, no random
+    numbers drawn; each submodule's mode restored): (the output, None), or (None, the one-line
+    error naming the first layer that raises, its input's shape and the fix). A model that is
+    not that Sequential is run whole."""
     if not isinstance(model, nn.Sequential) or len(model) != len(layers):
-        return None
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            x = inputs
-            for i, (layer, spec) in enumerate(zip(model, layers)):
-                try:
-                    y = layer(x)
-                except (RuntimeError, ValueError, IndexError) as e:
-                    said = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-                    shape = x.shape if isinstance(x, torch.Tensor) else torch.Size()
-                    return f"model.layers[{i}] ({spec['type']}): {said}", shape
-                x = y
-    finally:
-        model.train(was_training)
-    return None
-
-
-def shape_error(model: nn.Module, layers: list[dict], inputs: torch.Tensor) -> ConfigError | None:
-    """``failing_layer`` as the one-line error ``phalanx train`` and ``--dry-run`` print."""
-    found = failing_layer(model, layers, inputs)
-    if found is None:
-        return None
-    where, shape = found
-    return ConfigError(
-        f"{where}; its input has shape {list(shape)}: set its sizes to match the layer before"
-    )
+        with evaluating(model), torch.no_grad():
+            return model(inputs), None
+    x = inputs
+    with evaluating(model), torch.no_grad():
+        for i, (layer, spec) in enumerate(zip(model, layers)):
+            try:
+                x = layer(x)
+            except (RuntimeError, ValueError, IndexError) as e:
+                said = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                shape = list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+                return None, ConfigError(
+                    f"model.layers[{i}] ({spec['type']}): {said}; its input has shape {shape}: "
+                    "set its sizes to match the layer before"
+                )
+    return x, None
