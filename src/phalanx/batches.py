@@ -4,7 +4,7 @@ loss; moved to the device, cut into micro-batches, and the loss found in the mod
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -79,3 +79,45 @@ def _to_device(x: Any, device: torch.device) -> Any:
     if isinstance(x, torch.Tensor) and x.device != device:
         return x.to(device, non_blocking=True)
     return x
+
+
+def detached(output: Any) -> Any:
+    """A model's output without its graph (``return_outputs``): tensors detached inside
+    tuples, lists and dicts (Hugging Face's outputs are dicts); other values as they are."""
+    if isinstance(output, torch.Tensor):
+        return output.detach()
+    if isinstance(output, tuple | list):
+        items = [detached(o) for o in output]
+        return type(output)(*items) if hasattr(output, "_fields") else type(output)(items)
+    if isinstance(output, dict):
+        values = {k: detached(v) for k, v in output.items()}
+        try:
+            return type(output)(**values)
+        except TypeError:  # a dict type that is not built from keywords
+            return values
+    return output
+
+
+class Accumulated(NamedTuple):
+    """Micro-batches ``Engine.no_sync`` ran since the last update: how many, and the sum of
+    their losses (0-dim, on the device)."""
+
+    micro: int
+    loss_sum: torch.Tensor
+
+
+class MicroBatches:
+    """What ``no_sync``'s steps have accumulated for the next update (taken by it)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._zero = torch.zeros((), device=device)
+        self.count, self._loss_sum = 0, self._zero
+
+    def add(self, loss_sum: torch.Tensor, count: int) -> None:
+        self.count += count
+        self._loss_sum = self._loss_sum + loss_sum
+
+    def take(self) -> Accumulated:
+        taken = Accumulated(self.count, self._loss_sum)
+        self.count, self._loss_sum = 0, self._zero
+        return taken

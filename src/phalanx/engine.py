@@ -5,14 +5,22 @@ from __future__ import annotations
 import logging
 import time
 import weakref
-from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
 
 from phalanx import engine_state
-from phalanx.batches import Batch, loss_of, split_batch, step_batch
+from phalanx.batches import (
+    Accumulated,
+    Batch,
+    MicroBatches,
+    detached,
+    loss_of,
+    split_batch,
+    step_batch,
+)
 from phalanx.compile import CompileClock
 from phalanx.errors import PEER_LOSS, CheckpointError, ConfigError, PeerLost, PhalanxError
 from phalanx.exchange.auto_bucketing import DEFAULT_BUCKET_MB, AutoBucketing, ObservedOrder
@@ -26,11 +34,12 @@ from phalanx.exchange.base import (
 )
 from phalanx.exchange.buckets import GradientBuckets
 from phalanx.exchange.comm import broadcast_together
-from phalanx.exchange.compression import make_codec
+from phalanx.exchange.compression import Codec, make_codec
 from phalanx.exchange.link import LinkModel
 from phalanx.exchange.threshold import Choice
 from phalanx.faults import fault_at
 from phalanx.fields import with_options
+from phalanx.global_loss import SLOTS as LOSS_SLOTS
 from phalanx.global_loss import GlobalLoss
 from phalanx.guard import NonfiniteGuard, rescaling_problem
 from phalanx.hooks import StepEnd, StepHook
@@ -121,6 +130,7 @@ class Engine:
         sample_input: Any = None,
         memory: MemoryManager | None = None,
         trace: TraceConfig | None = None,
+        return_outputs: bool = False,
         **options: Any,
     ) -> None:
         _check_arguments(model, loss_fn, optimizer)
@@ -157,6 +167,16 @@ class Engine:
             self._compile_clock = CompileClock()
         self.loss_fn = loss_fn
         self.accumulate_steps = self.config.accumulate_steps
+        if return_outputs and self.pipeline is not None:
+            raise ConfigError(
+                "return_outputs: with pipeline > 1 the outputs exist on the last stage's "
+                "ranks only; compute what you need from them in loss_fn"
+            )
+        self.return_outputs = return_outputs
+        self._outputs: list[Any] = []  # this step's micro-batches' outputs (return_outputs)
+        # DDP's no_sync: micro-batches accumulated since the last update, and their loss sum
+        self._syncing = True
+        self._pending = MicroBatches(self.ctx.device)
         self.broadcast_buffers = self.config.broadcast_buffers and any(
             True for _ in model.buffers()
         )
@@ -181,6 +201,7 @@ class Engine:
             launch=lambda bucket: None,  # the strategy's, once built
             align=self.factory.bucket_alignment(self.ctx.world_size, self.ctx.backend, self._codec),
             first_bucket_bytes=int(exchange_config.first_bucket_mb * 2**20),
+            riders=_loss_riders(self.factory, self._codec, self.pipeline, model),
         )
         self.optimizer = self._adopt_optimizer(optimizer)
         self._driver: PipelineDriver | None = None  # Phase 2 with pipeline > 1 (a component)
@@ -314,7 +335,9 @@ class Engine:
         finally:
             self._step_ownership.inside = False
 
-    def _step(self, args: tuple, kwargs: dict[str, Any]) -> torch.Tensor:
+    def _step(self, args: tuple, kwargs: dict[str, Any]) -> Any:
+        if not self._syncing:
+            return self._accumulate(args, kwargs)
         timer = self._timer
         timer.start()
         for hook in self.hooks:
@@ -322,8 +345,12 @@ class Engine:
         # (The model's train/eval modes are the user's, as in a plain loop and under DDP: a
         # script may keep a submodule in eval mode, e.g. a frozen BatchNorm.)
         self._trainable_set.check(self.num_steps + 1)
-        # Phase 1: zero buckets; split into micro-batches.
-        self.buckets.zero()
+        # Phase 1: zero buckets (unless no_sync's micro-batches accumulated into them); split
+        # into micro-batches.
+        carried = self._pending.take()
+        pending = carried.micro
+        if not pending:
+            self.buckets.zero()
         self.strategy.begin_step()
         if self._mirror is not None:
             self._mirror.begin_step()
@@ -332,21 +359,25 @@ class Engine:
             micro = split_batch(self._batch(args, kwargs), self.accumulate_steps)
         # Folding 1/p into the loss makes the exchanged sums means without a pass over buckets.
         # fp16 multiplies by its loss scale too; the exchanged mean is unscaled after Phase 4.
-        scale = self.strategy.gradient_scale() / max(1, len(micro)) * self.precision.scale
-        if self.broadcast_buffers:  # rank 0's buffers (BatchNorm statistics): one broadcast
+        divisor, post_scale = self._accumulation_scales(pending, len(micro) + pending)
+        scale = self.strategy.gradient_scale() / divisor * self.precision.scale
+        if self.broadcast_buffers and not pending:  # rank 0's buffers (BatchNorm statistics):
+            # one broadcast per update, before its first forward (DDP's under no_sync too)
             broadcast_together(list(self.local_module.buffers()), self.ctx.group)
         self.buckets.arm(launch=True)  # a server runs no backward: flush launches every bucket
         # Phase 2: forward/backward; only the last micro-step launches the exchange.
         total_loss, skip = torch.zeros((), device=self.ctx.device), False
+        own = total_loss
         if self._driver is not None:
             started = time.perf_counter()
             inputs = [a for a, _ in micro]
             total_loss, skip = self._driver.forward_backward(inputs, scale, self.num_steps + 1)
+            own = total_loss
             timer.mark("backward")
             self.trace.span("compute", "pipeline schedule", started)
         elif micro:
             with self.memory.step() if self.memory is not None else nullcontext():
-                total_loss, skip = self._forward_backward(micro, scale, timer)
+                own, total_loss, skip = self._forward_backward(micro, scale, timer, carried)
         if not self.global_loss.started:  # a pipeline or a dedicated server: after Phase 2
             self._start_global_loss(total_loss)
         if not self.strategy.is_trainer:  # a dedicated server joins the trainers' agreement
@@ -354,8 +385,9 @@ class Engine:
                 total_loss, self.strategy, self.buckets, self.ctx.group
             )
         launched_in_backward = sum(b.launched for b in self.buckets.buckets)
+        skipped_before_exchange = skip
         if not skip:
-            skip = self._exchange(timer)
+            skip = self._exchange(timer, post_scale)
         # Phase 5: update (not for a step whose loss or gradients hold inf/NaN on any rank).
         updating = time.perf_counter()
         if not skip:
@@ -364,16 +396,78 @@ class Engine:
         self.trace.span("optimizer", "update" if not skip else "skipped", updating)
         self.guard.count(skip, self.trainable, self.num_steps + 1, self.ctx.is_main)
         self._record(timer.read(), launched_in_backward)
-        self.stats.loss = self.global_loss.finish()
+        self.stats.loss = self.global_loss.finish(exchanged=not skipped_before_exchange)
         self.stats.stop_requested = self.global_loss.stop_votes > 0
         end = StepEnd(self.num_steps + 1, not skip, self.num_updates, self.stats)
         for hook in self.hooks:
             hook.end(end)
         self.num_updates += not skip
         self.num_steps += 1
-        return total_loss
+        return self._result(own)  # this call's micro-batches' mean loss
 
-    def _exchange(self, timer: PhaseTimer) -> bool:
+    def _result(self, loss: torch.Tensor) -> Any:
+        """``step``'s value: the loss, or (loss, outputs) with ``return_outputs``."""
+        if not self.return_outputs:
+            return loss
+        outputs, self._outputs = self._outputs, []
+        return loss, outputs[0] if len(outputs) == 1 else outputs
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """DDP's gradient accumulation: each ``step`` inside the block runs forward and backward
+        only (gradients add up on this rank; no exchange, no update) and returns its own loss;
+        the next ``step`` outside it exchanges and updates with the mean gradient over every
+        micro-batch since the last update, as ``accumulate_steps`` would. Call it on every
+        rank alike (as DDP's ``model.no_sync()``)."""
+        if self.pipeline is not None:
+            raise ConfigError(
+                "no_sync: a pipeline's schedule runs a step's micro-batches together; use "
+                "accumulate_steps with pipeline > 1"
+            )
+        previous, self._syncing = self._syncing, False
+        try:
+            yield
+        finally:
+            self._syncing = previous
+
+    def _accumulate(self, args: tuple, kwargs: dict[str, Any]) -> Any:
+        """A ``step`` under ``no_sync``: Phase 2 of the step without the exchange."""
+        zero = torch.zeros((), device=self.ctx.device)
+        if not self.strategy.is_trainer:  # a dedicated server: nothing until the exchange
+            return self._result(zero)
+        self._trainable_set.check(self.num_steps + 1)
+        micro = split_batch(self._batch(args, kwargs), self.accumulate_steps)
+        if self._pending.count == 0:  # the update's first micro-batch (Phase 1)
+            self.buckets.zero()
+            if self.broadcast_buffers:
+                broadcast_together(list(self.local_module.buffers()), self.ctx.group)
+        self.buckets.arm(launch=False)
+        # Each micro-batch at the full scale; the step that updates divides by their count.
+        scale = self.strategy.gradient_scale() * self.precision.scale
+        total = zero
+        with self.memory.step() if self.memory is not None else nullcontext():
+            for batch in micro:
+                loss = self._forward(batch)
+                total = total + loss.detach()
+                self.strategy.before_backward(False)
+                (loss * scale).backward()
+        self._pending.add(total, len(micro))
+        return self._result(total / len(micro))
+
+    def _accumulation_scales(self, pending: int, count: int) -> tuple[float, float]:
+        """Phase 1: (what this step's loss scale is divided by, a factor for the exchanged
+        gradient) so the update's gradient is the mean over its ``count`` micro-batches, of
+        which ``no_sync`` ran ``pending`` at the full scale. Where buckets hold those, they
+        are scaled now; where none does (fsdp), everything is scaled after the exchange."""
+        if not pending:
+            return max(1, count), 1.0
+        if not self.buckets.buckets:
+            return 1.0, 1.0 / count
+        for bucket in self.buckets.buckets:
+            bucket.grads.mul_(1.0 / count)
+        return count, 1.0
+
+    def _exchange(self, timer: PhaseTimer, post_scale: float) -> bool:
         """Phases 3 and 4; returns whether the step must be skipped (the guard's verdict)."""
         # Phase 3: launch the buckets unused parameters held back.
         self.buckets.flush()
@@ -381,6 +475,8 @@ class Engine:
         # Phase 4: wait for the exchange; parameters no rank used get no gradient.
         self.trace.waiting_for_exchange()
         self.strategy.finish()
+        if post_scale != 1.0:  # no_sync's micro-batches where no bucket held them (fsdp)
+            self.strategy.scale_gradients(post_scale)
         timer.mark("exchange")
         for hook in self.hooks:
             hook.after_exchange()
@@ -389,11 +485,16 @@ class Engine:
         return self.guard.inspect(self.strategy, riders, combine, self._mirror)
 
     def _start_global_loss(self, loss: torch.Tensor) -> None:
-        """Phase 2 of the global loss: riding in the strategy's verdict where it all-reduces
-        over every rank this step (no pipeline: the verdict's group is the world)."""
+        """Phase 2 of the global loss: riding in the last bucket where the strategy sums
+        whole buckets (the buckets carry its slots only then), else in the strategy's verdict
+        where it all-reduces over every rank this step (no pipeline: the verdict's group is
+        the world)."""
+        last = self.buckets.buckets[-1] if self.buckets.buckets else None
+        slots = None if last is None else last.riders
         one_group = self.pipeline is None and self.world.world_size == self.ctx.world_size
-        rides = self.strategy.verdict_all_reduces and self.guard.inspects and one_group
-        self.global_loss.start(loss, self.reports_loss, rides, self._stop_vote)
+        verdict = self.strategy.verdict_all_reduces and self.guard.inspects and one_group
+        stop = self._stop_vote
+        self.global_loss.start(loss, self.reports_loss, stop, slots=slots, verdict=verdict)
 
     def request_stop(self) -> None:
         """Ask every rank to stop (a SIGTERM's handler may call it): this rank's vote travels
@@ -415,26 +516,30 @@ class Engine:
         self.trace.tracer = tracer
 
     def _forward_backward(
-        self, micro: list[Batch], scale: float, timer: PhaseTimer
-    ) -> tuple[torch.Tensor, bool]:
+        self, micro: list[Batch], scale: float, timer: PhaseTimer, carried: Accumulated
+    ) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """Phase 2 in one process: forward and backward per micro-batch (the loss multiplied by
-        ``scale``); only the last backward launches the exchange. Returns (mean loss, whether
+        ``scale``); only the last backward launches the exchange. ``carried``: micro-batches
+        ``no_sync`` ran for this update. Returns (this call's mean loss, the update's, whether
         the step must be skipped before the exchange)."""
-        total_loss = torch.zeros((), device=self.ctx.device)
+        own = torch.zeros((), device=self.ctx.device)
+        total_loss = own  # the same tensor, unless no_sync ran micro-batches for this update
         trace = self.trace
         for i, batch in enumerate(micro):
             started = time.perf_counter()
             loss = self._forward(batch)
-            total_loss += loss.detach() / len(micro)
+            own += loss.detach() / len(micro)
             timer.mark("forward")
             trace.backward_started = trace.span("compute", "forward", started, micro=i)
             last = i == len(micro) - 1
+            if last and carried.micro:  # the update's mean over no_sync's micro-batches too
+                total_loss = (carried.loss_sum + own * len(micro)) / (carried.micro + len(micro))
             if last:  # the global loss travels while backward runs
                 self._start_global_loss(total_loss)
             if last and self.guard.before_exchange(
                 total_loss, self.strategy, self.buckets, self.ctx.group
             ):
-                return total_loss, True
+                return own, total_loss, True
             if last and self.guard.agrees_before_backward(self.strategy):
                 trace.backward_started = trace.span("wait", "agree", trace.backward_started)
             self.buckets.arm(launch=last)
@@ -449,16 +554,20 @@ class Engine:
             # (fsdp: torch's hooks reduce-scatter inside backward) it is one span too
             if not last or not self.buckets.buckets:
                 trace.span("compute", "backward", trace.backward_started, micro=i)
-        return total_loss, False
+        return own, total_loss, False
 
     def _forward(self, batch: Batch) -> torch.Tensor:
         args, kwargs = batch
         with self.precision.autocast():
             if self.loss_fn is not None:
                 inputs, targets = args
-                loss = self.loss_fn(self.local_module(inputs), targets)
+                output = self.local_module(inputs)
+                loss = self.loss_fn(output, targets)
             else:
-                loss = loss_of(self.local_module(*args, **kwargs))
+                output = self.local_module(*args, **kwargs)
+                loss = loss_of(output)
+        if self.return_outputs:
+            self._outputs.append(detached(output))
         if fault_at("forward", self.num_steps + 1) == "nan":
             loss = loss * float("nan")
         return loss
@@ -707,6 +816,18 @@ def _configs(
     return exchange, with_options(ExchangeConfig(), exchange_options), config
 
 
+def _loss_riders(
+    factory: StrategyFactory, codec: Codec, pipeline: PipelineParallel | None, model: Any
+) -> int:
+    """Slots for the global loss in the last bucket: where the strategy sums whole buckets
+    exactly (uncompressed) over the world (no pipeline) in fp32 or fp64 (a bf16 bucket would
+    round the loss)."""
+    trained = [p for p in model.parameters() if p.requires_grad]
+    exact = all(p.dtype in (torch.float32, torch.float64) for p in trained)
+    summed = pipeline is None and factory.sums_whole_buckets(codec)
+    return LOSS_SLOTS if summed and exact else 0
+
+
 def _weak_method(method: Callable[..., None]) -> Callable[..., None]:
     """``method`` (bound) without a reference to its object: an Engine whose components hold
     it is still freed as soon as the script drops it (and then closes itself)."""
@@ -724,6 +845,7 @@ def _check_arguments(model: Any, loss_fn: Any, optimizer: Any) -> None:
     """The positional arguments' kinds, one line each."""
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(f"model: pass a torch.nn.Module; got {type(model).__name__}")
+    _refuse_wrapped(model)
     if optimizer is None:
         raise ConfigError(
             "optimizer: required; pass the optimizer built over model.parameters() or a "
@@ -748,6 +870,30 @@ def _check_arguments(model: Any, loss_fn: Any, optimizer: Any) -> None:
                     "whose sparse gradients phalanx does not exchange (its buckets are dense); "
                     "build it with sparse=False"
                 )
+
+
+def _refuse_wrapped(model: torch.nn.Module) -> None:
+    """A model another data-parallel wrapper still holds: its own hooks would exchange (and
+    average) the gradients a second time, or shard what phalanx expects whole."""
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    inner = getattr(model, "_orig_mod", model)  # torch.compile's wrapper
+    wrappers = (
+        torch.nn.parallel.DistributedDataParallel,
+        torch.nn.DataParallel,
+        FullyShardedDataParallel,
+    )
+    if isinstance(inner, wrappers):
+        name = type(inner).__name__
+        raise ConfigError(
+            f"model: it is wrapped in {name}, which would exchange the gradients again; pass "
+            f"the model itself (model.module), and drop the {name}(...) line"
+        )
+    if any(isinstance(m, FSDPModule) for m in inner.modules()):  # fully_shard's
+        raise ConfigError(
+            "model: fully_shard() was applied to it; pass the model before sharding (phalanx "
+            "shards it itself with exchange='fsdp')"
+        )
 
 
 def _check_pipeline(bucket_mb: float | str, loss_fn: Any, memory: Any) -> None:

@@ -4,11 +4,14 @@ without a collective of its own where the step already makes one.
 Phases, as the Engine calls them:
   Phase 2 (``start``, before the last backward): this rank's (loss x reports, reports, stop
     vote) leave (the vote: ``Engine.request_stop``, a preempted run's SIGTERM; the Trainer
-    reads the sum, so every rank stops at the same step with no collective of its own):
-    riding in the strategy's verdict all-reduce where it makes one over every rank
-    (``partitioned``), else in an all-reduce of their own that travels while backward runs.
+    reads the sum, so every rank stops at the same step with no collective of its own), by
+    the first carrier that applies: the last gradient bucket's rider slots where the
+    strategy sums whole buckets (``allreduce``, ``tree``), the strategy's verdict all-reduce
+    where it makes one over every rank (``partitioned``, ``fsdp``), else an all-reduce of
+    their own that travels while backward runs.
   Phase 4 (``riders``): the sums for the verdict's message, taken once.
-  Phase 5 (``finish``): the mean; a step skipped before its verdict sends the sums alone.
+  Phase 5 (``finish``): the mean; sums whose carrier did not travel (a step skipped before
+    its exchange) go alone.
 """
 
 from __future__ import annotations
@@ -21,6 +24,9 @@ import torch.distributed as dist
 
 from phalanx.runtime.context import Context
 
+SLOTS = 3  # [sum of the reporting ranks' losses, their count, stop votes]
+BUCKET, VERDICT, OWN = "bucket", "verdict", "own"  # the carriers, in order of preference
+
 
 class GlobalLoss:
     """``world``: every rank of the job; ``keep``: where the finished all-reduce's Work goes
@@ -28,39 +34,57 @@ class GlobalLoss:
 
     def __init__(self, world: Context, keep: Callable[[list[Any]], None]) -> None:
         self.world, self._keep = world, keep
-        # [sum of the reporting ranks' losses, their count, stop votes], float64 on the device
-        self._sums = torch.zeros(3, dtype=torch.float64, device=world.device)
+        # the SLOTS sums, float64 on the device (or the last bucket's slots while they ride)
+        self._sums = torch.zeros(SLOTS, dtype=torch.float64, device=world.device)
         self.stop_votes = 0  # the last finished step's (every rank sees the same number)
         self._work: Any = None
         self.started = False  # this step's sums have left (or are waiting to ride)
-        self._rides = False  # they ride in the strategy's verdict
+        self._carrier = OWN
+        self._slots: torch.Tensor | None = None
 
     # Phase 2
-    def start(self, loss: torch.Tensor, reports: bool, rides: bool, stop: bool = False) -> None:
+    def start(
+        self,
+        loss: torch.Tensor,
+        reports: bool,
+        stop: bool = False,
+        *,
+        slots: torch.Tensor | None = None,
+        verdict: bool = False,
+    ) -> None:
         """``loss``: this rank's 0-dim loss; ``reports``: whether it counts (a trainer holding
-        the last stage); ``rides``: whether the strategy's verdict all-reduces over every
-        rank this step; ``stop``: this rank's stop vote."""
+        the last stage); ``stop``: this rank's stop vote. Carriers: ``slots`` (SLOTS elements
+        of the last bucket, fp32/fp64, launched after this call on every rank) or ``verdict``
+        (the strategy's verdict all-reduces over every rank this step); else its own."""
         self._sums[0] = loss.detach().to(torch.float64) * float(reports)
         self._sums[1] = float(reports)
         self._sums[2] = float(stop)
-        self.started, self._rides = True, rides
-        if self.world.world_size > 1 and not rides:
+        self.started, self._slots = True, None
+        self._carrier = BUCKET if slots is not None else VERDICT if verdict else OWN
+        if slots is not None:
+            slots.copy_(self._sums)  # summed over the ranks with the bucket's gradients
+            self._slots = slots
+        elif self.world.world_size > 1 and not verdict:
             self._work = dist.all_reduce(self._sums, group=self.world.group, async_op=True)
 
     # Phase 4
     def riders(self) -> torch.Tensor | None:
         """The sums to add to the verdict's all-reduce (summed there in place), once."""
-        if not self._rides:
+        if self._carrier != VERDICT:
             return None
-        self._rides = False
+        self._carrier = OWN
         return self._sums
 
     # Phase 5
-    def finish(self) -> float:
+    def finish(self, exchanged: bool = True) -> float:
+        """``exchanged``: whether this step's buckets travelled (False: skipped before)."""
         self.started = False
-        if self._rides:  # the step was skipped before its verdict: the sums go alone
+        if self._carrier == BUCKET and exchanged:
+            assert self._slots is not None
+            self._sums.copy_(self._slots)
+        elif self._carrier != OWN and self.world.world_size > 1:  # the carrier never left
             dist.all_reduce(self._sums, group=self.world.group)
-            self._rides = False
+        self._carrier, self._slots = OWN, None
         if self._work is not None:
             self._work.wait()
             self._keep([self._work])  # until the next step, then the teardown's

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from phalanx.exchange.base import STRATEGIES, Strategy, StrategyParts, stamp_done
 from phalanx.exchange.buckets import Bucket
 from phalanx.exchange.comm import wait
+from phalanx.exchange.compression import Codec
 from phalanx.exchange.ring import GatherExchange, p2p_allreduce, prefers_gather
 from phalanx.runtime.context import Context, hold_until_shutdown
 
@@ -37,6 +38,11 @@ class AllReduce(Strategy):
         self._gather: GatherExchange | None = None
         if self.codec.wire_dtype is not None:  # compressed: point-to-point on the thread
             self.comm_thread()
+
+    @classmethod
+    def sums_whole_buckets(cls, config: Any, codec: Codec) -> bool:
+        del config
+        return codec.wire_dtype is None  # compressed messages round what they carry
 
     def launch(self, bucket: Bucket) -> None:
         if self.comm is not None:  # compressed: point-to-point messages

@@ -219,6 +219,14 @@ class Strategy(ABC):
         del config, world_size, backend, codec
         return 1
 
+    @classmethod
+    def sums_whole_buckets(cls, config: Any, codec: Codec) -> bool:
+        """Whether each launched bucket's ``flat`` arrives as its exact sum over the data ranks
+        on every rank, tail included (then the Engine's global loss rides in the last
+        bucket's ``riders`` rather than in a collective of its own)."""
+        del config, codec
+        return False
+
     @property
     def is_trainer(self) -> bool:
         """Whether this rank runs forward and backward (False on dedicated servers)."""
@@ -581,6 +589,9 @@ class StrategyFactory:
 
     def bucket_alignment(self, world_size: int, backend: str, codec: Codec) -> int:
         return self.cls.bucket_alignment(self.config, world_size, backend, codec)
+
+    def sums_whole_buckets(self, codec: Codec) -> bool:
+        return self.cls.sums_whole_buckets(self.config, codec)
 
     def compile_model(self, module: torch.nn.Module) -> list[torch.nn.Module]:
         return self.cls.compile_model(self.config, module)

@@ -50,6 +50,9 @@ class Bucket:
     done_time: float = 0.0  # perf_counter when its exchange completed (stamped by strategies)
     pending_grads_at_launch: int = 0  # parameters of the model still waiting for backward
     extra: dict = field(default_factory=dict)  # strategy-owned per-bucket state
+    # The last bucket's slots after ``flags`` (``riders`` of GradientBuckets; else None): values
+    # another component sums over the ranks in this bucket's exchange (the global loss).
+    riders: torch.Tensor | None = None
 
     @property
     def nbytes(self) -> int:
@@ -95,9 +98,13 @@ class GradientBuckets:
         launch: Callable[[Bucket], None],
         first_bucket_bytes: int = FIRST_BUCKET_BYTES,
         align: int = 1,
+        riders: int = 0,
     ) -> None:
+        """``riders``: slots the last bucket carries after its flags (``Bucket.riders``), for
+        a strategy that sums whole buckets over the ranks (0: none)."""
         # Hooks fire in backward order, which is roughly the reverse of registration order.
         self.params = list(params)
+        self.riders = riders
         self.bucket_bytes = bucket_bytes
         self.first_bucket_bytes = first_bucket_bytes
         self.align = align
@@ -122,17 +129,18 @@ class GradientBuckets:
         ordered = [self.params[i] for i in order]
         self.buckets = []
         self._bucket_of = {}
-        for b, group in enumerate(
-            plan_buckets(ordered, self.bucket_bytes, self.first_bucket_bytes)
-        ):
+        groups = plan_buckets(ordered, self.bucket_bytes, self.first_bucket_bytes)
+        for b, group in enumerate(groups):
             members = [ordered[i] for i in group]
-            self.buckets.append(self._make_bucket(b, members))
+            riders = self.riders if b == len(groups) - 1 else 0  # buckets launch in order
+            self.buckets.append(self._make_bucket(b, members, riders))
             for slot, p in enumerate(members):
                 self._bucket_of[id(p)] = (b, slot, self._position[id(p)])
 
-    def _make_bucket(self, index: int, members: list[torch.nn.Parameter]) -> Bucket:
+    def _make_bucket(self, index: int, members: list[torch.nn.Parameter], riders: int) -> Bucket:
         total = sum(p.numel() for p in members)
-        padded = -(-(total + len(members)) // self.align) * self.align
+        tail = total + len(members)  # gradients, flags, then the riders' slots
+        padded = -(-(tail + riders) // self.align) * self.align
         flat = torch.zeros(padded, dtype=members[0].dtype, device=members[0].device)
         views, offsets, offset = [], [], 0
         for p in members:
@@ -148,9 +156,10 @@ class GradientBuckets:
             params=members,
             flat=flat,
             grads=flat[:total],
-            flags=flat[total : total + len(members)],
+            flags=flat[total:tail],
             views=views,
             offsets=offsets,
+            riders=flat[tail : tail + riders] if riders else None,
         )
 
     def order(self) -> list[int]:

@@ -149,6 +149,7 @@ def init(
         _join_group(backend, config.timeout_s, init_method, rank, world_size)
     group = dist.group.WORLD
     assert group is not None
+    _run_shutdown_on_destroy()
     _CONTEXT = Context(
         rank=dist.get_rank(),
         world_size=dist.get_world_size(),
@@ -185,10 +186,68 @@ def shutdown() -> None:
         object.__setattr__(_CONTEXT, "group", None)  # a user's `ctx` must not keep it alive
     _CONTEXT = None
     if dist.is_initialized():
-        dist.destroy_process_group()
+        (_ORIGINAL_DESTROY or dist.destroy_process_group)()
     _forget_captured_groups(groups)
     # Phase 3: held works
     _release_held_works(groups)
+
+
+# torch's destroy_process_group as it was before ``_run_shutdown_on_destroy`` re-pointed it
+_ORIGINAL_DESTROY: Callable[..., None] | None = None
+
+
+def _run_shutdown_on_destroy() -> None:
+    """Make a script's own ``dist.destroy_process_group()`` (the DDP tutorial's last line) run
+    ``shutdown()``: the Engines' teardowns first, then the groups.
+
+    Why: without it, a rank that destroys its group while another still reads the model
+    (rank 0 saving) breaks that rank's pending exchange ("Connection closed by peer"), and
+    phalanx's own teardown at exit meets a group torch no longer knows. torch offers no hook
+    on destruction, so the function's code is replaced in place: a reference the script
+    imported before phalanx (``from torch.distributed import destroy_process_group``) is the
+    same function object and calls it too. Where torch's function has another shape, it is
+    left alone (then call ``phalanx.shutdown()`` first, as docs/porting.md says)."""
+    global _ORIGINAL_DESTROY
+    from torch.distributed import distributed_c10d as c10d
+
+    function = c10d.destroy_process_group
+    code = function.__code__
+    if _ORIGINAL_DESTROY is not None or not _takes_group_only(function):
+        return
+    original = types.FunctionType(code, function.__globals__, function.__name__)
+    original.__defaults__ = function.__defaults__
+    c10d.__dict__["_phalanx_destroy"] = _destroy
+    function.__code__ = _destroy_in_torch.__code__
+    _ORIGINAL_DESTROY = original
+
+
+def _takes_group_only(function: Any) -> bool:
+    """torch's ``destroy_process_group(group=None)``: a plain function of that one argument."""
+    code = getattr(function, "__code__", None)
+    return (
+        isinstance(function, types.FunctionType)
+        and code is not None
+        and not function.__closure__
+        and code.co_argcount == 1
+        and code.co_kwonlyargcount == 0
+        and code.co_varnames[:1] == ("group",)
+        and function.__defaults__ == (None,)
+    )
+
+
+def _destroy_in_torch(group: Any = None) -> None:
+    """The code torch's ``destroy_process_group`` runs once re-pointed (with torch's module
+    globals, where ``_phalanx_destroy`` is phalanx's ``_destroy``)."""
+    return _phalanx_destroy(group)  # type: ignore[name-defined]  # noqa: F821
+
+
+def _destroy(group: Any) -> None:
+    """The whole world while phalanx holds a Context: ``shutdown()``; else torch's own."""
+    assert _ORIGINAL_DESTROY is not None
+    if _CONTEXT is not None and (group is None or group is dist.group.WORLD):
+        shutdown()
+        return
+    _ORIGINAL_DESTROY(group)
 
 
 def _live_groups() -> list[weakref.ref]:
