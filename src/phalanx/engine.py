@@ -134,6 +134,8 @@ class Engine:
         **options: Any,
     ) -> None:
         _check_arguments(model, loss_fn, optimizer)
+        if not hasattr(model, "no_sync"):  # a ported DDP loop's `with model.no_sync():`
+            model.__dict__["no_sync"] = _PointToEngine("no_sync")
         _check_kinds(
             step=(step, StepConfig, "a phalanx.step_config.StepConfig (e.g. a run's [train])"),
             memory=(memory, MemoryManager, "a phalanx.memory.manager.MemoryManager or None"),
@@ -783,6 +785,21 @@ class Engine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _PointToEngine:
+    """Stands in for a DDP method on the user's model and names the Engine's (picklable: a
+    whole-model ``torch.save`` still works)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise ConfigError(
+            f"model.{self.name}: the model is not wrapped in DDP; use `with "
+            f"engine.{self.name}():` around engine.step(...) (each step inside runs forward "
+            "and backward only)"
+        )
 
 
 def _configs(

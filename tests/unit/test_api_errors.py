@@ -59,6 +59,11 @@ CONSTRUCTION = {
     "trace": (dict(trace=True), "trace: pass a phalanx.tracing.TraceConfig"),
     "parallel": (dict(parallel={"pipeline": 2}), "parallel: pass a phalanx.parallel.layout"),
     "context": (dict(context="world"), "context: pass the Context of phalanx.init()"),
+    "DataParallel": (
+        dict(model=nn.DataParallel(nn.Linear(3, 2))),
+        "model: it is wrapped in DataParallel, which would exchange the gradients again; pass "
+        "the model itself (model.module)",
+    ),
     "sparse embedding": (
         dict(model=nn.Sequential(nn.EmbeddingBag(9, 3, sparse=True), nn.Linear(3, 2))),
         "model: 0 (EmbeddingBag) has sparse=True, whose sparse gradients phalanx does not",
@@ -109,6 +114,10 @@ def _misuse_cases(tmp_path: Path) -> dict[str, tuple[Callable[[px.Engine], Any],
         "restore into a list": (
             lambda e: checkpoint.restore(tmp_path, [e]),
             "state: pass a dict of name -> object",
+        ),
+        "model.no_sync of a ported DDP loop": (
+            lambda e: e.local_module.no_sync(),
+            "model.no_sync: the model is not wrapped in DDP; use `with engine.no_sync():`",
         ),
         "model that returns logits": (
             lambda e: _engine(loss_fn=None).step(torch.randn(4, 3)),
