@@ -84,6 +84,8 @@ class Engine:
       Phase 4: wait for the exchange (the exposed part is ``stats.exchange_s``); parameters no
         rank used (per the buckets' summed usage flags) keep ``grad = None``.
       Phase 5: update (the strategy applies the optimizer).
+    A step inside ``with engine.no_sync():`` (DDP's accumulation shape) runs Phase 2 alone, at
+    the full loss scale; the next step rescales what it left in the buckets (Phase 1).
     Parameters and buffers are broadcast from rank 0 at construction so all replicas start equal.
 
     Configuration: ``exchange`` (a registry name, a StrategyFactory, or an ExchangeConfig such as a
@@ -310,18 +312,22 @@ class Engine:
             raise ConfigError(f"{problem[0]}: {problem[1]}")
 
     # -- the step -----------------------------------------------------------------------------
-    def step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        """Train on one batch; returns this rank's mean loss (a detached 0-dim tensor).
+    def step(self, *args: Any, **kwargs: Any) -> Any:
+        """Train on one batch; returns this rank's mean loss (a detached 0-dim tensor), or with
+        ``return_outputs=True`` ``(loss, outputs)``: the model's output detached (with
+        ``accumulate_steps`` > 1, a list of each micro-batch's), e.g. for an accuracy.
 
         With a ``loss_fn``: ``step(inputs, targets)`` computes ``loss_fn(model(inputs),
         targets)``. Without one, the arguments go to the model as they are
         (``step(idx, targets)``, ``step(**batch)``) and the model's output is the loss: a
         0-dim tensor, an object or dict with a ``loss`` (Hugging Face), or a tuple holding one
-        0-dim tensor (``(logits, loss)``)."""
+        0-dim tensor (``(logits, loss)``). Inside ``with engine.no_sync():`` it runs forward
+        and backward only (DDP's accumulation)."""
         if self._closed:
             raise ConfigError(
-                "step: this Engine is closed (by close(), phalanx.shutdown() or the end of its "
-                "with block); build a new Engine to train again"
+                "step: this Engine is closed (by close(), phalanx.shutdown(), "
+                "dist.destroy_process_group() or the end of its with block); build a new Engine "
+                "to train again"
             )
         clock = self._compile_clock
         self._step_ownership.inside = True
