@@ -705,20 +705,29 @@ class Engine:
     def state_dict(self, stored: dict[str, Any] | None = None) -> dict[str, Any]:
         """This rank's part of the Engine's state for torch.distributed.checkpoint (see
         ``phalanx.engine_state.state_dict``); collective for sharded strategies."""
-        return engine_state.state_dict(self, stored)
+        with self.strategy.own_reads():  # fsdp refuses the user's reads of its shards
+            return engine_state.state_dict(self, stored)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Load what ``state_dict`` describes (also the gathered form of earlier versions)."""
-        engine_state.load_state_dict(self, state)
+        with self.strategy.own_reads():
+            engine_state.load_state_dict(self, state)
+
+    def full_state_dict(self) -> dict[str, Any]:
+        """``model.state_dict()`` as one process gives it: whole tensors, the model's own names
+        (this rank's stages under a pipeline). Under ``fsdp`` a collective that gathers every
+        rank's rows onto the CPU: call it on every rank, then save from one."""
+        if not self._closed:
+            self._sync_parameters()
+        return self.strategy.full_state_dict(self.local_module)
 
     def optimizer_state_dict(self) -> dict[str, Any]:
         """The optimizer's state as ``optimizer.state_dict()`` gives it in one process: torch's
         format for your optimizer over the model's parameters, your groups and their
         hyperparameters, per-parameter state in the parameters' shapes. Loads into the same
         optimizer built over the model anywhere (before an Engine is built over it, under any
-        strategy and world size). Collective under ``partitioned`` and ``ps``, whose ranks each
-        hold their shards' state: call it on every rank, then save from one. Under ``fsdp``:
-        phalanx.checkpoint."""
+        strategy and world size). Collective under ``partitioned``, ``ps`` and ``fsdp``, whose
+        ranks each hold their shards' state: call it on every rank, then save from one."""
         self.strategy.sync()
         try:
             with self.optimizer_resident():

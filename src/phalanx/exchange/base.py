@@ -19,6 +19,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Protocol, cast
 
@@ -31,6 +32,7 @@ from phalanx.exchange.comm import CommThread
 from phalanx.exchange.compression import CODECS, Codec
 from phalanx.exchange.sharding import copy_pieces, merged_groups
 from phalanx.fields import ConfigValueError, from_dict, option, require
+from phalanx.optim.state import load_into
 from phalanx.registry import Registry
 from phalanx.runtime.context import Context
 
@@ -271,6 +273,15 @@ class Strategy(ABC):
         """The module that runs this rank's forward outside a step (validation)."""
         return module
 
+    def full_state_dict(self, module: torch.nn.Module) -> dict[str, Any]:
+        """The model's state with whole tensors (``Engine.full_state_dict``; after ``sync``)."""
+        return module.state_dict()
+
+    def own_reads(self) -> AbstractContextManager[None]:
+        """A block in which phalanx reads the model's own state (checkpoints): strategies that
+        refuse the user's ``state_dict()`` (``fsdp``) let it through."""
+        return nullcontext()
+
     @classmethod
     def compile_model(cls, config: Any, module: torch.nn.Module) -> list[torch.nn.Module]:
         """``[train] compile``: torch.compile the model as this strategy's hooks allow (its
@@ -440,9 +451,7 @@ class Strategy(ABC):
                 else value
                 for key, value in entry.items()
             }
-        optimizer.load_state_dict(
-            {"state": loaded, "param_groups": merged_groups(optimizer, groups)}
-        )
+        load_into(optimizer, {"state": loaded, "param_groups": merged_groups(optimizer, groups)})
 
     def state_pieces(self, value: torch.Tensor, p: torch.Tensor) -> list[tuple[int, Any]]:
         """A per-element state value as the ``(flat start, 1-D tensor)`` pieces this rank keeps
