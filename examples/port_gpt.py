@@ -86,9 +86,9 @@ def main() -> None:
         loss = engine.step(*get_batch(step, ctx.rank))  # phalanx: forward, backward, step
         if ctx.is_main and step % 20 == 0:
             print(f"step {step}: loss {float(loss):.3f}")
+    weights = engine.full_state_dict()  # every rank: whole tensors (fsdp gathers its shards)
     if ctx.is_main:
-        # engine.module: the whole model under every strategy (fsdp shards `model` itself)
-        torch.save(engine.module.state_dict(), out)
+        torch.save(weights, out)
         print(f"saved {out}")
 
 

@@ -75,7 +75,7 @@ def _train(engine: px.Engine, batches: list, micro: int = 1) -> dict[str, torch.
     r, n = engine.data_rank, LOCAL_BATCH * micro
     for x, y in batches:
         engine.step(x[r * n : (r + 1) * n], y[r * n : (r + 1) * n])
-    state = {k: v.clone() for k, v in engine.module.state_dict().items()}
+    state = {k: v.clone() for k, v in engine.full_state_dict().items()}  # fsdp: a collective
     engine.close()
     return state
 

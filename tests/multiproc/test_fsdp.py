@@ -17,6 +17,7 @@ from torch import nn
 
 import phalanx as px
 from phalanx import checkpoint
+from phalanx.errors import PhalanxError
 from tests.helpers.spawn import run_ranks
 
 GLOBAL_BATCH, STEPS = 12, 4
@@ -92,7 +93,7 @@ def _train(engine: px.Engine, batches: list, ctx: px.Context) -> list[float]:
 
 
 def _weights(engine: px.Engine) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+    return engine.full_state_dict()  # every rank: whole tensors (a collective under fsdp)
 
 
 def _equivalence(ctx: px.Context) -> dict[str, Any]:
@@ -257,7 +258,7 @@ def _on_gpu(ctx: px.Context) -> dict[str, Any]:
     engine = px.Engine(_model(), nn.functional.cross_entropy, _adamw, exchange="fsdp")
     _train(engine, batches, ctx)
     got, expected = _weights(engine), reference.state_dict()
-    worst = max(float((got[k] - v).abs().max()) for k, v in expected.items())
+    worst = max(float((got[k] - v.cpu()).abs().max()) for k, v in expected.items())
     engine.close()
     options = {"param_dtype": "bfloat16", "reduce_dtype": "float32"}
     mixed = px.Engine(_model(), nn.functional.cross_entropy, _adamw,
@@ -274,3 +275,158 @@ def test_fsdp_on_a_gpu_equals_the_plain_loop() -> None:
     assert out["worst"] < 1e-5, out
     losses = out["losses"]
     assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0], losses
+
+
+# -- a DDP user's loop, ported: modes, one-rank reads, own saves, optimizer state ---------------
+class Recorder(nn.Module):
+    """Notes the training flag it runs with (what the step's forward saw)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[bool] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append(self.training)
+        return x
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(6, 24), nn.Tanh(), Recorder(), nn.Linear(24, 24))
+        self.head = nn.Linear(24, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.body(x)))
+
+
+def _net() -> Net:
+    torch.manual_seed(2)
+    return Net()
+
+
+def _groups(model: nn.Module) -> torch.optim.Optimizer:
+    """AdamW with decay / no-decay groups, as a ported GPT script builds it."""
+    params = list(model.parameters())
+    return torch.optim.AdamW(
+        [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+        lr=1e-2,
+    )  # fmt: skip
+
+
+def _loop_batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(7)
+    return [(torch.randn(GLOBAL_BATCH, 6, generator=g),
+             torch.randint(0, 4, (GLOBAL_BATCH,), generator=g)) for _ in range(n)]  # fmt: skip
+
+
+def _loop_reference(steps: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """One process: the weights and ``optimizer.state_dict()`` after ``steps`` steps."""
+    model = _net()
+    optimizer = _groups(model)
+    for x, y in _loop_batches(steps):
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    return model.state_dict(), optimizer.state_dict()
+
+
+def _refused(read: Any) -> str:
+    try:
+        read()
+    except PhalanxError as e:
+        return str(e)
+    return "not refused"
+
+
+def _ported_loop(ctx: px.Context, out_dir: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    model = _net()
+    recorder = model.body[2]
+    engine = px.Engine(model, nn.functional.cross_entropy, _groups(model), exchange="fsdp")
+    batches = [_shard(b, ctx.rank, ctx.world_size) for b in _loop_batches(4)]
+    engine.step(*batches[0])
+    # a validation: eval on engine.module, a forward on every rank, train again on the user's
+    # model object; then the other way round
+    modes = []
+    engine.module.eval()
+    with torch.no_grad():
+        engine.module(batches[0][0])
+    modes.append(recorder.seen[-1])
+    model.train()
+    engine.step(*batches[1])
+    modes.append(recorder.seen[-1])
+    model.eval()
+    engine.module.train()
+    if ctx.rank == 0:  # a periodic save on rank 0 only, between steps
+        out["refused"] = [_refused(lambda: engine.module.state_dict()),
+                          _refused(lambda: torch.save(model.state_dict(), Path(out_dir) / "x.pt")),
+                          _refused(lambda: model.body.state_dict()),
+                          _refused(lambda: engine.optimizer.state_dict())]  # fmt: skip
+    engine.step(*batches[2])  # every rank steps on: nothing was gathered above
+    modes.append(recorder.seen[-1])
+    out["modes"] = modes
+    weights = engine.full_state_dict()  # every rank
+    state = engine.optimizer_state_dict()  # every rank
+    if ctx.rank == 0:
+        torch.save({"model": weights, "optimizer": state}, Path(out_dir) / "ckpt.pt")
+    out["state"] = state
+    # resuming as a DDP script does: weights into a plain model, the optimizer state loaded
+    # before the Engine (split over the shards) or through the Engine after it
+    resumed = []
+    for before in (True, False):
+        again = _net()
+        again.load_state_dict(weights)
+        optimizer = _groups(again)
+        if before:
+            optimizer.load_state_dict(state)
+        other = px.Engine(again, nn.functional.cross_entropy, optimizer, exchange="fsdp")
+        if not before:
+            other.load_optimizer_state_dict(state)
+        other.step(*batches[3])
+        resumed.append(other.full_state_dict())
+        other.close()
+    engine.step(*batches[3])
+    resumed.append(engine.full_state_dict())
+    out["resumed"] = resumed
+    engine.close()
+    return out
+
+
+def _assert_close(got: dict[str, Any], expected: dict[str, Any], what: str) -> None:
+    assert got.keys() == expected.keys(), what
+    for key, value in expected.items():
+        torch.testing.assert_close(got[key], value, atol=2e-6, rtol=1e-5,
+                                   msg=lambda m, k=key: f"{what} {k}: {m}")  # fmt: skip
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [2, 3])
+def test_fsdp_is_a_drop_in_for_ddp_in_a_users_loop(tmp_path: Path, world: int) -> None:
+    """A DDP script ported to ``exchange="fsdp"``: train()/eval() on ``engine.module`` or on
+    the user's model reach the module that runs; rank 0 reading the weights alone between
+    steps is refused in one line before any collective (the ranks step on); what rank 0 saves
+    from ``engine.full_state_dict()`` loads into a fresh model; ``optimizer_state_dict()``
+    equals one process's after the same steps and resumes (loaded before or after the
+    Engine) as one process continues."""
+    results = run_ranks(_ported_loop, world, str(tmp_path), timeout=120)
+    weights, state = _loop_reference(3)
+    for rank, out in enumerate(results):
+        assert out["modes"] == [False, True, True], (rank, out["modes"])
+        _assert_close(out["state"]["state"], state["state"], f"rank {rank} optimizer state")
+        assert out["state"]["param_groups"] == state["param_groups"]
+        final, _ = _loop_reference(4)
+        for i, got in enumerate(out["resumed"]):
+            _assert_close(got, final, f"rank {rank} resumed {i}")
+    for message in results[0]["refused"]:
+        assert "\n" not in message and "on every rank" in message, message
+    assert all("engine.full_state_dict()" in m for m in results[0]["refused"][:3])
+    assert "engine.optimizer_state_dict()" in results[0]["refused"][3]
+    saved = torch.load(tmp_path / "ckpt.pt")
+    fresh = _net()
+    fresh.load_state_dict(saved["model"])  # whole tensors, the model's own names
+    _assert_close(fresh.state_dict(), weights, "saved by rank 0")
+    optimizer = _groups(fresh)
+    optimizer.load_state_dict(saved["optimizer"])  # into one process's optimizer
+    _assert_close(optimizer.state_dict()["state"], state["state"], "saved optimizer")

@@ -68,8 +68,8 @@ def _train(world_size: int, rank: int, strategy: str | None) -> dict[str, torch.
         optimizer.zero_grad(set_to_none=True)
         model(input_ids=ids, labels=ids).loss.backward()
         optimizer.step()
-    read = model if engine is None else engine.module  # fsdp: a gathered plain copy
-    return {k: v.clone() for k, v in read.state_dict().items()}
+    state = model.state_dict() if engine is None else engine.full_state_dict()  # every rank
+    return {k: v.clone() for k, v in state.items()}
 
 
 def _all(ctx: px.Context) -> dict[str, dict[str, torch.Tensor]]:

@@ -163,7 +163,7 @@ def train_layouts(ctx: Any, pipeline: int, layouts: list) -> list[dict]:
         for x, y in batches(num_replicas):
             part = slice(replica * BATCH, (replica + 1) * BATCH)
             losses.append(float(engine.step(x[part], y[part])))
-        state = {k: v.clone() for k, v in engine.module.state_dict().items()}
+        state = {k: v.clone() for k, v in engine.full_state_dict().items()}
         evaluated = engine.pipeline.forward(batches(1)[0][0])  # stage by stage, as validation
         expected_bytes = sum(
             2 * t.nbytes * parallel.num_microbatches * engine.accumulate_steps

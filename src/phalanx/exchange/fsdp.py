@@ -6,7 +6,7 @@ submodules whose class is named in ``units``; a unit holding a parameter it shar
 another (tied embedding and head) stays in the root unit, which holds everything else. Each
 parameter becomes a DTensor sharded on dim 0 (rows; torch.chunk's split, the last rank's
 shard may be shorter or empty). In the Engine's step (phalanx.engine; the same phases):
-  Phase 1 (``begin_step``): gradients cleared; the last read's full copy dropped.
+  Phase 1 (``begin_step``): gradients cleared.
   Phase 2: forward all-gathers each unit before it runs (``prefetch`` units ahead); backward
     all-gathers it again (``reshard_after_forward``) and reduce-scatters its gradient to the
     shards as soon as it is ready, overlapping the next unit's backward. Only the last
@@ -15,17 +15,20 @@ shard may be shorter or empty). In the Engine's step (phalanx.engine; the same p
     the verdict, the clipping norm and the step's global loss share one all-reduce.
   Phase 5 (``update``): the optimizer steps this rank's shards (1/P of every tensor).
 
-The Engine builds no gradient buckets for it (``shards_parameters``). Reads of the whole
-model (``Engine.module``) gather it into a plain copy of the module (a collective, see
-``read_module``); checkpoints hold each rank's rows of every tensor, so they resume under
-any strategy and world size.
+The Engine builds no gradient buckets for it (``shards_parameters``). ``Engine.module`` is
+the model itself (its train/eval modes are the ones that run); its ``state_dict()`` would
+hold this rank's rows only, so a call from the user's code is refused in one line naming
+``Engine.full_state_dict()``, the explicit collective that gathers whole tensors (one rank
+cannot gather alone, and no rank can know without a message whether the others read too).
+``Engine.optimizer_state_dict()`` gathers the optimizer's state the same way. Checkpoints
+hold each rank's rows of every tensor, so they resume under any strategy and world size.
 """
 
 from __future__ import annotations
 
-import copy
 import math
-from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,10 +36,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from phalanx.errors import ConfigError
+from phalanx.errors import CheckpointError, ConfigError
 from phalanx.exchange.base import STRATEGIES, Strategy, StrategyParts, holds_nonfinite
 from phalanx.exchange.buckets import Bucket
 from phalanx.fields import option, require
+from phalanx.optim import state as optimizer_state
 from phalanx.runtime.context import Context
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -97,16 +101,15 @@ class FullyShardedStrategy(Strategy):
         config: FsdpConfig = parts.config or FsdpConfig()
         module = parts.module
         before = {id(p): name for name, p in module.named_parameters(remove_duplicate=False)}
-        self.reader = _Reader(module)  # a plain copy of the module's structure (no tensors)
         self.mesh = _mesh(ctx)
         self.roots, self.units = _shard(module, parts.entries or [module], self.mesh, config)
         after = dict(module.named_parameters(remove_duplicate=False))
         self.renamed = {old: after[name] for old, name in before.items()}  # id -> DTensor
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.module = module
-        self._read_fresh = False  # the reader holds this step's parameters
+        self.shard_reads = _ShardReads(module)  # the user's state_dict() calls refused
         self._unit_bytes = sum(_local(p).numel() * p.element_size() for p in module.parameters())
-        self._passes = 3 if config.reshard_after_forward else 2  # gathers + reduce-scatter
+        self._passes = 3 if config.reshard_after_forward and self.units else 2
 
     # -- the step -----------------------------------------------------------------------------
     def gradient_scale(self) -> float:
@@ -116,8 +119,6 @@ class FullyShardedStrategy(Strategy):
         super().begin_step()
         for p in self.params:
             p.grad = None
-        self._read_fresh = False
-        self.reader.drop()
 
     def before_backward(self, last: bool) -> None:
         for root in self.roots:  # reduce-scatter on the last micro-batch only
@@ -171,30 +172,47 @@ class FullyShardedStrategy(Strategy):
         self, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter]
     ) -> torch.optim.Optimizer:
         """The user's optimizer, its groups pointed at the sharded parameters (the same object
-        and hyperparameters; an LR scheduler attached to it keeps acting)."""
-        if any(optimizer.state.values()):
-            raise ConfigError(
-                f"optimizer: {type(optimizer).__name__} already holds state, which 'fsdp' cannot "
-                "shard; pass a fresh optimizer (resume through phalanx checkpoints)"
-            )
+        and hyperparameters; an LR scheduler attached to it keeps acting). State it already
+        holds (a script that loaded it before building the Engine) is cut to this rank's rows.
+        Its own ``state_dict()`` / ``load_state_dict()`` are refused from then on (they would
+        hold this rank's rows only): ``Engine.optimizer_state_dict()`` gathers the whole."""
+        del params
         for group in optimizer.param_groups:
             group["params"] = [self.renamed.get(id(p), p) for p in group["params"]]
-        del params
+        loaded = list(optimizer.state.items())
+        optimizer.state.clear()
+        for p, entry in loaded:
+            sharded = self.renamed.get(id(p), p)
+            optimizer.state[sharded] = {k: _rows(v, sharded) for k, v in entry.items()}
+        optimizer_state.refuse_direct_state(optimizer, "fsdp")
         return optimizer
 
     def sharded_parameters(self) -> list[torch.nn.Parameter]:
         return list(self.params)
 
     def read_module(self, module: nn.Module) -> nn.Module:
-        """A plain module with the whole updated parameters, gathered from every rank: a
-        collective. Every rank that reads between steps must read; after the last step one
-        rank may read alone, since ``close`` on the others makes the same gathers."""
-        del module
-        if not self._read_fresh:
-            self.sync()
-            self.reader.fill(self.module)
-            self._read_fresh = True
-        return self.reader.module
+        """The model itself (sharded): ``train()`` / ``eval()`` on it set the modes that run,
+        a forward through it is a collective (each unit gathered as it runs, on every rank),
+        and ``state_dict()`` is refused in one line naming ``full_state_dict``."""
+        return module
+
+    def full_state_dict(self, module: nn.Module) -> dict[str, Any]:
+        """``module.state_dict()`` as one process holds it: every parameter whole, gathered
+        from every rank's rows (a collective: every rank calls it, in the same order; the
+        result on every rank), each onto the CPU as it arrives, so the whole model never has
+        to fit the device; buffers are this rank's; tied weights stay one tensor."""
+        with self.shard_reads.allowed():
+            sharded = module.state_dict(keep_vars=True)
+        whole: dict[int, Any] = {}
+        with _gathering("full_state_dict"):
+            for value in sharded.values():
+                if id(value) not in whole:
+                    whole[id(value)] = _whole(value)
+        return {name: whole[id(value)] for name, value in sharded.items()}
+
+    def own_reads(self) -> AbstractContextManager[None]:
+        """A block in which phalanx reads the model's shards itself (checkpoints)."""
+        return self.shard_reads.allowed()
 
     def forward_module(self, module: nn.Module) -> nn.Module:
         return module  # forward through the shards: each unit gathered as it runs
@@ -218,10 +236,45 @@ class FullyShardedStrategy(Strategy):
     def optimizer_state_dict(
         self, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter]
     ) -> dict[str, Any]:
-        raise ConfigError(
-            "optimizer_state_dict: fsdp keeps each rank's rows only; save through "
-            "phalanx.checkpoint (every rank writes its own part)"
-        )
+        """Torch's format for the user's optimizer (its groups, their numbering), every
+        per-element value whole: gathered from every rank's rows onto the CPU (a collective,
+        the same dict on every rank)."""
+        del params
+        state = optimizer_state.state_of(optimizer)  # the values: this rank's rows
+        with _gathering("optimizer_state_dict"):
+            whole = {
+                n: {key: _whole(value) for key, value in state["state"][n].items()}
+                for n in sorted(state["state"])  # the same order on every rank
+            }
+        return {"state": whole, "param_groups": state["param_groups"]}
+
+    def load_optimizer_state_dict(
+        self,
+        optimizer: torch.optim.Optimizer,
+        params: list[torch.nn.Parameter],
+        state: dict[str, Any],
+    ) -> None:
+        """Load torch's format (``optimizer_state_dict``, or one process's optimizer's):
+        this rank keeps its rows of every per-element value; no message."""
+        del params
+        if not isinstance(state, dict) or not {"state", "param_groups"} <= set(state):
+            raise CheckpointError(
+                "load_optimizer_state_dict: expected an optimizer state dict ('state', "
+                f"'param_groups'), got {type(state).__name__}"
+            )
+        order = [p for group in optimizer.param_groups for p in group["params"]]
+        numbers = [n for group in state["param_groups"] for n in group["params"]]
+        if len(numbers) != len(order):
+            raise CheckpointError(
+                f"load_optimizer_state_dict: the state's groups hold {len(numbers)} parameters, "
+                f"the optimizer's {len(order)}; it is from another model or optimizer"
+            )
+        param_of = dict(zip(numbers, order))
+        rows = {
+            n: {key: _rows(value, param_of[n]) for key, value in entry.items()}
+            for n, entry in state["state"].items()
+        }
+        optimizer_state.load_into(optimizer, {**state, "state": rows})
 
     def optimizer_bytes(self, optimizer: torch.optim.Optimizer) -> int:
         return sum(
@@ -230,14 +283,6 @@ class FullyShardedStrategy(Strategy):
             for t in s.values()
             if isinstance(t, torch.Tensor)
         )
-
-    def close(self) -> None:
-        # The collective a rank-0-only read after the last step waits for (read_module).
-        try:
-            if not self._read_fresh and dist.is_initialized():
-                self.read_module(self.module)
-        finally:
-            super().close()
 
 
 # -- sharding -------------------------------------------------------------------------------------
@@ -351,62 +396,62 @@ def _sharded_value(value: list[tuple[int, Any]], p: torch.Tensor) -> Any:
 
 
 # -- reads of the whole model -------------------------------------------------------------------
-class _Reader:
-    """A copy of the module tree made before sharding: the same classes, buffers (shared),
-    and hooks, with parameters as meta placeholders until ``fill`` gathers them (tied
-    parameters stay tied: one placeholder, one gathered tensor)."""
+class _ShardReads:
+    """A ``state_dict()`` pre-hook on every module of the model that holds parameters:
+    refuses the user's call in one line (it would hold this rank's rows: DTensors that load
+    into no plain model, found out only at load time), lets phalanx's own reads through."""
 
-    def __init__(self, module: nn.Module) -> None:
-        self._placeholders: dict[int, nn.Parameter] = {}
-        self._names: dict[int, str] = {}  # placeholder id -> the parameter's name
-        for name, p in module.named_parameters():
-            self._names[id(p)] = name
-        self.module = self._copy(module, {})
-        self._slots = [
-            (m, key, p)
-            for m in self.module.modules()
-            for key, p in m._parameters.items()
-            if p is not None
-        ]
+    def __init__(self, model: nn.Module) -> None:
+        self.depth = 0  # > 0 inside ``allowed``
+        for m in model.modules():
+            if next(m.parameters(recurse=False), None) is not None:
+                m.register_state_dict_pre_hook(self)
 
-    def _copy(self, m: nn.Module, copies: dict[int, nn.Module]) -> nn.Module:
-        if id(m) in copies:
-            return copies[id(m)]
-        new = copy.copy(m)
-        copies[id(m)] = new
-        for key, value in m.__dict__.items():  # hook tables of its own: sharding adds hooks
-            if "hook" in key and isinstance(value, (dict, OrderedDict)):
-                new.__dict__[key] = type(value)(value)
-        new.__dict__["_parameters"] = {
-            key: None if p is None else self._placeholder(p) for key, p in m._parameters.items()
-        }
-        new.__dict__["_buffers"] = dict(m._buffers)  # the same tensors: reads see them as they are
-        new.__dict__["_modules"] = {
-            key: None if c is None else self._copy(c, copies) for key, c in m._modules.items()
-        }
-        return new
+    @contextmanager
+    def allowed(self) -> Iterator[None]:
+        self.depth += 1
+        try:
+            yield
+        finally:
+            self.depth -= 1
 
-    def _placeholder(self, p: nn.Parameter) -> nn.Parameter:
-        if id(p) not in self._placeholders:
-            meta = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
-            self._placeholders[id(p)] = meta
-            self._names[id(meta)] = self._names.get(id(p), "")
-        return self._placeholders[id(p)]
+    def __call__(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        del module, prefix, keep_vars
+        if self.depth == 0:
+            raise CheckpointError(
+                "state_dict(): under 'fsdp' the model holds this rank's rows of every parameter "
+                "only; call engine.full_state_dict() on every rank (whole tensors, the model's "
+                "own names), then save it from one"
+            )
 
-    def fill(self, sharded: nn.Module) -> None:
-        """Gather every parameter of ``sharded`` (a collective, in the same order on every
-        rank) into this copy."""
-        named = dict(sharded.named_parameters())
-        full: dict[int, nn.Parameter] = {}
-        with torch.no_grad():
-            for placeholder in self._placeholders.values():
-                p = named[self._names[id(placeholder)]]
-                whole = p.full_tensor() if hasattr(p, "full_tensor") else p.detach().clone()
-                full[id(placeholder)] = nn.Parameter(whole, requires_grad=p.requires_grad)
-        for m, key, placeholder in self._slots:
-            m._parameters[key] = full[id(placeholder)]
 
-    def drop(self) -> None:
-        """Free the gathered copy (placeholders back)."""
-        for m, key, placeholder in self._slots:
-            m._parameters[key] = placeholder
+@contextmanager
+def _gathering(what: str) -> Iterator[None]:
+    """A gather of every rank's rows: a rank that is not there is named in one line."""
+    try:
+        yield
+    except RuntimeError as e:  # the backend's words for a peer that did not take part
+        said = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
+        raise CheckpointError(
+            f"{what}: under 'fsdp' it gathers every rank's rows, and a rank did not take part "
+            f"(it left or was elsewhere); call it on every rank, then save from one ({said})"
+        ) from e
+
+
+def _whole(value: Any) -> Any:
+    """A whole tensor on the CPU from a DTensor (a collective) or a tensor; else ``value``."""
+    if callable(getattr(value, "full_tensor", None)):
+        return value.full_tensor().detach().cpu()
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().clone()
+    return value
+
+
+def _rows(value: Any, p: torch.Tensor) -> Any:
+    """This rank's rows of a whole per-element value of ``p`` (a DTensor like ``p``); other
+    tensors (a step count) copied, so the optimizer never shares the caller's."""
+    if not isinstance(value, torch.Tensor) or callable(getattr(value, "to_local", None)):
+        return value
+    if value.dim() == 0 or value.shape != p.shape:
+        return value.detach().clone()
+    return _sharded_value([(0, value.detach().reshape(-1))], p)

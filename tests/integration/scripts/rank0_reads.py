@@ -4,7 +4,8 @@ Usage (under torchrun): rank0_reads.py OUT_DIR SPEC [SPEC ...] [--raise-on RANK]
 Each SPEC is "strategy:compress" (e.g. "ps:fp16"). For each, ``main`` builds a fresh model and
 Engine (so Engines are built one after another), trains on this rank's shard, and returns; only
 rank 0 then saves -- ``engine.module.state_dict()`` for even-numbered specs, the plain
-``model.state_dict()`` with ``torch.save`` for odd ones -- and runs an evaluation forward, so
+``model.state_dict()`` with ``torch.save`` for odd ones; under fsdp every rank calls
+``engine.full_state_dict()`` and rank 0 saves it -- and runs an evaluation forward, so
 ranks leave ``main`` at different times. No sync(), close() or shutdown(): the script just ends.
 ``--raise-on R``: rank R raises after its last step of the last spec.
 """
@@ -37,13 +38,14 @@ def main(out: Path, spec: str, index: int, raise_on: int | None) -> None:
         engine.step(*shard(step, rank, world_size))
     if rank == raise_on:
         raise RuntimeError(f"user code failed on rank {rank} after training")
+    # fsdp shards the model itself (as torch's fully_shard does): every rank gathers it
+    whole = engine.full_state_dict() if strategy == "fsdp" else None
     if rank == 0:
-        # fsdp shards the model itself (as torch's fully_shard does): reads go through
-        # engine.module, which gathers a plain copy.
-        plain = strategy != "fsdp"
-        weights = model.state_dict() if index % 2 and plain else engine.module.state_dict()
+        weights = whole or (model.state_dict() if index % 2 else engine.module.state_dict())
         torch.save(weights, out / f"{strategy}_{compress}.pt")
-        evaluated = model if plain else engine.module
+        evaluated = model if whole is None else build_model()
+        if whole is not None:
+            evaluated.load_state_dict(whole)
         evaluated.eval()
         with torch.no_grad():
             evaluated(shard(0, 0, 1)[0])  # an evaluation only rank 0 runs
