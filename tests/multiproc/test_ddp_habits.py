@@ -19,7 +19,7 @@ import phalanx as px
 from phalanx.errors import ConfigError
 from tests.helpers.spawn import run_ranks
 
-STRATEGIES = ["allreduce", "tree", "partitioned", "ps"]
+STRATEGIES = ["allreduce", "tree", "partitioned", "ps", "fsdp"]
 MICRO, PER_RANK, UPDATES = 3, 4, 3
 
 
@@ -47,7 +47,7 @@ def _data(world: int, rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def _state(engine: px.Engine) -> dict[str, torch.Tensor]:
-    state = {k: v.clone() for k, v in engine.module.state_dict().items()}
+    state = {k: v.clone() for k, v in engine.full_state_dict().items()}
     optimizer = engine.optimizer_state_dict()["state"]
     state.update({f"momentum {i}": s["momentum_buffer"] for i, s in optimizer.items()})
     return state
