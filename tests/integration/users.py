@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -66,11 +67,20 @@ def run(
 
 
 def assert_clean(done: Finished) -> None:
-    """Exit code 0 and no rank aborted at exit."""
-    tail = done.output[-4000:]
+    """Exit code 0 and no rank aborted at exit (the message leads with the ranks' errors,
+    which torchrun's own report pushes out of the output's tail)."""
+    tail = "".join(raised(done.output)) + done.output[-4000:]
     assert "terminate called" not in done.output, tail
     assert "Fatal Python error" not in done.output, tail
     assert done.returncode == 0, f"exit code {done.returncode}:\n{tail}"
+
+
+def raised(output: str) -> list[str]:
+    """The lines naming the exceptions the ranks raised (``[rank1]: ValueError: ...``), each
+    once, the first ten."""
+    error = re.compile(r"^(\[rank\d+\]:\s*)?[\w.]*(Error|Exception|Lost)\b.*: ")
+    lines = [line + "\n" for line in output.splitlines() if error.match(line)]
+    return list(dict.fromkeys(lines))[:10]
 
 
 def readme_example() -> str:
