@@ -37,28 +37,36 @@ TRAIN, VAL = 72, 36  # samples; every rank gets a whole number of micro-batches 
 BATCH, ACCUM = 6, 2  # per rank: micro-batch size, micro-batches per update
 
 
-class BasicBlock(nn.Module):
+def conv3x3(in_planes: int, out_planes: int, stride: int = 1) -> nn.Conv2d:
+    return nn.Conv2d(in_planes, out_planes, kernel_size=3, stride=stride, padding=1, bias=False)
+
+
+class BasicBlock(nn.Module):  # torchvision's
     def __init__(self, inplanes: int, planes: int, stride: int = 1) -> None:
         super().__init__()
-        self.conv1 = nn.Conv2d(inplanes, planes, 3, stride, 1, bias=False)
+        self.conv1 = conv3x3(inplanes, planes, stride)
         self.bn1 = nn.BatchNorm2d(planes)
-        self.conv2 = nn.Conv2d(planes, planes, 3, 1, 1, bias=False)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = conv3x3(planes, planes)
         self.bn2 = nn.BatchNorm2d(planes)
-        self.downsample: nn.Module = nn.Identity()
+        self.downsample = None
         if stride != 1 or inplanes != planes:
-            self.downsample = nn.Sequential(
-                nn.Conv2d(inplanes, planes, 1, stride, bias=False), nn.BatchNorm2d(planes)
-            )
+            conv = nn.Conv2d(inplanes, planes, kernel_size=1, stride=stride, bias=False)
+            self.downsample = nn.Sequential(conv, nn.BatchNorm2d(planes))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch.relu(self.bn1(self.conv1(x)))
-        return torch.relu(self.bn2(self.conv2(out)) + self.downsample(x))
+        identity = x
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        if self.downsample is not None:
+            identity = self.downsample(x)
+        return self.relu(out + identity)
 
 
 class ResNet(nn.Module):
     def __init__(self, width: int = 8) -> None:
         super().__init__()
-        self.conv1 = nn.Conv2d(3, width, 3, 1, 1, bias=False)
+        self.conv1 = conv3x3(3, width)
         self.bn1 = nn.BatchNorm2d(width)
         self.layer1 = BasicBlock(width, width)
         self.layer2 = BasicBlock(width, 2 * width, stride=2)
