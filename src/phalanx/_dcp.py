@@ -1,12 +1,17 @@
 """torch.distributed.checkpoint and what phalanx adds to it: planners that save and load
-``phalanx.slices.Slices`` (pieces of a tensor that several ranks hold parts of) and unpickle
-non-tensor values with ``weights_only=True``, and a file writer with the fault point
-``checkpoint``. Imported on first use by phalanx.checkpoint (importing DCP is slow)."""
+``phalanx.slices.Slices`` (pieces of a tensor that several ranks hold parts of), write each
+value several ranks hold from the lowest of them (rank 0's, as DDP's rank-0 ``torch.save``),
+keep non-tensor values whole where DCP's flattening would garble them, refuse at save time
+what ``weights_only=True`` loading would refuse, and load into ``None`` placeholders; and a
+file writer with the fault point ``checkpoint``. Imported on first use by phalanx.checkpoint
+(importing DCP is slow)."""
 
 from __future__ import annotations
 
 import dataclasses
 import io
+import re
+from collections.abc import Mapping, MutableMapping
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +26,7 @@ from torch.distributed.checkpoint.default_planner import (
     create_default_local_load_plan,
 )
 from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
     ChunkStorageMetadata,
     MetadataIndex,
     TensorProperties,
@@ -29,6 +35,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from phalanx.errors import CheckpointError
 from phalanx.faults import fault_at
 from phalanx.slices import Slices
 
@@ -39,7 +46,10 @@ __all__ = [
     "TensorStorageMetadata",
     "Writer",
     "dcp",
+    "holds_tensors",
     "set_element",
+    "structure",
+    "template",
 ]
 
 
@@ -59,8 +69,181 @@ def write_items(value: Slices, fqn: str) -> list[WriteItem]:
     ]
 
 
+# -- values DCP's flattening would garble, kept whole -------------------------------------------
+
+
+class Whole:
+    """A value DCP writes and reads as one pickled value instead of flattening it."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+def holds_tensors(value: Any) -> bool:
+    """Whether ``value`` is or holds (in dicts, lists, tuples) a tensor or ``Slices``."""
+    if isinstance(value, (torch.Tensor, Slices)):
+        return True
+    if isinstance(value, Mapping):
+        return any(holds_tensors(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(holds_tensors(v) for v in value)
+    return False
+
+
+def _garbled(value: Any) -> bool:
+    """Whether DCP's flattening would change ``value``: it turns keys into strings, so a
+    mapping with other keys (MultiStepLR's Counter of milestones) loads with its keys
+    changed (then saves with each twice: ``duplicated flatten key``)."""
+    if isinstance(value, Mapping):
+        return any(not isinstance(k, str) or _garbled(v) for k, v in value.items())
+    return isinstance(value, list) and any(_garbled(v) for v in value)
+
+
+def _kept_whole(value: Any) -> Any:
+    """``value`` for DCP's flattening: each tensor-free part it would garble as a ``Whole``
+    (a list as a whole: DCP pickles a list of plain values as one)."""
+    if isinstance(value, Mapping):
+        if not all(isinstance(k, str) for k in value) and not holds_tensors(value):
+            return Whole(value)
+        return {k: _kept_whole(v) for k, v in value.items()}
+    if isinstance(value, list) and holds_tensors(value):
+        return [_kept_whole(v) for v in value]
+    return Whole(value) if _garbled(value) else value
+
+
+_PLAIN = (type(None), bool, int, float, str)
+
+
+def _plain(value: Any) -> bool:
+    """Built of values every loader reads (checked without pickling them)."""
+    if type(value) in _PLAIN:
+        return True
+    if type(value) in (list, tuple):
+        return all(_plain(v) for v in value)
+    return type(value) is dict and all(type(k) in _PLAIN and _plain(v) for k, v in value.items())
+
+
+def check_loadable(fqn: str, value: Any) -> None:
+    """Refuse now, naming it, a value that loading (``torch.load(weights_only=True)``) would
+    refuse at resume, after the run has gone on for hours."""
+    if _plain(value):
+        return
+    buffer = io.BytesIO()
+    try:
+        torch.save(value, buffer)
+        buffer.seek(0)
+        torch.load(buffer, weights_only=True)
+    except Exception as e:  # noqa: BLE001 - whatever it is, the checkpoint would not load
+        named = re.search(r"GLOBAL (\S+)", str(e))
+        what = named.group(1) if named else type(value).__name__
+        raise CheckpointError(
+            f"checkpoint: {fqn!r} holds a {what}, which loading refuses (torch.load with "
+            "weights_only=True); save numbers, strings, lists, dicts or tensors there, or give "
+            "its object state_dict() and load_state_dict()"
+        ) from None
+
+
+def lowest_rank_writes(plans: list[Any]) -> list[Any]:
+    """Each item several ranks would write (a tensor or value every rank holds) left to the
+    lowest of them, rank 0 where it holds it: the checkpoint is rank 0's, as DDP's rank-0
+    ``torch.save``. DCP's own choice balances bytes across ranks and may take any rank's
+    copy, and copies need not be equal: BatchNorm's statistics follow each rank's batch."""
+    seen: set[MetadataIndex] = set()
+    out = []
+    for plan in plans:
+        out.append(dataclasses.replace(plan, items=[i for i in plan.items if i.index not in seen]))
+        seen.update(item.index for item in plan.items)
+    return out
+
+
+# -- the checkpoint's structure, and room to load it into -------------------------------------
+
+
+def structure(metadata: Any) -> dict[str, Any]:
+    """The nested structure DCP's ``metadata`` describes, its leaves DCP's storage metadata
+    (TensorStorageMetadata: shape, dtype and chunks; BytesStorageMetadata)."""
+    mappings = metadata.planner_data or {}
+    tree: dict[str, Any] = {}
+    for key, value in metadata.state_dict_metadata.items():
+        set_element(tree, mappings.get(key, (key,)), value)
+    return tree
+
+
+def template(stored: Any) -> Any:
+    """Room to load the stored structure ``stored`` into: empty tensors for tensors, None for
+    other values (loading replaces them)."""
+    if isinstance(stored, Mapping):
+        return {k: template(v) for k, v in stored.items()}
+    if isinstance(stored, list):
+        return [template(v) for v in stored]
+    if isinstance(stored, TensorStorageMetadata):
+        return torch.empty(stored.size, dtype=stored.properties.dtype)
+    return None
+
+
+def _child(stored: Any, key: Any) -> Any:
+    """What the checkpoint holds under ``key`` of ``stored`` (DCP's paths hold str(key))."""
+    if isinstance(stored, Mapping):
+        return stored.get(str(key))
+    if isinstance(stored, list) and isinstance(key, int) and key < len(stored):
+        return stored[key]
+    return None
+
+
+def _fill_placeholders(room: Any, stored: Any) -> None:
+    """Where ``room`` holds None and the checkpoint a structure or a tensor, room for it (in
+    place: DCP hands the caller ``room``)."""
+    entries = list(room.items()) if isinstance(room, Mapping) else list(enumerate(room))
+    for key, value in entries:
+        inner = _child(stored, key)
+        if value is None and inner is not None and not isinstance(inner, BytesStorageMetadata):
+            if isinstance(room, (MutableMapping, list)):
+                room[key] = template(inner)
+        elif isinstance(value, (Mapping, list)) and inner is not None:
+            _fill_placeholders(value, inner)
+
+
+def _as_stored(value: Any, stored: Any) -> Any:
+    """``value`` for DCP's flattening, whole where the checkpoint holds one value."""
+    if isinstance(value, (Mapping, list)) and isinstance(stored, BytesStorageMetadata):
+        return Whole(value)
+    if isinstance(value, Mapping):
+        return {k: _as_stored(v, _child(stored, k)) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_as_stored(v, _child(stored, i)) for i, v in enumerate(value)]
+    return value
+
+
+def _put(root: Any, path: tuple[Any, ...], value: Any) -> None:
+    """``set_element`` that finds a mapping's other keys by their str form (a Counter's 3 is
+    '3' on DCP's paths; a checkpoint written before values were kept whole has them so)."""
+    node = root
+    for part in path[:-1]:
+        node = node[_key(node, part)]
+    node[_key(node, path[-1])] = value
+
+
+def _key(node: Any, part: Any) -> Any:
+    if isinstance(node, Mapping) and part not in node:
+        return next((k for k in node if str(k) == part), part)
+    return part
+
+
+# -- planners -----------------------------------------------------------------------------------
+
+
 class SavePlanner(DefaultSavePlanner):
-    """DCP's default save planner that also writes ``Slices`` (each piece a chunk)."""
+    """DCP's default save planner that also writes ``Slices`` (each piece a chunk), writes what
+    several ranks hold from the lowest of them (rank 0's), keeps values its flattening would
+    garble whole, and refuses values ``weights_only=True`` loading would refuse."""
+
+    def set_up_planner(
+        self, state_dict: Any, storage_meta: Any = None, is_coordinator: bool = False
+    ) -> None:
+        kept = {k: _kept_whole(v) for k, v in state_dict.items()}
+        super().set_up_planner(kept, storage_meta, is_coordinator)
 
     def create_local_plan(self) -> Any:
         slices = {k: v for k, v in self.state_dict.items() if isinstance(v, Slices)}
@@ -70,27 +253,40 @@ class SavePlanner(DefaultSavePlanner):
             plan = super().create_local_plan()
         finally:
             self.state_dict = full
+        for item in plan.items:
+            if item.type == WriteItemType.BYTE_IO:
+                check_loadable(item.index.fqn, self.lookup_object(item.index))
         items = [item for fqn, value in slices.items() for item in write_items(value, fqn)]
         self.plan = dataclasses.replace(plan, items=[*plan.items, *items])
         return self.plan
+
+    def create_global_plan(self, all_plans: list[Any]) -> Any:
+        return super().create_global_plan(lowest_rank_writes(all_plans))
 
     def lookup_object(self, index: MetadataIndex) -> Any:
         value = self.state_dict.get(index.fqn)
         if isinstance(value, Slices):
             return value.piece(index)
-        return super().lookup_object(index)
+        value = super().lookup_object(index)
+        return value.value if isinstance(value, Whole) else value
 
 
 class LoadPlanner(DefaultLoadPlanner):
     """DCP's default load planner that also reads into ``Slices`` (only the boxes this rank
-    asks for: DCP reads the overlapping stored chunks), and unpickles non-tensor values with
-    ``weights_only=True``."""
+    asks for: DCP reads the overlapping stored chunks), unpickles non-tensor values with
+    ``weights_only=True``, reads values the checkpoint holds whole, and fills ``None``
+    placeholders with what the checkpoint holds there."""
 
     def set_up_planner(
         self, state_dict: Any, metadata: Any = None, is_coordinator: bool = False
     ) -> None:
         self.original_state_dict = state_dict
-        self.state_dict, self.mappings = flatten_state_dict(state_dict)
+        view = state_dict
+        if metadata is not None:
+            stored = structure(metadata)
+            _fill_placeholders(state_dict, stored)
+            view = _as_stored(state_dict, stored)
+        self.state_dict, self.mappings = flatten_state_dict(view)
         self.metadata = metadata
         self.is_coordinator = is_coordinator
 
@@ -115,7 +311,7 @@ class LoadPlanner(DefaultLoadPlanner):
 
     def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
         loaded = torch.load(value, map_location="cpu", weights_only=True)
-        set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+        _put(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
 
 
 class Writer(dcp.FileSystemWriter):

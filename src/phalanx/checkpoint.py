@@ -3,8 +3,11 @@ torch.distributed.checkpoint (DCP).
 
 A checkpoint is a directory and two records:
 
-- ``step-NNNNNNN/``: what ``dcp.save`` writes. Every rank writes its own shard files
-  (``__RANK_N.distcp``) in parallel; rank 0 adds DCP's ``.metadata``. The state is keyed by name
+- ``step-NNNNNNN/``: what ``dcp.save`` writes. The ranks write their shard files
+  (``__RANK_N.distcp``) in parallel; rank 0 adds DCP's ``.metadata``. What several ranks hold
+  (the model's tensors, BatchNorm statistics, non-tensor values) the lowest of them writes:
+  rank 0's copy, as DDP's rank-0 ``torch.save`` (copies need not be equal: each rank's
+  statistics follow its own batch). The state is keyed by name
   (``trainer.engine.model.fc.weight``, ``trainer.engine.optimizer.state.fc.weight.exp_avg``),
   and optimizer state a sharded strategy splits between owner ranks is stored as chunks of
   the full per-parameter tensor (``Slices``), so each owner writes only its own share and a
@@ -32,6 +35,7 @@ rank loads the same one. Single-file ``step-NNNNNNN.pt`` checkpoints of earlier 
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import inspect
 import io
@@ -100,11 +104,7 @@ class CheckpointConfig:
 def template(stored: Any) -> Any:
     """Room to load the stored structure ``stored`` (from ``restore``) into: empty tensors for
     tensors, None for other values (DCP replaces them)."""
-    if isinstance(stored, Mapping):
-        return {k: template(v) for k, v in stored.items()}
-    if isinstance(stored, _d().TensorStorageMetadata):
-        return torch.empty(stored.size, dtype=stored.properties.dtype)
-    return None
+    return _d().template(stored)
 
 
 # -- saving ---------------------------------------------------------------------------------------
@@ -201,15 +201,8 @@ def _save(
     if rank == 0:  # a crashed save of this step; every rank writes after DCP's first collective
         directory.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
-    d = _d()
-    writer = d.Writer(tmp, step)
-    with _quiet_single_process(distributed):
-        d.dcp.save(
-            states,
-            storage_writer=writer,
-            planner=d.SavePlanner(),
-            **_dcp_kwargs(d.dcp.save, distributed, group),
-        )
+    writer = _d().Writer(tmp, step)
+    _write(states, writer, distributed, group)
     files = {name: _digest(tmp / name) for name in writer.written}  # each rank its own files
     if distributed:
         everyone: list[Any] = [None] * dist.get_world_size(group)
@@ -221,14 +214,45 @@ def _save(
     return path
 
 
+def _write(states: dict[str, Any], writer: Any, distributed: bool, group: Any) -> None:
+    """``dcp.save``; a value the planner refuses (on any rank: DCP raises on every rank)
+    comes out as its one-line CheckpointError."""
+    d = _d()
+    try:
+        with _quiet_single_process(distributed):
+            d.dcp.save(
+                states,
+                storage_writer=writer,
+                planner=d.SavePlanner(),
+                **_dcp_kwargs(d.dcp.save, distributed, group),
+            )
+    except d.CheckpointException as e:
+        first = _first_failure(e)
+        if first is None or not isinstance(first[1], CheckpointError):
+            raise
+        raise CheckpointError(str(first[1])) from None
+
+
 def save(
     directory: Path, step: int, state: Mapping[str, Any], keep: int = 2, group: Any = None
 ) -> Path:
     """Write ``state`` (e.g. ``{"trainer": trainer}``: Stateful objects are asked for their
     ``state_dict()``) as the checkpoint of ``step``; returns its directory. Every rank of
     ``group`` (default: the world; none: one process) calls it and writes its own part; it
-    returns when the checkpoint is complete."""
+    returns when the checkpoint is complete. A value loading would refuse (unpickled with
+    ``weights_only=True``) is refused first, in one line naming its key."""
+    _check_keep(keep)
     return _save(Path(directory), step, _states(state), keep, group, barrier=True)
+
+
+def _check_keep(keep: Any) -> None:
+    """Before any rank writes (a process group passed fourth lands here, not in ``group``)."""
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+        got = keep if isinstance(keep, int) else type(keep).__name__
+        raise CheckpointError(
+            f"keep: how many checkpoints to keep, an int >= 1; got {got} (pass a process "
+            "group as group=...)"
+        )
 
 
 class PendingSave:
@@ -266,12 +290,16 @@ def save_async(
     may change it as soon as this returns), then written while the caller goes on. ``group``
     must be a process group used by nothing else meanwhile (its collectives run on the
     thread), e.g. ``dist.new_group(backend="gloo")``; wait for one save before the next."""
+    _check_keep(keep)
     snapshot = _snapshot(_states(state))
     return PendingSave(lambda: _save(Path(directory), step, snapshot, keep, group, barrier=False))
 
 
 def _snapshot(value: Any) -> Any:
-    """A host-memory copy of a state dict (tensors and Slices copied, other values kept)."""
+    """A host-memory copy of a state dict (tensors and Slices copied; other values deep-copied
+    as they are: a Counter stays a Counter)."""
+    if isinstance(value, (Mapping, list, tuple)) and not _d().holds_tensors(value):
+        return copy.deepcopy(value)
     if isinstance(value, torch.Tensor):
         return value.detach().to("cpu", copy=True)
     if isinstance(value, LazySlices):  # read now: the tier it reads may change meanwhile
@@ -535,12 +563,7 @@ def stored_structure(path: Path) -> dict[str, Any]:
     """The nested structure a DCP checkpoint directory holds, its leaves DCP's storage
     metadata (TensorStorageMetadata: shape, dtype and chunks; BytesStorageMetadata)."""
     d = _d()
-    metadata = d.dcp.FileSystemReader(str(path)).read_metadata()
-    mappings = metadata.planner_data or {}
-    tree: dict[str, Any] = {}
-    for key, value in metadata.state_dict_metadata.items():
-        d.set_element(tree, mappings.get(key, (key,)), value)
-    return tree
+    return d.structure(d.dcp.FileSystemReader(str(path)).read_metadata())
 
 
 class _Prepared:
@@ -567,9 +590,10 @@ def restore(
     legacy: Callable[[dict[str, Any]], None] | None = None,
 ) -> Found:
     """Load the newest good checkpoint into ``state`` (Stateful objects load in place, other
-    values are replaced), on every rank of ``group``: rank 0 chooses (warning once if it
-    falls back) and tells the others, then each rank reads what it needs. A legacy ``.pt``
-    checkpoint's payload goes to ``legacy``. CheckpointError (one line) when none is good."""
+    values are replaced; None anywhere is a placeholder for whatever the checkpoint holds
+    there), on every rank of ``group``: rank 0 chooses (warning once if it falls back) and
+    tells the others, then each rank reads what it needs. A legacy ``.pt`` checkpoint's
+    payload goes to ``legacy``. CheckpointError (one line) when none is good."""
     _check_state_argument(state)
     directory = Path(directory)
     distributed, group, rank = _distributed(group)
@@ -628,11 +652,19 @@ def _reraise_unless_load_error(error: BaseException) -> None:
         raise error
 
 
+def _first_failure(error: BaseException) -> tuple[int, BaseException] | None:
+    """DCP's error's first failing rank and its error (DCP raises one error for all ranks')."""
+    if not isinstance(error, _d().CheckpointException) or not error.failures:
+        return None
+    rank, (cause, _) = min(error.failures.items(), key=lambda item: item[0])
+    return rank, cause
+
+
 def _one_line(error: BaseException) -> str:
     """What went wrong, in one line (DCP's first failing rank's error)."""
-    if isinstance(error, _d().CheckpointException) and error.failures:
-        rank, (cause, _) = min(error.failures.items(), key=lambda item: item[0])
-        return f"rank {rank}: {_one_line(cause)}"
+    first = _first_failure(error)
+    if first is not None:
+        return f"rank {first[0]}: {_one_line(first[1])}"
     text = f"{type(error).__name__}: {' '.join(str(error).split())}".rstrip(": ")
     return text if len(text) <= 300 else text[:297] + "..."
 

@@ -11,12 +11,15 @@ import json
 import logging
 import os
 import stat
+from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 
-from phalanx import checkpoint
+from phalanx import _dcp, checkpoint
 from phalanx.checkpoint import LATEST, Slices, _boxes
 from phalanx.errors import CheckpointError, ConfigError
 from phalanx.fileio import atomic_write_bytes, atomic_write_text
@@ -237,12 +240,30 @@ def test_matching_hashes_but_not_a_checkpoint(tmp_path):
     assert "step-0000001" in message and "is unreadable (.metadata" in message
 
 
-def test_load_refuses_arbitrary_objects(tmp_path):
-    """Non-tensor values are unpickled with weights_only=True: a class instance is refused
-    (and never executed), one line naming the checkpoint."""
+def test_load_refuses_arbitrary_objects(tmp_path, monkeypatch):
+    """Non-tensor values are unpickled with weights_only=True: a class instance (saved by an
+    earlier version, which did not refuse it) is refused and never executed, one line naming
+    the checkpoint."""
+    monkeypatch.setattr(_dcp, "check_loadable", lambda fqn, value: None)
     checkpoint.save(tmp_path, 1, {"obj": NotWeights(), "w": torch.ones(2)})
     message = load_error(tmp_path)
     assert message.startswith(f"cannot load {ckpt(tmp_path, 1)}: ")
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_save_refuses_what_loading_would_refuse(tmp_path, background):
+    """At save time, not at resume hours later: one line naming the key, the type and the fix;
+    nothing becomes a checkpoint."""
+    state = {"w": torch.ones(2), "run": {"obj": [NotWeights()], "ok": 1}}
+    with pytest.raises(CheckpointError) as info:
+        if background:
+            checkpoint.save_async(tmp_path, 1, state).wait()
+        else:
+            checkpoint.save(tmp_path, 1, state)
+    message = str(info.value)
+    assert "\n" not in message and message.startswith("checkpoint: 'run.obj' holds a ")
+    assert "NotWeights" in message and "state_dict() and load_state_dict()" in message
+    assert checkpoint.latest_step(tmp_path) is None
 
 
 # -- several checkpoints: fall back past damaged ones ---------------------------------------------
@@ -531,7 +552,7 @@ def test_slices_save_in_pieces_and_load_any_other_pieces(tmp_path):
 
 
 def test_restore_loads_stateful_objects_in_place(tmp_path):
-    class Counter:
+    class Tally:
         def __init__(self, n: int) -> None:
             self.n, self.w = n, torch.full((2,), float(n))
 
@@ -541,10 +562,78 @@ def test_restore_loads_stateful_objects_in_place(tmp_path):
         def load_state_dict(self, state: dict) -> None:
             self.n = state["n"]
 
-    checkpoint.save(tmp_path, 4, {"counter": Counter(4)})
-    counter = Counter(0)
-    checkpoint.restore(tmp_path, {"counter": counter})
-    assert counter.n == 4 and torch.equal(counter.w, torch.full((2,), 4.0))
+    checkpoint.save(tmp_path, 4, {"tally": Tally(4)})
+    tally = Tally(0)
+    checkpoint.restore(tmp_path, {"tally": tally})
+    assert tally.n == 4 and torch.equal(tally.w, torch.full((2,), 4.0))
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_a_group_passed_as_keep_is_named(tmp_path, background):
+    """save(dir, step, state, group) puts the group in ``keep``: one line at the call, not a
+    TypeError on the background thread (or ranks waiting for each other)."""
+    save = checkpoint.save_async if background else checkpoint.save
+    with pytest.raises(CheckpointError, match=r"^keep: .*got object \(pass a process group as"):
+        save(tmp_path, 1, payload(1), object())
+    assert not tmp_path.joinpath("step-0000001").exists()
+
+
+# -- non-tensor state ------------------------------------------------------------------------------
+
+
+def scheduler() -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.MultiStepLR]:
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    return opt, torch.optim.lr_scheduler.MultiStepLR(opt, milestones=[2, 5, 5], gamma=0.5)
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_scheduler_and_none_placeholders_round_trip(tmp_path, background):
+    """MultiStepLR's milestones (a Counter of ints: DCP's flattening would make its keys
+    strings) and None, saved and as a placeholder for what the checkpoint holds, resume and
+    save again (before: ``duplicated flatten key scheduler.milestones.5``)."""
+    opt, saved = scheduler()
+    for _ in range(3):
+        opt.step()
+        saved.step()
+    state = {"scheduler": saved, "meta": None, "info": {"epoch": 3, "tags": ["a"]}}
+    if background:
+        checkpoint.save_async(tmp_path, 3, state).wait()
+    else:
+        checkpoint.save(tmp_path, 3, state)
+    _, resumed = scheduler()
+    room = {"scheduler": resumed, "meta": {"left": "over"}, "info": None}
+    checkpoint.restore(tmp_path, room)
+    assert resumed.state_dict() == saved.state_dict()
+    assert type(resumed.milestones) is Counter and set(resumed.milestones) == {2, 5}
+    assert room["meta"] is None and room["info"] == {"epoch": 3, "tags": ["a"]}
+    checkpoint.save(tmp_path, 4, room)  # the resumed state saves again
+    loaded = checkpoint.load(tmp_path)
+    assert loaded["scheduler"]["milestones"] == Counter({2: 1, 5: 2}) and loaded["meta"] is None
+
+
+def test_counter_saved_flattened_by_earlier_versions_loads_with_its_keys(tmp_path, monkeypatch):
+    """Checkpoints written before such values were kept whole hold the Counter's entries
+    under '2' and '5': they load into the Counter's own keys, not beside them."""
+    monkeypatch.setattr(_dcp, "_kept_whole", lambda value: value)  # the earlier writing
+    opt, saved = scheduler()
+    checkpoint.save(tmp_path, 1, {"scheduler": saved})
+    monkeypatch.undo()
+    _, resumed = scheduler()
+    checkpoint.restore(tmp_path, {"scheduler": resumed})
+    assert resumed.milestones == Counter({2: 1, 5: 2}), resumed.milestones
+
+
+def test_values_several_ranks_hold_are_written_by_the_lowest():
+    """Rank 0's copy of what every rank holds, as DDP's rank-0 torch.save (DCP's own choice
+    balances bytes across ranks, so it may take any rank's copy); what only later ranks hold
+    (a pipeline's later stage), the lowest of them."""
+
+    def plan(*names: str) -> SavePlan:
+        return SavePlan([WriteItem(MetadataIndex(n), WriteItemType.BYTE_IO) for n in names])
+
+    plans = [plan("a", "b"), plan("a", "b", "rng.1"), plan("b", "stage2"), plan("stage2")]
+    written = [[i.index.fqn for i in p.items] for p in _dcp.lowest_rank_writes(plans)]
+    assert written == [["a", "b"], ["rng.1"], ["stage2"], []]
 
 
 @pytest.mark.parametrize(("kwargs", "key"), [({"every": -1}, "every"), ({"keep": 0}, "keep")])
