@@ -33,7 +33,7 @@ from phalanx.exchange.base import (
     strategy_factory,
 )
 from phalanx.exchange.buckets import GradientBuckets
-from phalanx.exchange.comm import broadcast_together
+from phalanx.exchange.comm import broadcast_together, start_broadcast_together
 from phalanx.exchange.compression import Codec, make_codec
 from phalanx.exchange.link import LinkModel
 from phalanx.exchange.threshold import Choice
@@ -369,9 +369,6 @@ class Engine:
         # fp16 multiplies by its loss scale too; the exchanged mean is unscaled after Phase 4.
         divisor, post_scale = self._accumulation_scales(pending, len(micro) + pending)
         scale = self.strategy.gradient_scale() / divisor * self.precision.scale
-        if self.broadcast_buffers and not pending:  # rank 0's buffers (BatchNorm statistics):
-            # one broadcast per update, before its first forward (DDP's under no_sync too)
-            broadcast_together(list(self.local_module.buffers()), self.ctx.group)
         self.buckets.arm(launch=True)  # a server runs no backward: flush launches every bucket
         # Phase 2: forward/backward; only the last micro-step launches the exchange.
         total_loss, skip = torch.zeros((), device=self.ctx.device), False
@@ -396,6 +393,8 @@ class Engine:
         skipped_before_exchange = skip
         if not skip:
             skip = self._exchange(timer, post_scale)
+        else:
+            self._share_buffers()()
         # Phase 5: update (not for a step whose loss or gradients hold inf/NaN on any rank).
         updating = time.perf_counter()
         if not skip:
@@ -447,8 +446,6 @@ class Engine:
         micro = split_batch(self._batch(args, kwargs), self.accumulate_steps)
         if self._pending.count == 0:  # the update's first micro-batch (Phase 1)
             self.buckets.zero()
-            if self.broadcast_buffers:
-                broadcast_together(list(self.local_module.buffers()), self.ctx.group)
         self.buckets.arm(launch=False)
         # Each micro-batch at the full scale; the step that updates divides by their count.
         scale = self.strategy.gradient_scale() * self.precision.scale
@@ -477,8 +474,9 @@ class Engine:
 
     def _exchange(self, timer: PhaseTimer, post_scale: float) -> bool:
         """Phases 3 and 4; returns whether the step must be skipped (the guard's verdict)."""
-        # Phase 3: launch the buckets unused parameters held back.
+        # Phase 3: launch the buckets unused parameters held back; rank 0's buffers leave.
         self.buckets.flush()
+        buffers_shared = self._share_buffers()
         fault_at("exchange", self.num_steps + 1)
         # Phase 4: wait for the exchange; parameters no rank used get no gradient.
         self.trace.waiting_for_exchange()
@@ -490,7 +488,19 @@ class Engine:
             hook.after_exchange()
         riders = self.global_loss.riders()  # the global loss rides in the guard's verdict
         combine = None if self._driver is None else self._driver.combine_over_stages
-        return self.guard.inspect(self.strategy, riders, combine, self._mirror)
+        skip = self.guard.inspect(self.strategy, riders, combine, self._mirror)
+        buffers_shared()
+        return skip
+
+    def _share_buffers(self) -> Callable[[], None]:
+        """Phase 3: rank 0's buffers (BatchNorm statistics, as this update's forwards left
+        them) start towards every rank, so whatever reads the model next (the next step, a
+        validation in eval mode, a checkpoint from any rank) sees rank 0's, as under DDP
+        (whose next forward broadcasts them). Launched after every bucket (the same order of
+        collectives on every rank); returns the function that waits and writes them."""
+        if not self.broadcast_buffers:
+            return lambda: None
+        return start_broadcast_together(list(self.local_module.buffers()), self.ctx.group)
 
     def _start_global_loss(self, loss: torch.Tensor) -> None:
         """Phase 2 of the global loss: riding in the last bucket where the strategy sums

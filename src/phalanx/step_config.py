@@ -23,7 +23,9 @@ class StepConfig(GuardConfig):
         "fp32", "forward under torch.autocast: bf16, or fp16 with a dynamic loss scale"
     )
     broadcast_buffers: bool = option(
-        True, "rank 0's buffers (BatchNorm statistics) to every rank before each step, as DDP"
+        True,
+        "rank 0's buffers (BatchNorm statistics) to every rank at the end of each update, so "
+        "the next forward (training or evaluation) and any checkpoint see rank 0's, as DDP",
     )
     compile: bool = option(
         False,

@@ -97,6 +97,9 @@ def _ddp_run(data: list) -> dict[str, torch.Tensor]:
                 (nn.functional.cross_entropy(ddp(x[i]), y[i]) / MICRO).backward()
         optimizer.step()
         optimizer.zero_grad()
+    ddp.eval()  # a validation: DDP's first forward after an update gives every rank rank 0's
+    with torch.no_grad():  # buffers, which phalanx shares as the update ends
+        ddp(data[0][0][0])
     state = {k: v.clone() for k, v in model.state_dict().items()}
     state.update({f"momentum {i}": s["momentum_buffer"] for i, s in enumerate(
         optimizer.state[p] for p in model.parameters())})  # fmt: skip

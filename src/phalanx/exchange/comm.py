@@ -169,8 +169,16 @@ PACK_ALIGN = 16  # bytes: every tensor starts aligned in the packed buffer, so v
 def broadcast_together(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> None:
     """Rank 0's values of ``tensors`` (any dtypes and shapes, one device) on every rank with a
     single broadcast: their bytes travel packed in one uint8 buffer."""
+    start_broadcast_together(tensors, group)()
+
+
+def start_broadcast_together(
+    tensors: list[torch.Tensor], group: dist.ProcessGroup
+) -> Callable[[], None]:
+    """``broadcast_together`` started: returns the function that waits for it and writes rank
+    0's values into ``tensors`` (until then they keep their own)."""
     if not tensors or dist.get_world_size(group) == 1:
-        return
+        return lambda: None
     sizes = [t.numel() * t.element_size() for t in tensors]
     padded = [-(-n // PACK_ALIGN) * PACK_ALIGN for n in sizes]
     packed = torch.zeros(sum(padded), dtype=torch.uint8, device=tensors[0].device)
@@ -178,9 +186,14 @@ def broadcast_together(tensors: list[torch.Tensor], group: dist.ProcessGroup) ->
     for tensor, size, room in zip(tensors, sizes, padded):
         packed[offset : offset + size] = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
         offset += room
-    dist.broadcast(packed, src=dist.get_global_rank(group, 0), group=group)
-    offset = 0
-    for tensor, size, room in zip(tensors, sizes, padded):
-        piece = packed[offset : offset + size].view(tensor.dtype).view(tensor.shape)
-        tensor.data.copy_(piece)
-        offset += room
+    work = dist.broadcast(packed, src=dist.get_global_rank(group, 0), group=group, async_op=True)
+
+    def finish() -> None:
+        work.wait()
+        offset = 0
+        for tensor, size, room in zip(tensors, sizes, padded):
+            piece = packed[offset : offset + size].view(tensor.dtype).view(tensor.shape)
+            tensor.data.copy_(piece)
+            offset += room
+
+    return finish
