@@ -39,7 +39,8 @@ Rebuild = Callable[[list[int], int, int | None], None]
 
 
 class ObservedOrder(StepHook):
-    """After the first update, re-order the buckets by the observed backward order (rank 0's).
+    """After this Engine's first update, re-order the buckets by the observed backward order
+    (rank 0's); a resumed Engine too, whose update count does not start at 0.
 
     Every rank takes part in the broadcast whatever it observed, so ranks that saw different
     unused parameters still agree on one layout."""
@@ -48,11 +49,13 @@ class ObservedOrder(StepHook):
         self, ctx: Context, buckets: GradientBuckets, num_params: int, rebuild: Rebuild
     ) -> None:
         self.ctx, self.buckets, self.num_params, self._rebuild = ctx, buckets, num_params, rebuild
+        self.observed = False
 
     # Phase 5
     def end(self, step: StepEnd) -> None:
-        if not step.updated or step.num_updates != 0:
+        if not step.updated or self.observed:
             return
+        self.observed = True
         seen = self.buckets.ready_order
         seen_set = set(seen)
         missing = [i for i in reversed(range(self.num_params)) if i not in seen_set]
