@@ -10,6 +10,7 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from phalanx import engine_state
 from phalanx.batches import (
@@ -727,9 +728,19 @@ class Engine:
         """``model.state_dict()`` as one process gives it: whole tensors, the model's own names
         (this rank's stages under a pipeline). Under ``fsdp`` a collective that gathers every
         rank's rows onto the CPU: call it on every rank, then save from one."""
+        self._refuse_gather_when_closed("full_state_dict", self.factory.cls.shards_parameters)
         if not self._closed:
             self._sync_parameters()
         return self.strategy.full_state_dict(self.local_module)
+
+    def _refuse_gather_when_closed(self, what: str, gathers: bool) -> None:
+        """A read that ``gathers`` from every rank cannot run once the group is gone."""
+        if gathers and self.ctx.world_size > 1 and not dist.is_initialized():
+            raise CheckpointError(
+                f"{what}: under {self.factory.name!r} it gathers from every rank, and the "
+                "process group is gone (dist.destroy_process_group() or phalanx.shutdown() "
+                "ran); call it on every rank before that"
+            )
 
     def optimizer_state_dict(self) -> dict[str, Any]:
         """The optimizer's state as ``optimizer.state_dict()`` gives it in one process: torch's
@@ -738,6 +749,8 @@ class Engine:
         optimizer built over the model anywhere (before an Engine is built over it, under any
         strategy and world size). Collective under ``partitioned``, ``ps`` and ``fsdp``, whose
         ranks each hold their shards' state: call it on every rank, then save from one."""
+        sharded = self._user_order is not None or self.factory.cls.shards_parameters
+        self._refuse_gather_when_closed("optimizer_state_dict", sharded)
         self.strategy.sync()
         try:
             with self.optimizer_resident():

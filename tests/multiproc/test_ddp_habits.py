@@ -16,7 +16,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import phalanx as px
-from phalanx.errors import ConfigError
+from phalanx.errors import CheckpointError, ConfigError
 from tests.helpers.spawn import run_ranks
 
 STRATEGIES = ["allreduce", "tree", "partitioned", "ps", "fsdp"]
@@ -141,6 +141,8 @@ def _destroy_while_rank0_reads(ctx: Any, data: list) -> dict[str, Any]:
         return {}
     state = {k: v.clone() for k, v in engine.module.state_dict().items()}
     dist.destroy_process_group()
+    with pytest.raises(CheckpointError, match="gathers from every rank, and the process group is"):
+        engine.optimizer_state_dict()  # its shards are on every rank: too late, in one line
     return {"read": state, "after": {k: v.clone() for k, v in model.state_dict().items()}}
 
 
