@@ -8,7 +8,6 @@ overlaps the send-back. Optimizer state is checkpointed in the canonical per-par
 
 from __future__ import annotations
 
-import logging
 import time
 from typing import Any
 
@@ -19,9 +18,8 @@ from phalanx.exchange.base import Strategy, StrategyParts
 from phalanx.exchange.buckets import Bucket
 from phalanx.exchange.comm import wait
 from phalanx.exchange.sharding import ShardedParameters, hyperparameters
+from phalanx.memory import measure
 from phalanx.runtime.context import Context
-
-logger = logging.getLogger("phalanx")
 
 
 class OwnerUpdateStrategy(Strategy):
@@ -34,15 +32,12 @@ class OwnerUpdateStrategy(Strategy):
 
     optimizer_follows_layout = True  # the optimizer steps this layout's shard Parameters
     sharded: ShardedParameters  # set by the subclass's constructor
-    label = ""  # the registered name, for messages
 
     def __init__(self, ctx: Context, buckets: list[Bucket], parts: StrategyParts) -> None:
         super().__init__(ctx, buckets, parts)
         self.comm_thread()
         self._pending_params: dict[int, Any] = {}
         self._hooks: list = []
-        self._names: dict[int, str] = {}  # id(parameter) -> its name in the model
-        self._unused_said = getattr(parts.previous, "_unused_said", False)  # once per run
 
     # -- parameters arriving while the next forward runs --------------------------------------
     def register_module(self, module: torch.nn.Module) -> None:
@@ -50,7 +45,6 @@ class OwnerUpdateStrategy(Strategy):
         its subtree only (containers wait for nothing: their children do; a compiled layer
         waits for its whole subtree, phalanx.compile)."""
         bucket_of = {id(p): b.index for b in self.sharded.buckets for p in b.params}
-        self._names = {id(p): name for name, p in module.named_parameters()}
 
         def waiter(params: list) -> Any:
             indices = sorted({bucket_of[id(p)] for p in params if id(p) in bucket_of})
@@ -76,32 +70,6 @@ class OwnerUpdateStrategy(Strategy):
 
         return hook
 
-    def warn_unused(self, bucket: Bucket, start: int, summed: torch.Tensor) -> None:
-        """``summed``: the range [start, start + len) of ``bucket``'s flat buffer, reduced at
-        its owner. A usage flag 0 there is a parameter no rank used this step: its shards get
-        a zero gradient, so decoupled weight decay and momentum still move it, where one
-        process skips it. Said once, in one line, by the owner that sees it."""
-        num_grads = bucket.grads.numel()
-        lo, hi = max(start, num_grads), start + summed.numel()
-        if self._unused_said or hi <= lo:
-            return
-        flags = summed[lo - start : hi - start]
-        unused = [lo - num_grads + i for i in (flags < 0.5).nonzero().flatten().tolist()]
-        unused = [i for i in unused if i < len(bucket.params)]  # alignment padding follows
-        if not unused:
-            return
-        first = self._names.get(
-            id(bucket.params[unused[0]]), f"of shape {tuple(bucket.params[unused[0]].shape)}"
-        )
-        logger.warning(
-            "phalanx: %s: %d parameter(s) had no gradient on any rank this step (first: %s); "
-            "%s steps them with a zero gradient, so weight decay and momentum still move them, "
-            "where one process skips them: keep every parameter in use, or use 'allreduce' or "
-            "'tree' for one process's update (said once)",
-            self.label, len(unused), first, self.label,
-        )  # fmt: skip
-        self._unused_said = True
-
     def _wait_params(self, b: int) -> None:
         pending = self._pending_params.pop(b, None)
         if pending is not None:
@@ -115,8 +83,16 @@ class OwnerUpdateStrategy(Strategy):
 
     # -- the optimizer across bucket rebuilds ---------------------------------------------------
     def carry_optimizer_state(self, optimizer: torch.optim.Optimizer, params: list) -> Any:
-        """The canonical per-parameter state (collective: every rank rebuilds at one step)."""
-        return self.optimizer_state_dict(optimizer, params)
+        """This rank's shards' state per parameter (views, no copy, no message) and the
+        groups' hyperparameters: the new layout's ``rebind_optimizer`` moves what changes
+        owner. The update spent the gradient buffers (no rank holds a mean gradient here):
+        they are freed now, and the heap's free pages given back, so the new layout's buffers
+        never sit beside them and the last step's freed activations."""
+        self.sync()
+        carried = self.sharded.carry(optimizer, params)
+        _free_gradients(self.sharded.buckets)
+        measure.trim()
+        return carried
 
     def adopt_optimizer(
         self, optimizer: torch.optim.Optimizer, params: list
@@ -126,6 +102,7 @@ class OwnerUpdateStrategy(Strategy):
         elements came from. The object stays the user's (schedulers attached to it act)."""
         del params
         self._point_at_shards(optimizer)
+        measure.trim()  # the parameters' own storages, freed when this layout's buffers took over
         return optimizer
 
     def rebind_optimizer(
@@ -135,9 +112,11 @@ class OwnerUpdateStrategy(Strategy):
         carried: Any,
     ) -> None:
         """Point the optimizer's groups at this layout's shard Parameters, then load the
-        carried state into them (hyperparameters a scheduler changed travel in ``carried``)."""
+        carried state into them (collective; hyperparameters a scheduler changed travel in
+        ``carried``)."""
         self._point_at_shards(optimizer)
-        self.load_optimizer_state_dict(optimizer, params, carried)
+        self.sharded.load_carried(optimizer, params, carried, self.ctx.group)
+        measure.trim()  # the previous layout's parameter buffers and optimizer state
 
     def _point_at_shards(self, optimizer: torch.optim.Optimizer) -> None:
         per_group = self.sharded.group_params(len(optimizer.param_groups))
@@ -179,3 +158,12 @@ class OwnerUpdateStrategy(Strategy):
             self._hooks = []
             self._pending_params.clear()
             super().close()
+
+
+def _free_gradients(buckets: list[Bucket]) -> None:
+    """Free the buckets' buffers (every view of them: gradients, usage flags) and drop the
+    parameters' ``.grad``, which viewed them."""
+    for bucket in buckets:
+        for p in bucket.params:
+            p.grad = None
+        bucket.flat.untyped_storage().resize_(0)

@@ -16,7 +16,9 @@ Schedules (option ``schedule``):
     reduce_scatter + all_gather; on Gloo, whose reduce_scatter and all_gather measured twice
     as slow as its allreduce (docs/exchange.md), a full-duplex ring reduce-scatter over
     point-to-point messages and one broadcast per owner.
-Parameters no rank used in a step get a zero gradient here (as in FSDP), not ``None``.
+A parameter no rank used in a step is not stepped (``grad = None`` on its shards), as in one
+process: the owners' summed usage flags ride in the verdict's all-reduce (Phase 4), or in one
+of their own where the Engine asks for no verdict.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from phalanx.exchange.comm import global_rank
 from phalanx.exchange.compression import Codec
 from phalanx.exchange.owners import OwnerUpdateStrategy
 from phalanx.exchange.ring import ring_reduce_scatter
-from phalanx.exchange.sharding import ShardedParameters, bounds
+from phalanx.exchange.sharding import ShardedParameters, bounds, used_flags
 from phalanx.fields import option
 from phalanx.runtime.context import Context
 
@@ -191,7 +193,6 @@ class Partitioned(OwnerUpdateStrategy):
 
     Config = PartitionedConfig
     verdict_all_reduces = True
-    label = "partitioned"
 
     def __init__(self, ctx: Context, buckets: list[Bucket], parts: StrategyParts) -> None:
         super().__init__(ctx, buckets, parts)
@@ -204,6 +205,11 @@ class Partitioned(OwnerUpdateStrategy):
         self.sharded = ShardedParameters(buckets, ranges, owners, ctx.rank, group_of=self.group_of)
         self._pending_reduce: dict[int, Any] = {}
         self._reduced: dict[int, tuple[torch.Tensor, int]] = {}
+        # per bucket, where its parameters' usage flags sit in the usage message
+        self._flag_base = [0]
+        for bucket in buckets[:-1]:
+            self._flag_base.append(self._flag_base[-1] + len(bucket.params))
+        self._used: list[list[bool]] | None = None  # this step's, per bucket and parameter
 
     # -- layout -------------------------------------------------------------------------------
     @classmethod
@@ -226,6 +232,7 @@ class Partitioned(OwnerUpdateStrategy):
         self._reduced = {
             b: self._pending_reduce.pop(b).result() for b in sorted(self._pending_reduce)
         }
+        self._used = None
 
     def inspect_gradients(
         self, want_norm: bool, riders: torch.Tensor | None = None
@@ -233,7 +240,8 @@ class Partitioned(OwnerUpdateStrategy):
         """Each owner checks the partitions it reduced (a bad loss elsewhere arrives as NaN
         usage flags in the last partition) and, for clipping, sums the squares of their
         gradients; one small all-reduce makes both global, since no rank holds the whole
-        gradient. The Engine's ``riders`` (its global loss) travel in the same message.
+        gradient. The Engine's ``riders`` (its global loss) and the owners' summed usage
+        flags (which parameters any rank used) travel in the same message.
 
         With ``want_norm`` one pass per partition does both: a float64 sum of squares is
         inf/NaN exactly where an element is (one read of the gradients instead of a sum for
@@ -241,9 +249,11 @@ class Partitioned(OwnerUpdateStrategy):
         of ``bench port``). The norm covers every gradient of the partition, as the
         whole-gradient strategies' does (parameters in no optimizer group included)."""
         num_riders = 0 if riders is None else riders.numel()
-        local = torch.zeros(2 + num_riders, dtype=torch.float64, device=self.ctx.device)
+        usage = self._owned_usage()
+        local = usage.new_zeros(2 + num_riders + usage.numel())
         if riders is not None:
-            local[2:] = riders
+            local[2 : 2 + num_riders] = riders
+        local[2 + num_riders :] = usage
         grads, flags = self._owned_partitions()
         if want_norm and grads:
             norms = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64) for g in grads])
@@ -252,7 +262,8 @@ class Partitioned(OwnerUpdateStrategy):
         local[0] = float(holds_nonfinite(grads + flags))
         dist.all_reduce(local, group=self.ctx.group)
         if riders is not None:
-            riders.copy_(local[2:])
+            riders.copy_(local[2 : 2 + num_riders])
+        self._used = self._usage_of(local[2 + num_riders :])
         return bool(local[0].item() > 0), (float(local[1].sqrt()) if want_norm else None)
 
     def _owned_ranges(self) -> Iterator[tuple[Bucket, int, torch.Tensor]]:
@@ -263,6 +274,27 @@ class Partitioned(OwnerUpdateStrategy):
             for (lo, hi), owner in zip(layout.ranges, layout.owners):
                 if owner == self.ctx.rank and hi > lo:
                     yield self.sharded.buckets[b], lo, buffer[lo - offset : hi - offset]
+
+    def _owned_usage(self) -> torch.Tensor:
+        """Every bucket's usage flags, one float64 per parameter in bucket order: the summed
+        flags where this rank owns them, zeros elsewhere (summed over ranks: all of them)."""
+        total = self._flag_base[-1] + len(self.buckets[-1].params) if self.buckets else 0
+        usage = torch.zeros(total, dtype=torch.float64, device=self.ctx.device)
+        for bucket, lo, view in self._owned_ranges():
+            first = bucket.grads.numel()  # the flags follow the gradients
+            a, b = max(lo, first), min(lo + view.numel(), first + len(bucket.params))
+            if a < b:
+                base = self._flag_base[bucket.index] - first
+                usage[base + a : base + b] = view[a - lo : b - lo]
+        return usage
+
+    def _usage_of(self, summed: torch.Tensor) -> list[list[bool]]:
+        """Per bucket and parameter, whether any rank used it (``summed``: every bucket's
+        flags summed over ranks, as ``_owned_usage`` lays them out)."""
+        return [
+            used_flags(summed[base : base + len(bucket.params)])
+            for base, bucket in zip(self._flag_base, self.buckets)
+        ]
 
     def _owned_partitions(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The owned partitions' views cut in two: (gradients, usage flags)."""
@@ -288,11 +320,13 @@ class Partitioned(OwnerUpdateStrategy):
 
     # -- phase 5: update and send back --------------------------------------------------------
     def update(self, optimizer: torch.optim.Optimizer) -> None:
-        for bucket, lo, view in self._owned_ranges():
-            self.warn_unused(bucket, lo, view)
+        if self._used is None:  # no verdict this step (the Engine has no guard): agree here
+            usage = self._owned_usage()
+            dist.all_reduce(usage, group=self.ctx.group)
+            self._used = self._usage_of(usage)
         grads = {b: buffer for b, (buffer, _) in self._reduced.items()}
         offsets = {b: offset for b, (_, offset) in self._reduced.items()}
-        self.sharded.attach_grads(grads, offsets)
+        self.sharded.attach_grads(grads, offsets, self._used)
         optimizer.step()
         # Forward needs the buckets in the reverse of backward's order: send those back first.
         for bucket in reversed(self.sharded.buckets):

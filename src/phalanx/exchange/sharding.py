@@ -5,20 +5,24 @@ Each bucket gets a flat *parameter* buffer with the bucket's layout; the model's
 become views of it (``p.data``), so updating a contiguous range of the buffer updates the
 parameters that overlap it. A partition is a contiguous range of the bucket; the rank that owns
 it keeps the only optimizer state for that range (``torch.nn.Parameter`` views of the buffer,
-handed to any elementwise optimizer). Checkpoints use a canonical per-parameter optimizer state
-(the format a plain optimizer over the full parameters would have), so a run saved with one
-world size and strategy resumes under another.
+handed to any elementwise optimizer). A shard never spans two parameters: a parameter no rank
+used in a step gets ``grad = None`` on its shards, which torch's optimizers skip (no decay, no
+momentum, no step count), as in one process. Checkpoints use a canonical per-parameter
+optimizer state (the format a plain optimizer over the full parameters would have), so a run
+saved with one world size and strategy resumes under another.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import product
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from phalanx.exchange.buckets import Bucket
+from phalanx.exchange.comm import global_rank
 from phalanx.optim.state import load_into
 
 
@@ -35,15 +39,70 @@ def bounds(length: int, num_parts: int) -> list[tuple[int, int]]:
 
 @dataclass
 class Shard:
-    """One owned range of one bucket whose elements all belong to one of the user's optimizer
-    parameter groups (``group``): ``param`` views the parameter buffer (1-D, the bucket's dtype
-    and device)."""
+    """One owned range of one bucket within one parameter (``slot``: its index in the
+    bucket's ``params``), of the user's optimizer parameter group ``group``: ``param`` views
+    the parameter buffer (1-D, the bucket's dtype and device)."""
 
     bucket: int
     start: int
     end: int
     param: torch.nn.Parameter
     group: int = 0
+    slot: int = 0
+
+    @property
+    def numel(self) -> int:
+        return self.end - self.start
+
+
+Piece = tuple[int, int, int]  # (lo, hi, rank): a rank's flat range [lo, hi) of a parameter
+
+
+@dataclass
+class Carried:
+    """One rank's shards' state across a bucket rebuild (``ShardedParameters.carry``): its
+    ``held_state`` (views), every rank's owned ranges per parameter (``piece_owners``) and
+    the groups' hyperparameters (a scheduler may have changed them)."""
+
+    state: dict[int, dict[str, Any]]
+    owners: dict[int, list[Piece]]
+    groups: list[dict[str, Any]]
+
+
+class _Moves:
+    """Copies of state pieces between ranks over ``group``: every message posted at once (in
+    one order on every rank, so each pair's messages match), then waited for together.
+    Tensors travel on ``device`` (the group's: a host master's state goes through it)."""
+
+    def __init__(self, group: Any, device: torch.device | None) -> None:
+        self.group, self.device = group, device
+        self.works: list[Any] = []
+        self.keep: list[torch.Tensor] = []  # sent tensors live until their sends end
+        self.arrivals: list[tuple[torch.Tensor, torch.Tensor]] = []  # (received, target)
+
+    def move(self, src: int, dst: int, me: int, held: Any, target: Any) -> None:
+        """``held`` (on ``src``) into ``target`` (on ``dst``); this rank is one of them."""
+        if src == dst:
+            if target.data_ptr() != held.data_ptr():  # else the same tensor, taken over
+                target.copy_(held)
+        elif src == me:
+            wire = held if self.device is None else held.to(self.device)
+            self.keep.append(wire)
+            self.works.append(dist.isend(wire, global_rank(self.group, dst), group=self.group))
+        else:
+            wire = target if self.device in (None, target.device) else target.new_empty(
+                target.shape, device=self.device
+            )  # fmt: skip
+            if wire is not target:
+                self.arrivals.append((wire, target))
+            self.works.append(dist.irecv(wire, global_rank(self.group, src), group=self.group))
+
+    def finish(self) -> None:
+        for work in self.works:
+            work.wait()
+        for wire, target in self.arrivals:
+            target.copy_(wire)
+        self.works, self.keep, self.arrivals = [], [], []
 
 
 class ShardedParameters:
@@ -89,30 +148,23 @@ class ShardedParameters:
                 end = min(end, num_grads)  # usage flags and padding are not parameters
                 if owner != self.rank or start >= end:
                     continue
-                for lo, hi, group in self._group_runs(bucket, start, end):
+                for lo, hi, group, slot in self._param_runs(bucket, start, end):
                     data = self.flats[b][lo:hi]
                     if self.host_master and data.device.type != "cpu":
                         data = data.detach().to("cpu", copy=True)
-                    shards.append(Shard(b, lo, hi, torch.nn.Parameter(data), group))
+                    shards.append(Shard(b, lo, hi, torch.nn.Parameter(data), group, slot))
         return shards
 
-    def _group_runs(self, bucket: Bucket, start: int, end: int) -> list[tuple[int, int, int]]:
-        """[start, end) of ``bucket`` cut where the optimizer group changes: (lo, hi, group)
-        runs, leaving out parameters in no group (a run starting in alignment padding takes
-        the group of the parameter before it)."""
-        if self.group_of is None:
-            return [(start, end, 0)]
-        runs: list[tuple[int, int, int]] = []
-        for p, offset in sorted(zip(bucket.params, bucket.offsets), key=lambda po: po[1]):
+    def _param_runs(self, bucket: Bucket, start: int, end: int) -> list[tuple[int, int, int, int]]:
+        """[start, end) of ``bucket`` cut at every parameter: (lo, hi, group, slot) runs,
+        leaving out parameters in no optimizer group."""
+        runs = []
+        for slot, (p, offset) in enumerate(zip(bucket.params, bucket.offsets)):
             lo, hi = max(start, offset), min(end, offset + p.numel())
-            if lo >= hi:
-                continue
-            group = self.group_of.get(id(p), -1)
-            if runs and runs[-1][2] == group:
-                runs[-1] = (runs[-1][0], hi, group)
-            else:
-                runs.append((lo, hi, group))
-        return [run for run in runs if run[2] >= 0]
+            group = 0 if self.group_of is None else self.group_of.get(id(p), -1)
+            if lo < hi and group >= 0:
+                runs.append((lo, hi, group, slot))
+        return runs
 
     def group_params(self, num_groups: int) -> list[list[torch.nn.Parameter]]:
         """This rank's shard Parameters per optimizer group; a group with nothing here gets
@@ -145,10 +197,19 @@ class ShardedParameters:
         so any torch optimizer can be built (and steps nothing)."""
         return [s.param for s in self.shards] or [torch.nn.Parameter(torch.empty(0))]
 
-    def attach_grads(self, grads_of: dict[int, torch.Tensor], offset_of: dict[int, int]) -> None:
+    def attach_grads(
+        self,
+        grads_of: dict[int, torch.Tensor],
+        offset_of: dict[int, int],
+        used: list[list[bool]],
+    ) -> None:
         """Point each shard's ``.grad`` at its reduced gradients: ``grads_of[b]`` holds bucket b's
-        range starting at flat index ``offset_of[b]``."""
+        range starting at flat index ``offset_of[b]``; a shard of a parameter no rank used
+        (``used[b][slot]`` False) gets None, so the optimizer skips it."""
         for shard in self.shards:
+            if not used[shard.bucket][shard.slot]:
+                shard.param.grad = None
+                continue
             source = grads_of[shard.bucket]
             lo = shard.start - offset_of[shard.bucket]
             shard.param.grad = source[lo : lo + shard.end - shard.start]
@@ -162,7 +223,8 @@ class ShardedParameters:
         local = {}
         for shard in self.shards:
             shard_state = optimizer.state.get(shard.param, {})
-            local[(shard.bucket, shard.start)] = {k: _cpu(v) for k, v in shard_state.items()}
+            key = (shard.bucket, shard.start, shard.end)
+            local[key] = {k: _cpu(v) for k, v in shard_state.items()}
         gathered: list[dict] = [None] * dist.get_world_size(group)  # type: ignore[list-item]
         dist.all_gather_object(gathered, local, group=group)
         pieces = {key: value for part in gathered for key, value in part.items()}
@@ -195,15 +257,13 @@ class ShardedParameters:
 
     # -- this rank's part, for checkpoints that every rank writes ------------------------------
     def _overlaps(self, params: list[torch.nn.Parameter]) -> Any:
-        """(shard, parameter index, flat start and end within the parameter) for each part
-        of a parameter a shard of this rank holds."""
+        """(shard, parameter index, flat start and end within the parameter, the parameter's
+        offset in the bucket) for each of this rank's shards (each within one parameter)."""
         index = {id(p): i for i, p in enumerate(params)}
         for shard in self.shards:
             bucket = self.buckets[shard.bucket]
-            for p, offset in zip(bucket.params, bucket.offsets):
-                lo, hi = max(shard.start, offset), min(shard.end, offset + p.numel())
-                if lo < hi:
-                    yield shard, index[id(p)], lo - offset, hi - offset, offset
+            p, offset = bucket.params[shard.slot], bucket.offsets[shard.slot]
+            yield shard, index[id(p)], shard.start - offset, shard.end - offset, offset
 
     def owned_ranges(self, params: list[torch.nn.Parameter]) -> dict[int, list[tuple[int, int]]]:
         ranges: dict[int, list[tuple[int, int]]] = {}
@@ -211,34 +271,121 @@ class ShardedParameters:
             ranges.setdefault(i, []).append((lo, hi))
         return ranges
 
-    def local_state(
-        self, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], group: Any
+    def held_state(
+        self, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter]
     ) -> dict[int, dict[str, Any]]:
-        """This rank's shards' state per parameter: per-element values as ``(flat start within
-        the parameter, 1-D view)`` pieces, no copy, no gathering. The ranks agree (one small
-        message) on the per-element keys, so a shard without state yet (a ps partition whose
-        updates were all skipped) contributes zeros and the pieces cover every parameter."""
+        """This rank's shards' state per parameter (index in ``params``; a parameter never
+        stepped has none): per-element values as ``(flat start within the parameter, 1-D
+        view)`` pieces, no copy, no message; other values (a step count) as they are."""
         out: dict[int, dict[str, Any]] = {}
-        kinds: dict[str, torch.dtype] = {}
         for shard, i, lo, hi, offset in self._overlaps(params):
-            entry = out.setdefault(i, {})
             for key, value in optimizer.state.get(shard.param, {}).items():
+                entry = out.setdefault(i, {})
                 if isinstance(value, torch.Tensor) and value.dim() == 1:
                     start = offset + lo - shard.start
                     entry.setdefault(key, []).append((lo, value[start : start + hi - lo]))
-                    kinds[key] = value.dtype
                 else:
                     entry.setdefault(key, value)
-        if dist.get_world_size(group) > 1:
-            everyone: list[dict] = [None] * dist.get_world_size(group)  # type: ignore[list-item]
-            dist.all_gather_object(everyone, kinds, group=group)
-            kinds = {k: v for part in everyone for k, v in part.items()}
-        for _, i, lo, hi, _ in self._overlaps(params):
-            for key, dtype in kinds.items():
-                pieces = out[i].setdefault(key, [])
-                if not any(start == lo for start, _ in pieces):
-                    pieces.append((lo, torch.zeros(hi - lo, dtype=dtype)))
         return out
+
+    def local_state(
+        self, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], group: Any
+    ) -> dict[int, dict[str, Any]]:
+        """``held_state`` covering every parameter some rank keeps state for: the ranks agree
+        (one small message) on each parameter's per-element keys, so a shard without state
+        (a ps partition whose updates were all skipped) contributes zeros; a parameter no rank
+        ever stepped has no entry, as in one process."""
+        out = self.held_state(optimizer, params)
+        kinds = _agree(_kinds(out), group)
+        for _, i, lo, hi, _ in self._overlaps(params):
+            for key, kind in kinds.get(i, {}).items():
+                pieces = out.setdefault(i, {}).setdefault(key, [])
+                if isinstance(kind, torch.dtype) and not any(s == lo for s, _ in pieces):
+                    pieces.append((lo, torch.zeros(hi - lo, dtype=kind)))
+        return out
+
+    def piece_owners(self, params: list[torch.nn.Parameter]) -> dict[int, list[Piece]]:
+        """Per parameter (index in ``params``), every rank's shards of it as ``(lo, hi, rank)``
+        flat ranges within the parameter: from the layout alone, no message."""
+        position = {id(p): i for i, p in enumerate(params)}
+        out: dict[int, list[Piece]] = {}
+        for b, bucket in enumerate(self.buckets):
+            num_grads = bucket.grads.numel()
+            for (start, end), owner in zip(self.ranges[b], self.owners[b]):
+                for lo, hi, _, slot in self._param_runs(bucket, start, min(end, num_grads)):
+                    offset, i = bucket.offsets[slot], position[id(bucket.params[slot])]
+                    out.setdefault(i, []).append((lo - offset, hi - offset, owner))
+        return out
+
+    def carry(self, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter]) -> Carried:
+        """What this rank's shards hold, for another layout's ``load_carried`` (no copy)."""
+        groups = hyperparameters(self, optimizer, params)
+        return Carried(self.held_state(optimizer, params), self.piece_owners(params), groups)
+
+    def load_carried(
+        self,
+        optimizer: torch.optim.Optimizer,
+        params: list[torch.nn.Parameter],
+        carried: Carried,
+        group: Any,
+    ) -> None:
+        """Load what every rank's shards of another layout held (``carry``) into this layout's
+        shards (collective). A range whose owner changed travels point to point from the old
+        owner straight into the new state; one that stays is copied, or taken over where the
+        shard is the same. The transient is at most the old state, where gathering the whole
+        state on every rank cost several times it."""
+        kinds = _agree(_kinds(carried.state), group)
+        fresh, targets = self._fresh_state(params, kinds, carried.state)
+        moves = _Moves(group, self.buckets[0].flat.device if self.buckets else None)
+        owners = self.piece_owners(params)
+        for i in sorted(kinds):
+            for key in sorted(k for k, kind in kinds[i].items() if isinstance(kind, torch.dtype)):
+                for (a, b, src), (c, d, dst) in product(carried.owners[i], owners.get(i, [])):
+                    lo, hi = max(a, c), min(b, d)
+                    if lo >= hi or self.rank not in (src, dst):
+                        continue
+                    held = _slice_of(carried.state.get(i, {}).get(key, []), lo, hi)
+                    if held is None and src == self.rank:  # this piece was never stepped here
+                        held = torch.zeros(hi - lo, dtype=kinds[i][key])
+                    pieces = [(lo_t, entry[key]) for lo_t, entry in targets.get(i, [])]
+                    moves.move(src, dst, self.rank, held, _slice_of(pieces, lo, hi))
+        moves.finish()
+        carried.state.clear()  # consumed: the old state is freed now, not when the caller returns
+        number = optimizer_positions(optimizer)
+        state = {number[pid]: entry for pid, entry in fresh.items()}
+        groups = merged_groups(optimizer, carried.groups)
+        load_into(optimizer, {"state": state, "param_groups": groups})
+
+    def _fresh_state(
+        self, params: list[torch.nn.Parameter], kinds: dict[int, dict[str, Any]], held: dict
+    ) -> tuple[dict[int, dict[str, Any]], dict[int, list[tuple[int, dict[str, Any]]]]]:
+        """State for this rank's shards of parameters that have state (``kinds``), to be
+        filled: ``({id(shard param): entry}, {parameter index: [(flat start within it,
+        entry)]})``. Per-parameter values (a step count) are in already, and a per-element
+        value this rank held for exactly the same range is taken over as it is (the layouts of
+        one world often keep an owner's ranges: no second copy of its state)."""
+        position = {id(p): i for i, p in enumerate(params)}
+        fresh: dict[int, dict[str, Any]] = {}
+        targets: dict[int, list[tuple[int, dict[str, Any]]]] = {}
+        for shard in self.shards:
+            bucket = self.buckets[shard.bucket]
+            i = position[id(bucket.params[shard.slot])]
+            if i not in kinds:
+                continue
+            lo = shard.start - bucket.offsets[shard.slot]
+            entry = {}
+            for key, kind in kinds[i].items():
+                mine = held.get(i, {}).get(key, kind)
+                if not isinstance(kind, torch.dtype):
+                    entry[key] = _own(mine)
+                    continue
+                whole = _slice_of(mine if isinstance(mine, list) else [], lo, lo + shard.numel)
+                if whole is None or not _owns_storage(whole, shard.param.device):
+                    whole = torch.zeros(shard.numel, dtype=kind, device=shard.param.device)
+                entry[key] = whole
+            fresh[id(shard.param)] = entry
+            targets.setdefault(i, []).append((lo, entry))
+        return fresh, targets
 
     def load_local_state(
         self,
@@ -280,6 +427,12 @@ class ShardedParameters:
                 "param_groups": merged_groups(optimizer, groups),
             },
         )
+
+
+def used_flags(summed: torch.Tensor) -> list[bool]:
+    """Per parameter, from a bucket's usage flags summed over ranks: whether any rank used it
+    (NaN, a poisoned step, counts as used: the guard skips that step anyway)."""
+    return (summed < 0.5).logical_not().tolist()
 
 
 def hyperparameters(
@@ -324,6 +477,45 @@ def copy_pieces(pieces: list[tuple[int, torch.Tensor]], lo: int, out: torch.Tens
     return covered
 
 
+def _slice_of(pieces: list[tuple[int, torch.Tensor]], lo: int, hi: int) -> Any:
+    """The view of [lo, hi) in the ``(flat start, 1-D tensor)`` piece that holds all of it, or
+    None."""
+    for start, flat in pieces:
+        if start <= lo and hi <= start + flat.numel():
+            return flat[lo - start : hi - start]
+    return None
+
+
+def _owns_storage(t: torch.Tensor, device: torch.device) -> bool:
+    """Whether ``t`` (1-D, on ``device``) is the whole of its storage, so keeping it keeps
+    nothing more alive."""
+    whole = t.storage_offset() == 0 and t.nbytes == t.untyped_storage().nbytes()
+    return whole and t.device == device
+
+
+def _kinds(held: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    """Per parameter and key of ``held_state``: the dtype of per-element pieces, or the value
+    itself (a step count)."""
+    return {
+        i: {k: v[0][1].dtype if isinstance(v, list) else v for k, v in entry.items()}
+        for i, entry in held.items()
+    }
+
+
+def _agree(kinds: dict[int, dict[str, Any]], group: Any) -> dict[int, dict[str, Any]]:
+    """Every rank's ``_kinds`` merged (one small message; the first rank's value wins)."""
+    if dist.get_world_size(group) == 1:
+        return kinds
+    everyone: list[dict] = [None] * dist.get_world_size(group)  # type: ignore[list-item]
+    dist.all_gather_object(everyone, kinds, group=group)
+    merged: dict[int, dict[str, Any]] = {}
+    for part in everyone:
+        for i, entry in part.items():
+            for key, kind in entry.items():
+                merged.setdefault(i, {}).setdefault(key, kind)
+    return merged
+
+
 def _cpu(value: Any) -> Any:
     return value.detach().to("cpu", copy=True) if isinstance(value, torch.Tensor) else value
 
@@ -337,7 +529,10 @@ def _own(value: Any) -> Any:
 def _assemble(pieces: dict, bucket: int, offset: int, p: torch.Tensor) -> dict[str, Any]:
     """Per-parameter state for the parameter at ``offset`` in ``bucket`` from shard pieces."""
     end = offset + p.numel()
-    parts = sorted((start, s) for (b, start), s in pieces.items() if b == bucket)
+    parts = sorted(
+        (start, s) for (b, start, stop), s in pieces.items() if b == bucket and start < end
+        and stop > offset
+    )  # fmt: skip
     entry: dict[str, Any] = {}
     for start, state in parts:
         for key, value in state.items():

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from phalanx.bench import compile as compile_bench
-from phalanx.bench import fsdp, optimizer, pipeline, planner, port, rnn
+from phalanx.bench import fsdp, optimizer, pipeline, planner, port, rnn, strategy_memory
 from phalanx.commands.bench import data, exchange, link, memory
 from phalanx.commands.bench.flags import add_plain_target
 
@@ -53,6 +53,15 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         port.run_benchmark,
         port._check,
         port.format_table,
+    )
+    add_plain_target(
+        targets,
+        "strategy-memory",
+        "a user's ResNet-18 script: peak RSS per rank, DDP vs each strategy",
+        strategy_memory.StrategyMemoryConfig,
+        strategy_memory.run_benchmark,
+        strategy_memory._check,
+        strategy_memory.format_table,
     )
     add_plain_target(
         targets,
