@@ -7,6 +7,7 @@ at the end."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,3 +22,15 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.slow)
     # The slow tests first (a stable sort: each part keeps its order)
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
+@pytest.fixture
+def fresh_world() -> Iterator[None]:
+    """No world of one before the test or after it: ``phalanx.shutdown()`` both times (an
+    Engine made without a context joins the implicit one). A module that needs it says
+    ``pytestmark = pytest.mark.usefixtures("fresh_world")``."""
+    import phalanx as px
+
+    px.shutdown()
+    yield
+    px.shutdown()

@@ -13,8 +13,8 @@ from torch import nn
 import phalanx as px
 from phalanx.planner.trace import LANES, lane_totals, read_trace
 from phalanx.tracing import TraceConfig
+from tests.helpers.cli import run_main
 from tests.helpers.spawn import run_ranks
-from tests.unit.test_cli import run_main
 
 STRATEGIES = ("allreduce", "tree", "partitioned", "ps")
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from phalanx.bench import memory as bench
-from tests.unit.test_cli import assert_one_line_error, run_main
+from tests.helpers.cli import assert_one_line_error, run_main
 
 TINY = bench.MemoryBenchConfig(
     batch_size=64,  # activations dominate: the smallest plan sits well under 75% of the peak

@@ -16,7 +16,7 @@ from phalanx.bench.optimizer import (
     summarize,
 )
 from phalanx.errors import ConfigError
-from tests.unit.test_cli import assert_one_line_error, run_main
+from tests.helpers.cli import assert_one_line_error, run_main
 
 
 def test_variants_train_alike_and_the_host_one_holds_state_in_the_tier(tmp_path) -> None:

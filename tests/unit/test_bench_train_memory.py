@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from phalanx.bench import train_memory as bench
-from tests.unit.test_cli import assert_one_line_error, run_main
+from tests.helpers.cli import assert_one_line_error, run_main
 
 BLOCK = (
     '  { type = "linear", in_features = 64, out_features = 2048 },\n  { type = "gelu" },\n'

@@ -23,6 +23,7 @@ from phalanx.cli import main
 from phalanx.config import config_from_data, load_config
 from phalanx.errors import ConfigError
 from phalanx.runtime.context import shutdown
+from tests.helpers.cli import assert_one_line_error, metrics, own_process_group, run_main
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = str(ROOT / "configs" / "digits_cnn.toml")
@@ -35,38 +36,6 @@ LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "PHALANX_LAUNCHED")
 def not_in_a_worker(monkeypatch):
     for name in LAUNCH_VARS:
         monkeypatch.delenv(name, raising=False)
-
-
-@contextlib.contextmanager
-def own_process_group():
-    """Destroy the world-of-one group a run in this process creates (only if it created it)."""
-    existed = dist.is_initialized()
-    try:
-        yield
-    finally:
-        if not existed:
-            shutdown()
-
-
-def run_main(argv: list[str]) -> int:
-    """``phalanx ARGV`` in this process; its exit code."""
-    with own_process_group(), pytest.raises(SystemExit) as info:
-        main(argv)
-    return info.value.code
-
-
-def assert_one_line_error(err: str, *fragments: str) -> str:
-    assert "Traceback" not in err
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1, f"expected one line on stderr, got {err!r}"
-    assert lines[0].startswith("phalanx: error: ")
-    for fragment in fragments:
-        assert fragment in lines[0]
-    return lines[0]
-
-
-def metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def flip_bytes(path: Path) -> None:

@@ -22,11 +22,7 @@ SGD = functools.partial(torch.optim.SGD, lr=0.1)
 CE = nn.functional.cross_entropy
 
 
-@pytest.fixture(autouse=True)
-def _fresh_world():
-    px.shutdown()
-    yield
-    px.shutdown()
+pytestmark = pytest.mark.usefixtures("fresh_world")  # no world of one before or after
 
 
 class Block(nn.Module):

@@ -14,22 +14,13 @@ from torch import nn
 import phalanx as px
 from phalanx.config import config_from_data
 from phalanx.errors import ConfigError
-from tests.unit.test_lifecycle import Reversed
+from tests.helpers.models import Reversed, batch
 
 SGD = functools.partial(torch.optim.SGD, lr=0.1)
 CE = nn.functional.cross_entropy
 
 
-@pytest.fixture(autouse=True)
-def _fresh_world():
-    px.shutdown()
-    yield
-    px.shutdown()
-
-
-def _batch() -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(0)
-    return torch.randn(8, 4, generator=g), torch.randint(0, 3, (8,), generator=g)
+pytestmark = pytest.mark.usefixtures("fresh_world")  # no world of one before or after
 
 
 def test_shorthand_and_configs_build_the_same_engine() -> None:
@@ -64,7 +55,7 @@ def test_a_runs_train_and_exchange_tables_go_in_as_they_are() -> None:
         assert e.config is config.train and e.accumulate_steps == 2
         assert e.guard.max_grad_norm == 1.0 and type(e.strategy).__name__ == "Tree"
         assert e.buckets.first_bucket_bytes == 2**19
-        e.step(*_batch())
+        e.step(*batch())
 
 
 @pytest.mark.parametrize("strategy", ["tree", "partitioned", "ps"])
@@ -76,10 +67,10 @@ def test_a_rebuild_builds_the_strategy_whole_and_hands_over_its_thread(strategy:
     with px.Engine(Reversed(), CE, SGD, exchange=strategy, first_bucket_mb=0.0001) as engine:
         first, comm = engine.strategy, engine.strategy.comm
         assert comm is not None
-        engine.step(*_batch())
+        engine.step(*batch())
         assert engine.strategy is not first and engine.strategy.comm is comm
         assert first.comm is None and engine.strategy.buckets is engine.buckets.buckets
         threads = [t for t in threading.enumerate() if t.name.startswith("phalanx-comm")]
         assert len(threads) == 1  # one thread across layouts, none left behind
-        engine.step(*_batch())
+        engine.step(*batch())
     assert not any(t.name.startswith("phalanx-comm") for t in threading.enumerate())

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 import phalanx as px
+from tests.helpers.models import Reversed, batch
 
 SGD = functools.partial(torch.optim.SGD, lr=0.1)
 
@@ -25,40 +26,18 @@ def _comm_threads() -> list[str]:
     return [t.name for t in threading.enumerate() if t.name.startswith("phalanx-comm")]
 
 
-def _batch() -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(0)
-    return torch.randn(8, 4, generator=g), torch.randint(0, 3, (8,), generator=g)
-
-
-class Reversed(nn.Module):
-    """Layers registered in the reverse of their use: the observed backward order differs from
-    the registration order, so the buckets rebuild after the first update."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.head = nn.Linear(8, 3)
-        self.stem = nn.Linear(4, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.relu(self.stem(x)))
-
-
-@pytest.fixture(autouse=True)
-def _fresh_world():
-    px.shutdown()
-    yield
-    px.shutdown()
+pytestmark = pytest.mark.usefixtures("fresh_world")  # no world of one before or after
 
 
 @pytest.mark.parametrize("strategy", ["allreduce", "tree", "partitioned", "ps"])
 def test_with_block_and_repeated_close(strategy: str) -> None:
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
     with px.Engine(model, nn.functional.cross_entropy, SGD, exchange=strategy) as engine:
-        engine.step(*_batch())
+        engine.step(*batch())
     assert _comm_threads() == []
     engine.close()  # idempotent
     before = [p.detach().clone() for p in model.parameters()]
-    model(_batch()[0]).sum().backward()  # the model works without the engine: no hooks left
+    model(batch()[0]).sum().backward()  # the model works without the engine: no hooks left
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
 
@@ -68,7 +47,7 @@ def test_shutdown_closes_open_engines_before_the_group() -> None:
         for name in ("partitioned", "ps", "tree")
     ]
     for engine in engines:
-        engine.step(*_batch())
+        engine.step(*batch())
     assert len(_comm_threads()) == 3
     px.shutdown()
     assert _comm_threads() == [] and not dist.is_initialized()
@@ -86,7 +65,7 @@ def test_optimizer_object_survives_rebuilds_and_scheduler_acts(strategy: str) ->
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
     steps = 0
     while not engine.auto_done or steps < 3:
-        engine.step(*_batch())
+        engine.step(*batch())
         scheduler.step()
         steps += 1
         assert engine.optimizer is optimizer
@@ -115,7 +94,7 @@ def test_shutdown_joins_the_backends_worker_threads() -> None:
     ctx = px.init()
     engine = px.Engine(nn.Linear(4, 3), nn.functional.cross_entropy, SGD)
     for _ in range(2):
-        engine.step(*_batch())
+        engine.step(*batch())
     assert _os_threads() - before  # Gloo's worker and transport threads
     px.shutdown()
     assert ctx.group is None  # the user's Context no longer keeps the group alive
@@ -172,9 +151,9 @@ def test_a_dropped_engine_closes_itself(strategy: str) -> None:
     def main() -> nn.Module:
         model = nn.Linear(4, 3)
         engine = px.Engine(model, nn.functional.cross_entropy, SGD, exchange=strategy)
-        engine.step(*_batch())
+        engine.step(*batch())
         return model
 
     model = main()
     assert _comm_threads() == []
-    model(_batch()[0]).sum().backward()  # no hooks left on the user's model
+    model(batch()[0]).sum().backward()  # no hooks left on the user's model

@@ -13,32 +13,7 @@ from torch import nn
 
 from phalanx.errors import ConfigError
 from phalanx.memory.host_mirror import HostMirror
-from tests.unit.test_memory_mirror import OPTIMIZERS, model
-
-CPU = torch.device("cpu")
-
-
-def train(
-    net: nn.Module,
-    opt: torch.optim.Optimizer,
-    steps: int,
-    unused: bool = False,
-    device: torch.device = CPU,
-    seed: int = 1,
-) -> list[torch.Tensor]:
-    """Plain torch training; reads the parameters through ``state_dict`` (which waits for the
-    mirror's pending chunks, as a user's checkpoint would)."""
-    g = torch.Generator().manual_seed(seed)
-    dtype = next(net.parameters()).dtype
-    for step in range(steps):
-        x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
-        x, y = x.to(device, dtype), y.to(device, dtype)
-        opt.zero_grad()
-        nn.functional.mse_loss(net(x), y).backward()
-        if unused and step % 2:  # a parameter without gradient this step keeps its state
-            net[2].weight.grad = None
-        opt.step()
-    return [t.detach().clone() for t in net.state_dict().values()]
+from tests.helpers.mirror import CPU, OPTIMIZERS, model, train
 
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))

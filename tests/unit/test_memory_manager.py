@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.unit.test_cli import assert_one_line_error, run_main
+from tests.helpers.cli import assert_one_line_error, metrics, run_main
 
 CONFIG = """
 [model]
@@ -34,7 +34,7 @@ def train(tmp_path: Path, name: str, *sets: str) -> tuple[list[float], float]:
     for item in sets:
         args += ["--set", item]
     assert run_main(args) == 0
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = metrics(run_dir)
     summary = json.loads((run_dir / "summary.json").read_text())
     return [r["loss"] for r in records], summary["val_loss"]
 

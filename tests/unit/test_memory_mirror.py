@@ -4,7 +4,6 @@ chunk, bitwise the same parameters as the optimizer alone."""
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
 
 import pytest
 import torch
@@ -12,34 +11,7 @@ from torch import nn
 
 from phalanx.memory.mirror import OptimizerMirror
 from phalanx.memory.tiers import SpillFileTier
-
-Factory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
-OPTIMIZERS: dict[str, Factory] = {
-    "adamw": lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.1),
-    "sgd momentum": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
-    "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=0.05),
-}
-
-
-def model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Linear(32, 4))
-
-
-def train(
-    net: nn.Module, opt: torch.optim.Optimizer, steps: int, unused: bool = False, cuda: bool = False
-) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(1)
-    for step in range(steps):
-        x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
-        if cuda:
-            x, y = x.cuda(), y.cuda()
-        opt.zero_grad()
-        nn.functional.mse_loss(net(x), y).backward()
-        if unused and step % 2:  # a parameter without gradient this step keeps its state
-            net[2].weight.grad = None
-        opt.step()
-    return [p.detach().clone() for p in net.parameters()]
+from tests.helpers.mirror import OPTIMIZERS, model, train
 
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
@@ -112,13 +84,13 @@ def test_mirror_on_cuda_keeps_state_in_pinned_host_memory() -> None:
 
     device = torch.device("cuda")
     expected = train(
-        net := model().to(device), OPTIMIZERS["adamw"](list(net.parameters())), 4, cuda=True
+        net := model().to(device), OPTIMIZERS["adamw"](list(net.parameters())), 4, device=device
     )
     net = model().to(device)
     opt = OPTIMIZERS["adamw"](list(net.parameters()))
     with PinnedHostTier(device) as tier:
         mirror = OptimizerMirror(opt, tier, chunk_bytes=2000)
-        got = train(net, opt, 4, cuda=True)
+        got = train(net, opt, 4, device=device)
         assert mirror.stored_bytes() > 0
         resident = [v for s in opt.state.values() for v in s.values() if v.numel() > 1]
         assert resident == []

@@ -26,6 +26,7 @@ from phalanx.planner.cluster import (
     load_cluster,
 )
 from phalanx.planner.step import StepProfile
+from tests.helpers.cli import own_process_group
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = str(ROOT / "configs" / "digits_cnn.toml")
@@ -271,8 +272,6 @@ def test_auto_plan_picks_a_setup_the_run_uses_and_the_run_reports_its_error(
     run_dir = tmp_path / "run"
     argv = ["train", CONFIG, "--auto-plan", "--run-dir", str(run_dir),
             "--set", "train.steps=5", "--set", "train.progress=false"]  # fmt: skip
-    from tests.unit.test_cli import own_process_group
-
     with own_process_group():  # the run's world of one goes with it
         code, out, err = run(argv, capsys)
     assert code == 0, err
@@ -302,8 +301,6 @@ def test_predict_reports_the_error_of_the_run_as_configured(tmp_path, monkeypatc
     argv = ["train", CONFIG, "--predict", "--run-dir", str(run_dir),
             "--set", "exchange.strategy=tree", "--set", "train.steps=5",
             "--set", "train.progress=false"]  # fmt: skip
-    from tests.unit.test_cli import own_process_group
-
     with own_process_group():
         code, out, err = run(argv, capsys)
     assert code == 0, err

@@ -12,7 +12,7 @@ import pytest
 from phalanx.bench import planner_validation as validation
 from phalanx.bench.planner import PlannerBenchConfig, format_report, run_benchmark
 from phalanx.errors import ConfigError
-from tests.unit.test_cli import run_main
+from tests.helpers.cli import run_main
 
 ROOT = Path(__file__).resolve().parents[2]
 CALIBRATION = str(ROOT / "configs/validation/calibration/cnn_small.toml")

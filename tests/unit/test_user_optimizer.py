@@ -13,13 +13,9 @@ from torch import nn
 
 import phalanx as px
 from phalanx.errors import ConfigError
+from tests.helpers.models import batch
 
-
-@pytest.fixture(autouse=True)
-def _fresh_world():
-    px.shutdown()
-    yield
-    px.shutdown()
+pytestmark = pytest.mark.usefixtures("fresh_world")  # no world of one before or after
 
 
 def _model() -> nn.Module:
@@ -35,17 +31,12 @@ def _groups(model: nn.Module) -> list[dict]:
     ]
 
 
-def _batch() -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(0)
-    return torch.randn(6, 4, generator=g), torch.randint(0, 3, (6,), generator=g)
-
-
 @pytest.mark.parametrize("strategy", ["allreduce", "tree", "partitioned", "ps"])
 def test_an_instance_keeps_its_object_and_groups(strategy: str) -> None:
     model = _model()
     optimizer = torch.optim.AdamW(_groups(model), lr=0.01)
     engine = px.Engine(model, nn.functional.cross_entropy, optimizer, exchange=strategy)
-    engine.step(*_batch())
+    engine.step(*batch(6))
     assert engine.optimizer is optimizer
     assert [g["weight_decay"] for g in optimizer.param_groups] == [0.1, 0.0]
     assert [g["lr"] for g in optimizer.param_groups] == [0.01, 0.02]
@@ -63,7 +54,7 @@ def test_a_factory_over_the_same_parameters_is_accepted() -> None:
     engine = px.Engine(model, nn.functional.cross_entropy,
                        lambda params: torch.optim.AdamW(_groups(model), lr=0.01),
                        exchange="partitioned")  # fmt: skip
-    engine.step(*_batch())
+    engine.step(*batch(6))
     assert len(engine.optimizer.param_groups) == 2
 
 
@@ -88,7 +79,7 @@ def test_what_cannot_be_honoured_is_refused_in_one_line(spec, strategy, message)
         spec = torch.optim.Adafactor(model.parameters())
     elif spec == "stateful":
         spec = torch.optim.Adam(model.parameters())
-        model(_batch()[0]).sum().backward()
+        model(batch(6)[0]).sum().backward()
         spec.step()
     with pytest.raises(ConfigError, match=message) as caught:
         px.Engine(model, nn.functional.cross_entropy, spec, exchange=strategy)
@@ -100,7 +91,7 @@ def test_adafactor_under_allreduce_is_stepped_as_it_is() -> None:
     optimizer = torch.optim.Adafactor(model.parameters(), lr=0.01)
     engine = px.Engine(model, nn.functional.cross_entropy, optimizer)
     before = [p.detach().clone() for p in model.parameters()]
-    engine.step(*_batch())
+    engine.step(*batch(6))
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
 
@@ -124,7 +115,7 @@ def test_the_models_own_loss(output: str) -> None:
     model = OwnLoss(output)
     engine = px.Engine(model, optimizer=functools.partial(torch.optim.SGD, lr=0.1),
                        accumulate_steps=2)  # fmt: skip
-    x, y = _batch()
+    x, y = batch(6)
     loss = engine.step(x, targets=y)
     assert loss.dim() == 0 and torch.isfinite(loss)
     assert "net.0.weight" in engine.module.state_dict()  # the model's own key names
@@ -133,12 +124,12 @@ def test_the_models_own_loss(output: str) -> None:
 def test_an_output_without_a_loss_is_refused_in_one_line() -> None:
     engine = px.Engine(OwnLoss("logits"), optimizer=functools.partial(torch.optim.SGD, lr=0.1))
     with pytest.raises(ConfigError, match="the model's output must be its loss"):
-        engine.step(_batch()[0])
+        engine.step(batch(6)[0])
 
 
 def test_step_arguments_must_fit_the_loss() -> None:
     engine = px.Engine(_model(), nn.functional.cross_entropy, torch.optim.SGD, exchange="tree")
-    x, y = _batch()
+    x, y = batch(6)
     with pytest.raises(ConfigError, match=r"call step\(inputs, targets\)"):
         engine.step(x, y, x)
     with pytest.raises(ConfigError, match="optimizer: required"):
@@ -156,20 +147,20 @@ def test_the_optimizer_state_round_trips_in_torchs_format(strategy: str) -> None
     plain = torch.optim.AdamW(_groups(model), lr=0.01)
     for _ in range(2):
         plain.zero_grad()
-        nn.functional.cross_entropy(model(_batch()[0]), _batch()[1]).backward()
+        nn.functional.cross_entropy(model(batch(6)[0]), batch(6)[1]).backward()
         plain.step()
     model = _model()
     optimizer = torch.optim.AdamW(_groups(model), lr=0.01)
     engine = px.Engine(model, nn.functional.cross_entropy, optimizer, exchange=strategy)
-    engine.step(*_batch())
-    engine.step(*_batch())
+    engine.step(*batch(6))
+    engine.step(*batch(6))
     state = copy.deepcopy(engine.optimizer_state_dict())  # torch's: the live tensors
     expected = plain.state_dict()
     assert state["param_groups"] == expected["param_groups"]
     for n, entry in expected["state"].items():
         for key, value in entry.items():
             torch.testing.assert_close(state["state"][n][key], value)
-    engine.step(*_batch())
+    engine.step(*batch(6))
     engine.load_optimizer_state_dict(state)  # back to the state after two steps
     again = engine.optimizer_state_dict()
     torch.testing.assert_close(again["state"][0]["exp_avg"], expected["state"][0]["exp_avg"])
@@ -188,12 +179,12 @@ def test_frozen_parameters_left_in_a_group_keep_torchs_numbering() -> None:
         optimizer = torch.optim.AdamW(_groups(model)[::-1], lr=0.01)
         if strategy is None:
             optimizer.zero_grad()
-            nn.functional.cross_entropy(model(_batch()[0]), _batch()[1]).backward()
+            nn.functional.cross_entropy(model(batch(6)[0]), batch(6)[1]).backward()
             optimizer.step()
             states.append(optimizer.state_dict())
             continue
         engine = px.Engine(model, nn.functional.cross_entropy, optimizer, exchange=strategy)
-        engine.step(*_batch())
+        engine.step(*batch(6))
         states.append(engine.optimizer_state_dict())
         engine.load_optimizer_state_dict(states[0])  # and one process's loads back
     plain, sharded = states
@@ -221,8 +212,8 @@ def test_a_parameter_no_rank_used_is_not_stepped(strategy: str, caplog) -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
     engine = px.Engine(model, nn.functional.cross_entropy, optimizer, exchange=strategy)
     with caplog.at_level("WARNING", logger="phalanx"):
-        engine.step(*_batch())
-        engine.step(*_batch())
+        engine.step(*batch(6))
+        engine.step(*batch(6))
     engine.sync()
     assert all(torch.equal(a, b) for a, b in zip(before, model.unused.parameters()))
     assert sorted(engine.optimizer_state_dict()["state"]) == [0, 1, 2, 3, 4, 5]
@@ -241,16 +232,16 @@ def test_unfreezing_after_the_engine_was_built_is_refused_in_one_line(strategy: 
     params = [p for p in model.parameters() if p.requires_grad]
     engine = px.Engine(model, nn.functional.cross_entropy, torch.optim.SGD(params, lr=0.1),
                        exchange=strategy)  # fmt: skip
-    engine.step(*_batch())
+    engine.step(*batch(6))
     model[2].bias.requires_grad_(False)  # freezing later: allowed
-    engine.step(*_batch())
+    engine.step(*batch(6))
     frozen.requires_grad_(True)
     with pytest.raises(ConfigError, match=r"step 3: parameter '0.weight' became trainable after"):
-        engine.step(*_batch())
+        engine.step(*batch(6))
     frozen.requires_grad_(False)
     engine.optimizer.add_param_group({"params": [frozen], "lr": 0.01})
     with pytest.raises(ConfigError, match="step 3: a parameter group was added to the optimizer"):
-        engine.step(*_batch())
+        engine.step(*batch(6))
     engine.close()
 
 
@@ -270,13 +261,13 @@ def test_a_submodule_the_script_keeps_in_eval_mode_stays_so(strategy: str) -> No
     optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
     for _ in range(3):
         optimizer.zero_grad()
-        nn.functional.cross_entropy(reference(_batch()[0]), _batch()[1]).backward()
+        nn.functional.cross_entropy(reference(batch(6)[0]), batch(6)[1]).backward()
         optimizer.step()
     model = build()
     engine = px.Engine(model, nn.functional.cross_entropy,
                        torch.optim.SGD(model.parameters(), lr=0.1), exchange=strategy)  # fmt: skip
     for _ in range(3):
-        engine.step(*_batch())
+        engine.step(*batch(6))
     assert not model[1].training and model[0].training
     for name, value in reference.state_dict().items():
         torch.testing.assert_close(engine.module.state_dict()[name], value, msg=name)
