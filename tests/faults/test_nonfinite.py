@@ -4,7 +4,6 @@ for every strategy; parameters then equal one-process training that skipped that
 
 from __future__ import annotations
 
-import copy
 import functools
 
 import pytest
@@ -13,6 +12,13 @@ from torch import nn
 
 import phalanx as px
 from phalanx.errors import NonFiniteError
+from tests.helpers.equivalence import (
+    assert_states_close,
+    global_batches,
+    make_engine,
+    one_process,
+    train_shards,
+)
 from tests.helpers.spawn import run_ranks
 
 STRATEGIES = ["allreduce", "tree", "partitioned", "ps"]
@@ -21,10 +27,7 @@ ADAM = functools.partial(torch.optim.Adam, lr=0.01)
 
 
 def _batches(world: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(0)
-    n = LOCAL_BATCH * world
-    return [(torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g))
-            for _ in range(STEPS)]  # fmt: skip
+    return global_batches(world, steps=STEPS, features=6, classes=3, local_batch=LOCAL_BATCH)
 
 
 def _model() -> nn.Module:
@@ -50,18 +53,6 @@ class PoisonedLoss:
         return loss * float("nan") if bad else loss
 
 
-def _reference(batches: list) -> dict[str, torch.Tensor]:
-    model = _model()
-    opt = ADAM(model.parameters())
-    for step, (x, y) in enumerate(batches):
-        if step == BAD_STEP:
-            continue  # skipped: no update, no optimizer step count
-        opt.zero_grad(set_to_none=True)
-        nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
-    return {k: v.clone() for k, v in model.state_dict().items()}
-
-
 def _guarded(ctx: px.Context) -> dict:
     batches, out = _batches(ctx.world_size), {}
     bad_rank = ctx.world_size - 1
@@ -73,13 +64,10 @@ def _guarded(ctx: px.Context) -> dict:
     for strategy, gradients_only in cases:
         loss_fn = PoisonedLoss(bad_rank, {BAD_STEP}, bool(gradients_only))
         clip = 1e9 if gradients_only == "clipped" else None
-        engine = px.Engine(copy.deepcopy(_model()), loss_fn, ADAM, exchange=strategy,
-                           max_grad_norm=clip, context=ctx)  # fmt: skip
-        skipped = []
-        for x, y in batches:
-            lo = ctx.rank * LOCAL_BATCH
-            engine.step(x[lo : lo + LOCAL_BATCH], y[lo : lo + LOCAL_BATCH])
-            skipped.append(engine.stats.nonfinite_skipped)
+        engine = make_engine(ctx, _model(), ADAM, loss=loss_fn, exchange=strategy,
+                             max_grad_norm=clip)  # fmt: skip
+        skipped = train_shards(engine, batches, local_batch=LOCAL_BATCH, sync=False,
+                               observe=lambda e: e.stats.nonfinite_skipped)  # fmt: skip
         out[(strategy, gradients_only)] = {
             "state": {k: v.clone() for k, v in engine.module.state_dict().items()},
             "skipped": skipped,
@@ -121,14 +109,14 @@ def _guarded(ctx: px.Context) -> dict:
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_nan_on_one_rank_skips_the_step_everywhere(world_size: int) -> None:
     results = run_ranks(_guarded, world_size, timeout=240)
-    expected = _reference(_batches(world_size))
+    # one process that skipped the bad batch: no update, no optimizer step count
+    expected = one_process(_model(), ADAM, _batches(world_size), skip={BAD_STEP}).state()
     for rank, result in enumerate(results):
         for key in [k for k in result if isinstance(k, tuple)]:
             strategy, got = key, result[key]
             assert got["skipped"] == [s == BAD_STEP for s in range(STEPS)], (strategy, rank)
             assert got["count"] == 1
-            for name, value in expected.items():
-                torch.testing.assert_close(got["state"][name], value, atol=1e-6, rtol=1e-5)
+            assert_states_close(got["state"], expected, atol=1e-6, rtol=1e-5, what=f"{key} {rank}")
         assert result["auto_allreduce"] == result["auto_ps"] == (True, 1)
         assert result["limit"].startswith("step 3: loss or gradients are inf/NaN for 3 consecutive")
         assert result["abort"] == "step 2: loss or gradients are inf/NaN (nonfinite = 'abort')"

@@ -3,39 +3,31 @@ profiled steps, rebuilds its buckets, and training still equals one process exac
 
 from __future__ import annotations
 
-import copy
-import functools
-
 import torch
-from torch import nn
 
 import phalanx as px
-from phalanx.exchange import strategy_factory
+from tests.helpers.equivalence import (
+    ADAM,
+    ReversedNet,
+    global_batches,
+    make_engine,
+    max_diff,
+    one_process,
+    train_shards,
+)
 from tests.helpers.spawn import run_ranks
-from tests.multiproc.test_engine import LOCAL_BATCH, ReversedNet, _batches, _reference
-
-ADAM = functools.partial(torch.optim.Adam, lr=0.01)
 
 
 def _auto(ctx: px.Context) -> dict:
     torch.manual_seed(0)
-    model, batches = ReversedNet(), _batches(ctx.world_size)
+    model, batches = ReversedNet(), global_batches(ctx.world_size)
     out = {}
     for name, options in (("allreduce", {}), ("partitioned", {"schedule": "native"})):
-        engine = px.Engine(
-            copy.deepcopy(model), nn.functional.cross_entropy, ADAM, bucket_mb="auto",
-            exchange=strategy_factory(name, options), context=ctx,
-        )  # fmt: skip
-        r = ctx.rank
+        engine = make_engine(ctx, model, ADAM, name, options, bucket_mb="auto")
         # The model chooses after step 4, then the distinct candidate layouts take turns: 3
         # visits of 4 steps each (the first untimed), at most 36 steps.
-        for x, y in (batches * 7)[:42]:
-            engine.step(
-                x[r * LOCAL_BATCH : (r + 1) * LOCAL_BATCH],
-                y[r * LOCAL_BATCH : (r + 1) * LOCAL_BATCH],
-            )  # noqa: E501
-        engine.sync()
-        reference = _reference(model, ADAM, (batches * 7)[:42])
+        train_shards(engine, (batches * 7)[:42])
+        reference = one_process(model, ADAM, (batches * 7)[:42]).model
         out[name] = {
             "threshold": engine.threshold.bucket_bytes if engine.threshold else None,
             "done": engine.auto_done,
@@ -43,10 +35,7 @@ def _auto(ctx: px.Context) -> dict:
             "bucket_bytes": engine.buckets.bucket_bytes,
             "alpha_beta": (engine.link.alpha_s, engine.link.beta_bytes_per_s),
             "describe": engine.threshold.describe() if engine.threshold else "",
-            "diff": max(
-                (a - b).abs().max().item()
-                for a, b in zip(engine.module.parameters(), reference.parameters())
-            ),
+            "diff": max_diff(engine.module, reference),
         }
         engine.close()
     return out

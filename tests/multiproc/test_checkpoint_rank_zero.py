@@ -22,7 +22,7 @@ from torch import nn
 
 import phalanx as px
 from phalanx import checkpoint
-from phalanx.exchange.base import strategy_factory
+from tests.helpers.equivalence import copy_state, global_batches, make_engine, train_shards
 from tests.helpers.spawn import run_ranks
 
 STRATEGIES = {
@@ -55,35 +55,18 @@ class BatchNet(nn.Module):
 
 def _batches(rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """This rank's own batches: other data, so other statistics, on every rank."""
-    g = torch.Generator().manual_seed(100 + rank)
-    return [
-        (torch.randn(LOCAL_BATCH, 3, 6, 6, generator=g) * (1 + rank),
-         torch.randint(0, 5, (LOCAL_BATCH,), generator=g))
-        for _ in range(FIRST + AFTER)
-    ]  # fmt: skip
+    own = global_batches(1, steps=FIRST + AFTER, features=(3, 6, 6), classes=5,
+                         local_batch=LOCAL_BATCH, seed=100 + rank)  # fmt: skip
+    return [(x * (1 + rank), y) for x, y in own]
 
 
 def _engine(ctx: px.Context, name: str, seed: int) -> px.Engine:
     torch.manual_seed(seed)
-    return px.Engine(
-        BatchNet(),
-        nn.functional.cross_entropy,
-        ADAM,
-        exchange=strategy_factory(name, STRATEGIES[name]),
+    return make_engine(
+        ctx, BatchNet(), ADAM, name, STRATEGIES[name],
         bucket_mb=0.0005,  # several buckets, so several partitions per step
-        context=ctx,
         broadcast_buffers=False,
-    )
-
-
-def _train(engine: px.Engine, batches: list) -> None:
-    for x, y in batches:
-        engine.step(x, y)
-    engine.sync()
-
-
-def _state(engine: px.Engine) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in engine.full_state_dict().items()}
+    )  # fmt: skip
 
 
 def _buffers(engine: px.Engine) -> dict[str, torch.Tensor]:
@@ -121,19 +104,20 @@ def _save_and_resume(ctx: px.Context, root: Path) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name in STRATEGIES:
         engine = _engine(ctx, name, 0)
-        _train(engine, batches[:FIRST])
+        train_shards(engine, batches[:FIRST], local_batch=None)
         at_save = _buffers(engine)
         state = {"engine": engine}
         pending = checkpoint.save_async(root / f"{name}-async", FIRST, state, group=background)
         checkpoint.save(root / name, FIRST, {"engine": engine}, group=ctx.group)
         pending.wait()
-        _train(engine, batches[FIRST:])
-        uninterrupted = _state(engine)
+        train_shards(engine, batches[FIRST:], local_batch=None)
+        uninterrupted = copy_state(engine)
         engine.close()
         engine = _engine(ctx, name, 1)  # other weights: everything must come from the checkpoint
         checkpoint.restore(root / name, {"engine": engine}, group=ctx.group)
-        _train(engine, batches[FIRST:])
-        out[name] = {"at_save": at_save, "uninterrupted": uninterrupted, "resumed": _state(engine)}
+        train_shards(engine, batches[FIRST:], local_batch=None)
+        resumed = copy_state(engine)
+        out[name] = {"at_save": at_save, "uninterrupted": uninterrupted, "resumed": resumed}
         engine.close()
     out["non_tensors"] = _non_tensors(ctx, root)
     return out

@@ -6,7 +6,6 @@ and continues as one process training on the same global batches would."""
 
 from __future__ import annotations
 
-import copy
 import json
 from pathlib import Path
 
@@ -16,11 +15,18 @@ from torch import nn
 
 import phalanx as px
 from phalanx import checkpoint
+from tests.helpers.equivalence import (
+    ADAM,
+    LOCAL_BATCH,
+    ReversedNet,
+    copy_params,
+    global_batches,
+    make_engine,
+    one_process,
+    train_shards,
+)
 from tests.helpers.spawn import run_ranks
-from tests.multiproc.test_engine import LOCAL_BATCH, ReversedNet, _batches
-from tests.multiproc.test_strategies import OPTIMIZERS, _engine, _params, _train
 
-ADAM = OPTIMIZERS["adam"]
 SAVED = {  # checkpoint name -> the strategy that writes it at world 2
     "allreduce": ("allreduce", {}),
     "native": ("partitioned", {"schedule": "native"}),
@@ -54,13 +60,18 @@ def _optimizer_bytes(state: dict) -> int:
     return total
 
 
+def _engine(ctx: px.Context, model: nn.Module, strategy: str, options: dict) -> px.Engine:
+    """Adam, several buckets (so several partitions per step)."""
+    return make_engine(ctx, model, ADAM, strategy, options, bucket_mb=0.004)
+
+
 def _save_at_two(ctx: px.Context, root: Path) -> dict:
     torch.manual_seed(0)
-    model, batches = ReversedNet(), _batches(2)[:FIRST]
+    model, batches = ReversedNet(), global_batches(2)[:FIRST]
     out: dict = {"handed": {}, "held": {}, "slices": {}}
     for name, (strategy, options) in SAVED.items():
-        engine = _engine(ctx, model, ADAM, strategy, options)
-        _train(engine, batches)
+        engine = _engine(ctx, model, strategy, options)
+        train_shards(engine, batches)
         state = engine.state_dict()
         out["handed"][name] = _optimizer_bytes(state)
         out["held"][name] = engine.optimizer_bytes()
@@ -73,8 +84,9 @@ def _save_at_two(ctx: px.Context, root: Path) -> dict:
         if name == "allreduce":  # a background save keeps the state of the moment it was asked
             group = dist.new_group(backend="gloo")
             pending = checkpoint.save_async(root / "async", FIRST, {"engine": engine}, group=group)
-            out["at_save"] = _params(engine)
-            _train(engine, _batches(2, seed=3)[:1])  # changes the parameters meanwhile
+            out["at_save"] = copy_params(engine.module)
+            # changes the parameters meanwhile
+            train_shards(engine, global_batches(2, seed=3)[:1])
             pending.wait()
         engine.close()
     return out
@@ -84,29 +96,24 @@ def _resume_at_three(ctx: px.Context, root: Path) -> dict:
     torch.manual_seed(1)  # other initial weights: everything must come from the checkpoint
     out = {}
     for name, (strategy, options) in RESUMED.items():
-        engine = _engine(ctx, ReversedNet(), ADAM, strategy, options)
+        engine = _engine(ctx, ReversedNet(), strategy, options)
         found = checkpoint.restore(root / name, {"engine": engine}, group=ctx.group)
         assert found.step == FIRST and engine.num_steps == FIRST, (found, engine.num_steps)
         workers = engine.data_world_size  # ps with a dedicated server: 2 workers
         second = [(x[: LOCAL_BATCH * workers], y[: LOCAL_BATCH * workers])
-                  for x, y in _batches(workers, seed=7)[:SECOND]]  # fmt: skip
-        _train(engine, second)
-        out[name] = _params(engine) if engine.is_trainer else None
+                  for x, y in global_batches(workers, seed=7)[:SECOND]]  # fmt: skip
+        train_shards(engine, second)
+        out[name] = copy_params(engine.module) if engine.is_trainer else None
         engine.close()
     return out
 
 
-def _reference(workers_after: int) -> list[torch.Tensor]:
+def _uninterrupted(workers_after: int) -> list[torch.Tensor]:
     """One process: FIRST steps on world-2 global batches, then SECOND on the resumed ones."""
     torch.manual_seed(0)
-    model = copy.deepcopy(ReversedNet())
-    opt = ADAM(model.parameters())
     second = [(x[: LOCAL_BATCH * workers_after], y[: LOCAL_BATCH * workers_after])
-              for x, y in _batches(workers_after, seed=7)[:SECOND]]  # fmt: skip
-    for x, y in _batches(2)[:FIRST] + second:
-        opt.zero_grad()
-        nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
+              for x, y in global_batches(workers_after, seed=7)[:SECOND]]  # fmt: skip
+    model = one_process(ReversedNet(), ADAM, global_batches(2)[:FIRST] + second).model
     return [p.detach() for p in model.parameters()]
 
 
@@ -138,7 +145,7 @@ def test_world_two_checkpoints_resume_on_world_three(tmp_path: Path) -> None:
     resumed = run_ranks(_resume_at_three, 3, tmp_path, timeout=240)
     for name, (_, options) in RESUMED.items():
         workers = 3 - options.get("servers", 0)
-        reference = _reference(workers)
+        reference = _uninterrupted(workers)
         for rank, r in enumerate(resumed):
             if r[name] is None:
                 continue  # a dedicated server holds no replica

@@ -4,7 +4,6 @@ torch.nn.utils.clip_grad_norm_ on the same global batch, for every strategy that
 
 from __future__ import annotations
 
-import copy
 import functools
 
 import pytest
@@ -12,7 +11,14 @@ import torch
 from torch import nn
 
 import phalanx as px
-from phalanx.memory.manager import MemoryConfig, MemoryManager
+from tests.helpers.equivalence import (
+    assert_states_close,
+    global_batches,
+    host_memory,
+    make_engine,
+    one_process,
+    train_shards,
+)
 from tests.helpers.spawn import run_ranks
 
 STEPS, LOCAL_BATCH, MAX_NORM = 4, 4, 0.05
@@ -39,42 +45,19 @@ def _model() -> nn.Module:
 
 
 def _batches(world: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(0)
-    n = LOCAL_BATCH * world
-    return [(torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g))
-            for _ in range(STEPS)]  # fmt: skip
-
-
-def _reference(batches: list) -> tuple[dict[str, torch.Tensor], list[float]]:
-    model = _model()
-    opt = SGD(model.parameters())
-    norms = []
-    for x, y in batches:
-        opt.zero_grad(set_to_none=True)
-        nn.functional.cross_entropy(model(x), y).backward()
-        norms.append(float(nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
-        opt.step()
-    return model.state_dict(), norms
+    return global_batches(world, steps=STEPS, features=6, classes=3, local_batch=LOCAL_BATCH)
 
 
 def _clipped(ctx: px.Context) -> dict:
     out = {}
     batches = _batches(ctx.world_size)
     for strategy, options, compress, place in CASES:
-        memory = None
-        if place:
-            config = MemoryConfig(optimizer=place, optimizer_chunk_mb=0.001)
-            memory = MemoryManager.build([], config, ctx.device)
-        engine = px.Engine(
-            copy.deepcopy(_model()), nn.functional.cross_entropy, SGD, context=ctx,
-            exchange=px.exchange.strategy_factory(strategy, options), compress=compress,
-            max_grad_norm=MAX_NORM, bucket_mb=0.001, first_bucket_mb=0.0005, memory=memory,
+        engine = make_engine(
+            ctx, _model(), SGD, strategy, options, compress=compress, max_grad_norm=MAX_NORM,
+            bucket_mb=0.001, first_bucket_mb=0.0005, memory=host_memory(ctx, place, 0.001),
         )  # fmt: skip
-        norms = []
-        for x, y in batches:
-            lo = ctx.rank * LOCAL_BATCH
-            engine.step(x[lo : lo + LOCAL_BATCH], y[lo : lo + LOCAL_BATCH])
-            norms.append(engine.stats.grad_norm)
+        norms = train_shards(engine, batches, local_batch=LOCAL_BATCH, sync=False,
+                             observe=lambda e: e.stats.grad_norm)  # fmt: skip
         key = f"{strategy}-{options.get('schedule', '')}-{compress}-{place}"
         out[key] = {"state": engine.module.state_dict(), "norms": norms}
         if place:  # the replicated strategies' gradients went to the host as buckets ended
@@ -92,7 +75,8 @@ def _clipped(ctx: px.Context) -> dict:
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_clipping_equals_one_process(world_size: int) -> None:
     results = run_ranks(_clipped, world_size, timeout=240)
-    expected, norms = _reference(_batches(world_size))
+    reference = one_process(_model(), SGD, _batches(world_size), max_grad_norm=MAX_NORM)
+    expected, norms = reference.state(), reference.grad_norms
     assert min(norms) > MAX_NORM  # clipping acts on every step
     for rank, result in enumerate(results):
         for key in [k for k in result if k != "ps"]:
@@ -101,9 +85,6 @@ def test_clipping_equals_one_process(world_size: int) -> None:
                 early = result[key]["early"]
                 assert early > 0 if not key.startswith("partitioned") else early == 0, key
             assert result[key]["norms"] == pytest.approx(norms, rel=10 * tolerance), (key, rank)
-            for name, value in expected.items():
-                torch.testing.assert_close(
-                    result[key]["state"][name], value, atol=tolerance, rtol=0,
-                    msg=lambda m, k=key, r=rank, n=name: f"{k} rank {r} {n}: {m}",
-                )  # fmt: skip
+            state = result[key]["state"]
+            assert_states_close(state, expected, atol=tolerance, rtol=0, what=f"{key} rank {rank}")
         assert result["ps"].startswith("max_grad_norm: ParameterServer updates parameters")

@@ -6,7 +6,6 @@ compiling is slow on a CPU, so the model is tiny, its layers of few kinds and th
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import pytest
@@ -17,11 +16,18 @@ import phalanx as px
 from phalanx.exchange import strategy_factory
 from phalanx.memory.manager import MemoryConfig, MemoryManager
 from phalanx.parallel.layout import ParallelConfig
+from tests.helpers.equivalence import (
+    ADAM,
+    LOCAL_BATCH,
+    copy_state,
+    global_batches,
+    max_diff,
+    one_process,
+    train_shards,
+)
 from tests.helpers.spawn import run_ranks
 
-LOCAL_BATCH = 8
 STEPS = 3
-ADAM = functools.partial(torch.optim.Adam, lr=0.01)
 STRATEGIES = [
     ("allreduce", {}),
     ("tree", {}),
@@ -49,39 +55,21 @@ def _model() -> nn.Sequential:
     return nn.Sequential(nn.Linear(20, 32), Block(), Block(), nn.Linear(32, 10))
 
 
-def _batches(workers: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(1)
-    n = LOCAL_BATCH * workers
-    return [
-        (torch.randn(n, 20, generator=g), torch.randint(0, 10, (n,), generator=g))
-        for _ in range(STEPS)
-    ]
+def _data(workers: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return global_batches(workers, steps=STEPS, seed=1)
 
 
-def _reference(batches: list, accumulate: int = 1) -> dict[str, torch.Tensor]:
+def _eager(batches: list, accumulate: int = 1) -> dict[str, torch.Tensor]:
     """One eager process on the global batches."""
-    model = _model()
-    opt = ADAM(model.parameters())
-    for x, y in batches:
-        opt.zero_grad(set_to_none=True)
-        for xc, yc in zip(torch.chunk(x, accumulate), torch.chunk(y, accumulate)):
-            (nn.functional.cross_entropy(model(xc), yc) / accumulate).backward()
-        opt.step()
-    return model.state_dict()
+    return one_process(_model(), ADAM, batches, accumulate=accumulate).state()
 
 
-def _train(engine: px.Engine, batches: list, micro: int = 1) -> dict[str, torch.Tensor]:
+def _state_after(engine: px.Engine, batches: list, micro: int = 1) -> dict[str, torch.Tensor]:
     """Each trainer's part of the global batches; the state dict this rank holds."""
-    r, n = engine.data_rank, LOCAL_BATCH * micro
-    for x, y in batches:
-        engine.step(x[r * n : (r + 1) * n], y[r * n : (r + 1) * n])
-    state = {k: v.clone() for k, v in engine.full_state_dict().items()}  # fsdp: a collective
+    train_shards(engine, batches, local_batch=LOCAL_BATCH * micro, sync=False)
+    state = copy_state(engine)  # fsdp: a collective
     engine.close()
     return state
-
-
-def _diff(state: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> float:
-    return max((v - ref[k]).abs().max().item() for k, v in state.items())
 
 
 def _run(ctx: px.Context) -> dict[str, Any]:
@@ -93,13 +81,13 @@ def _run(ctx: px.Context) -> dict[str, Any]:
             _model(), nn.functional.cross_entropy, ADAM, exchange=strategy_factory(name, options),
             bucket_mb=0.004, context=ctx, compile=True,
         )  # fmt: skip
-        batches = _batches(engine.data_world_size)
+        batches = _data(engine.data_world_size)
         trains, key = engine.is_trainer, f"{name} {options}"
         out["compiled"][key] = len(engine.compiled)
-        state = _train(engine, batches)
+        state = _state_after(engine, batches)
         out["compile_s"].append(engine.compile_s)
         if trains:
-            out["diffs"][key] = _diff(state, _reference(batches))
+            out["diffs"][key] = max_diff(state, _eager(batches))
     # Owner updates with accumulation, offloaded and recomputed layers and the host mirror.
     model = _model()
     config = MemoryConfig(offload=["1"], recompute=["2"], optimizer="mirror")
@@ -108,19 +96,19 @@ def _run(ctx: px.Context) -> dict[str, Any]:
         model, nn.functional.cross_entropy, ADAM, exchange="partitioned", bucket_mb=0.004,
         context=ctx, memory=memory, accumulate_steps=2, compile=True,
     )  # fmt: skip
-    batches, offloader = _batches(2 * ctx.world_size), memory.offloader
+    batches, offloader = _data(2 * ctx.world_size), memory.offloader
     offloader.min_bytes = 0  # the tiny layer's activations move too
-    state = _train(engine, batches, micro=2)
+    state = _state_after(engine, batches, micro=2)
     out["offloaded"] = offloader.stats.tensors  # the last step's
-    out["diffs"]["partitioned memory accumulate"] = _diff(state, _reference(batches, 2))
+    out["diffs"]["partitioned memory accumulate"] = max_diff(state, _eager(batches, 2))
     # Two pipeline stages (one replica): each rank compares the layers it holds.
     engine = px.Engine(
         _model(), nn.functional.cross_entropy, ADAM, exchange="allreduce", bucket_mb=0.004,
         context=ctx, parallel=ParallelConfig(pipeline=2, microbatches=2), stages=[0, 0, 1, 1],
         sample_input=torch.zeros(LOCAL_BATCH // 2, 20), compile=True,
     )  # fmt: skip
-    batches = _batches(1)
-    out["diffs"]["pipeline 2"] = _diff(_train(engine, batches), _reference(batches))
+    batches = _data(1)
+    out["diffs"]["pipeline 2"] = max_diff(_state_after(engine, batches), _eager(batches))
     # bf16 against the same run eager (the reference above is fp32).
     bf16 = {}
     for compiled in (False, True):
@@ -128,8 +116,8 @@ def _run(ctx: px.Context) -> dict[str, Any]:
             _model(), nn.functional.cross_entropy, ADAM, context=ctx, precision="bf16",
             compile=compiled,
         )  # fmt: skip
-        bf16[compiled] = _train(engine, _batches(ctx.world_size))
-    out["bf16"] = _diff(bf16[True], bf16[False])
+        bf16[compiled] = _state_after(engine, _data(ctx.world_size))
+    out["bf16"] = max_diff(bf16[True], bf16[False])
     out["graph_breaks"] = sum(torch._dynamo.utils.counters["graph_break"].values())
     out["graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     return out
@@ -156,15 +144,15 @@ def _on_gpu(ctx: px.Context) -> dict[str, float]:
     """World 1 on this GPU: compiled layers (inductor's GPU kernels) against eager, under
     allreduce and fsdp."""
     assert ctx.device.type == "cuda", ctx.device
-    batches = [(x.to(ctx.device), y.to(ctx.device)) for x, y in _batches(1)]
+    batches = [(x.to(ctx.device), y.to(ctx.device)) for x, y in _data(1)]
     diffs = {}
     for strategy in ("allreduce", "fsdp"):
         states = []
         for compiled in (False, True):
             engine = px.Engine(_model(), nn.functional.cross_entropy, ADAM, exchange=strategy,
                                context=ctx, compile=compiled)  # fmt: skip
-            states.append(_train(engine, batches))
-        diffs[strategy] = _diff(states[1], states[0])
+            states.append(_state_after(engine, batches))
+        diffs[strategy] = max_diff(states[1], states[0])
     return diffs
 
 

@@ -3,7 +3,6 @@ replicas, digits accuracy stays within a point, and gradient bytes on the wire h
 
 from __future__ import annotations
 
-import copy
 import functools
 
 import pytest
@@ -12,10 +11,18 @@ from torch import nn
 
 import phalanx as px
 from phalanx.data.sources import DataConfig, load_source
-from phalanx.exchange import strategy_factory
 from phalanx.models.zoo import digits_cnn
+from tests.helpers.equivalence import (
+    SGD,
+    ReversedNet,
+    copy_params,
+    global_batches,
+    make_engine,
+    max_diff,
+    one_process,
+    train_shards,
+)
 from tests.helpers.spawn import run_ranks
-from tests.multiproc.test_engine import LOCAL_BATCH, SGD, ReversedNet, _batches, _reference
 
 STRATEGIES = [
     ("allreduce", {}),
@@ -28,23 +35,14 @@ STRATEGIES = [
 
 def _strategies_fp16(ctx: px.Context) -> dict:
     torch.manual_seed(0)
-    model, batches = ReversedNet(), _batches(ctx.world_size)
-    reference = _reference(model, SGD, batches)
+    model, batches = ReversedNet(), global_batches(ctx.world_size)
+    reference = one_process(model, SGD, batches).model
     out = {}
     for name, options in STRATEGIES:
-        engine = px.Engine(
-            copy.deepcopy(model), nn.functional.cross_entropy, SGD, bucket_mb=0.004,
-            exchange=strategy_factory(name, options), compress="fp16", context=ctx,
-        )  # fmt: skip
-        r = ctx.rank
-        for x, y in batches:
-            engine.step(
-                x[r * LOCAL_BATCH : (r + 1) * LOCAL_BATCH],
-                y[r * LOCAL_BATCH : (r + 1) * LOCAL_BATCH],
-            )  # noqa: E501
-        engine.sync()
-        params = [p.detach().clone() for p in engine.module.parameters()]
-        diff = max((a - b).abs().max().item() for a, b in zip(params, reference.parameters()))
+        engine = make_engine(ctx, model, SGD, name, options, bucket_mb=0.004, compress="fp16")
+        train_shards(engine, batches)
+        params = copy_params(engine.module)
+        diff = max_diff(params, reference)
         out[f"{name}{options}"] = {"diff": diff, "params": params}
         engine.close()
     return out

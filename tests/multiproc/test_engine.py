@@ -7,31 +7,25 @@ single-process reference locally with plain torch, so no second spawn is needed.
 from __future__ import annotations
 
 import copy
-import functools
 
 import pytest
 import torch
 from torch import nn
 
 import phalanx as px
+from tests.helpers.equivalence import (
+    ADAM,
+    LOCAL_BATCH,
+    SGD,
+    ReversedNet,
+    copy_params,
+    global_batches,
+    make_engine,
+    max_diff,
+    one_process,
+    train_shards,
+)
 from tests.helpers.spawn import RankFailed, run_ranks
-
-STEPS = 6
-LOCAL_BATCH = 8
-
-
-class ReversedNet(nn.Module):
-    """Layers registered in the reverse of their use, so backward order != reverse registration
-    and the Engine must rebuild its buckets from the observed order."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.head = nn.Linear(32, 10)
-        self.mid = nn.Linear(64, 32)
-        self.stem = nn.Linear(20, 64)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.relu(self.mid(torch.relu(self.stem(x)))))
 
 
 class BranchNet(nn.Module):
@@ -50,70 +44,36 @@ class BranchNet(nn.Module):
         return out
 
 
-def _batches(world: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(seed)
-    n = LOCAL_BATCH * world
-    return [
-        (torch.randn(n, 20, generator=g), torch.randint(0, 10, (n,), generator=g))
-        for _ in range(STEPS)
-    ]
-
-
-def _shard(t: torch.Tensor, ctx: px.Context) -> torch.Tensor:
-    return t[ctx.rank * LOCAL_BATCH : (ctx.rank + 1) * LOCAL_BATCH]
-
-
-def _reference(model: nn.Module, factory, batches, accumulate: int = 1) -> nn.Module:
-    """Plain single-process training on the global batches."""
-    model = copy.deepcopy(model)
-    opt = factory([p for p in model.parameters() if p.requires_grad])
-    for x, y in batches:
-        opt.zero_grad(set_to_none=True)
-        for xc, yc in zip(torch.chunk(x, accumulate), torch.chunk(y, accumulate)):
-            (nn.functional.cross_entropy(model(xc), yc) / accumulate).backward()
-        opt.step()
-    return model
-
-
-def _train(ctx: px.Context, model: nn.Module, factory, batches, **engine_kwargs) -> px.Engine:
-    engine = px.Engine(
-        copy.deepcopy(model), nn.functional.cross_entropy, factory, context=ctx, **engine_kwargs
-    )
-    for x, y in batches:
-        engine.step(_shard(x, ctx), _shard(y, ctx))
+def _trained(ctx: px.Context, model: nn.Module, factory, batches, **engine_kwargs) -> px.Engine:
+    """An Engine on ``model`` trained on this rank's rows of ``batches``, not synced: reading
+    ``engine.module`` must wait by itself."""
+    engine = make_engine(ctx, model, factory, **engine_kwargs)
+    train_shards(engine, batches, sync=False)
     return engine
-
-
-def _max_diff(a: nn.Module, b: nn.Module) -> float:
-    return max((p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))
-
-
-SGD = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
-ADAM = functools.partial(torch.optim.Adam, lr=0.01)
 
 
 def _equivalence_checks(ctx: px.Context) -> dict:
     torch.manual_seed(0)
     model = ReversedNet()
-    batches = _batches(ctx.world_size)
+    batches = global_batches(ctx.world_size)
     out: dict = {}
     for name, factory in (("sgd", SGD), ("adam", ADAM)):
         # ~1 KB buckets: >= 3 buckets, so some launch while backward still runs.
-        engine = _train(ctx, model, factory, batches, bucket_mb=0.004)
-        out[f"{name}_diff"] = _max_diff(engine.module, _reference(model, factory, batches))
-        out[f"{name}_params"] = [p.detach().clone() for p in engine.module.parameters()]
+        engine = _trained(ctx, model, factory, batches, bucket_mb=0.004)
+        out[f"{name}_diff"] = max_diff(engine.module, one_process(model, factory, batches).model)
+        out[f"{name}_params"] = copy_params(engine.module)
         out["num_buckets"] = engine.stats.num_buckets
         out["launched_in_backward"] = engine.stats.buckets_launched_in_backward
         out["first_bucket_pending"] = engine.buckets.buckets[0].pending_grads_at_launch
         out["bytes_sent"] = engine.stats.bytes_sent
     # Gradient accumulation over 4 micro-steps equals the big batch.
-    engine = _train(ctx, model, SGD, batches, accumulate_steps=4)
-    out["accumulate_diff"] = _max_diff(engine.module, _reference(model, SGD, batches))
+    engine = _trained(ctx, model, SGD, batches, accumulate_steps=4)
+    out["accumulate_diff"] = max_diff(engine.module, one_process(model, SGD, batches).model)
     # Frozen parameters stay frozen and the rest still matches.
     frozen = copy.deepcopy(model)
     frozen.stem.weight.requires_grad_(False)
-    engine = _train(ctx, frozen, ADAM, batches, bucket_mb=0.004)
-    out["frozen_diff"] = _max_diff(engine.module, _reference(frozen, ADAM, batches))
+    engine = _trained(ctx, frozen, ADAM, batches, bucket_mb=0.004)
+    out["frozen_diff"] = max_diff(engine.module, one_process(frozen, ADAM, batches).model)
     out["frozen_unchanged"] = torch.equal(engine.module.stem.weight, model.stem.weight)
     return out
 
@@ -121,16 +81,16 @@ def _equivalence_checks(ctx: px.Context) -> dict:
 def _branch_checks(ctx: px.Context) -> dict:
     torch.manual_seed(0)
     model = BranchNet()
-    batches = _batches(ctx.world_size, seed=1)
+    batches = global_batches(ctx.world_size, seed=1)
     # Make the "sometimes" branch fire on rank 0 only: rank 0's first sample positive.
     for x, _ in batches:
         x[0::LOCAL_BATCH, 0] = -1.0
         x[0, 0] = 1.0
-    engine = _train(ctx, model, ADAM, batches, bucket_mb=0.0005)
+    engine = _trained(ctx, model, ADAM, batches, bucket_mb=0.0005)
     return {
         "never_unchanged": torch.equal(engine.module.never.weight, model.never.weight),
         "never_grad_is_none": engine.module.never.weight.grad is None,
-        "params": [p.detach().clone() for p in engine.module.parameters()],
+        "params": copy_params(engine.module),
     }
 
 

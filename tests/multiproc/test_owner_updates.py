@@ -11,7 +11,6 @@ resident set): one parameter buffer, one gradient buffer, their own shards' stat
 
 from __future__ import annotations
 
-import copy
 import functools
 
 import pytest
@@ -22,6 +21,13 @@ import phalanx as px
 from phalanx.bench.strategy_memory import tensor_bytes
 from phalanx.exchange import strategy_factory
 from phalanx.memory.measure import AllocatorPeak
+from tests.helpers.equivalence import (
+    copy_params,
+    global_batches,
+    make_engine,
+    one_process,
+    train_shards,
+)
 from tests.helpers.spawn import run_ranks
 
 LOCAL_BATCH = 4
@@ -76,43 +82,22 @@ def _uses(pattern: list | None, rank: int, workers: int) -> bool:
 
 
 def _batches(workers: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The global batches: rank r's rows are ``[r * LOCAL_BATCH, (r + 1) * LOCAL_BATCH)``."""
-    g = torch.Generator().manual_seed(3)
-    out = []
-    for sometimes, late in zip(SOMETIMES, LATE):
-        x = torch.randn(LOCAL_BATCH * workers, FEATURES + 1, generator=g)
+    """The global batches: rank r's rows are ``[r * LOCAL_BATCH, (r + 1) * LOCAL_BATCH)``, the
+    first column of each its control value."""
+    batches = global_batches(workers, steps=len(SOMETIMES), features=FEATURES + 1, classes=6,
+                             local_batch=LOCAL_BATCH, seed=3)  # fmt: skip
+    for (x, _), sometimes, late in zip(batches, SOMETIMES, LATE):
         for r in range(workers):
             code = _uses(sometimes, r, workers) + 2 * _uses(late, r, workers)
             x[r * LOCAL_BATCH : (r + 1) * LOCAL_BATCH, 0] = float(code)
-        out.append((x, torch.randint(0, 6, (LOCAL_BATCH * workers,), generator=g)))
-    return out
+    return batches
 
 
-def _reference(model: nn.Module, factory, batches: list, workers: int) -> tuple[nn.Module, dict]:
-    """One process on the global batch, each rank's rows a micro-batch (so a branch runs
-    exactly where it ran on that rank), as DDP computes the mean gradient."""
-    model = copy.deepcopy(model)
-    optimizer = factory(model.parameters())
-    for x, y in batches:
-        optimizer.zero_grad(set_to_none=True)
-        for xc, yc in zip(x.chunk(workers), y.chunk(workers)):
-            (nn.functional.cross_entropy(model(xc), yc) / workers).backward()
-        optimizer.step()
-    return model, optimizer.state_dict()
-
-
-def _train(ctx: px.Context, model: nn.Module, factory, name: str, options: dict, step: dict):
-    engine = px.Engine(
-        copy.deepcopy(model), nn.functional.cross_entropy, factory,
-        exchange=strategy_factory(name, options), bucket_mb=0.0004, context=ctx, **step,
-    )  # fmt: skip
-    workers, r = engine.data_world_size, engine.data_rank
-    batches = _batches(workers)
-    for x, y in batches:
-        rows = slice(r * LOCAL_BATCH, (r + 1) * LOCAL_BATCH)
-        engine.step(x[rows], y[rows])
-    engine.sync()
-    params = [p.detach().clone() for p in engine.module.parameters()]
+def _run(ctx: px.Context, model: nn.Module, factory, name: str, options: dict, step: dict):
+    engine = make_engine(ctx, model, factory, name, options, bucket_mb=0.0004, **step)
+    workers = engine.data_world_size
+    train_shards(engine, _batches(workers), local_batch=LOCAL_BATCH)
+    params = copy_params(engine.module)
     state = engine.optimizer_state_dict()  # collective: servers too
     trainer = engine.is_trainer
     engine.close()
@@ -145,8 +130,11 @@ def _compare_all(ctx: px.Context) -> dict:
     out: dict[str, list[str]] = {}
     for opt_name, factory in OPTIMIZERS.items():
         for name, options, step in STRATEGIES:
-            params, state, workers, trainer = _train(ctx, model, factory, name, options, step)
-            ref, ref_state = _reference(model, factory, _batches(workers), workers)
+            params, state, workers, trainer = _run(ctx, model, factory, name, options, step)
+            # one process on the global batch, each rank's rows a micro-batch (so a branch
+            # runs exactly where it ran on that rank), as DDP computes the mean gradient
+            ref = one_process(model, factory, _batches(workers), accumulate=workers)
+            ref, ref_state = ref.model, ref.optimizer.state_dict()
             key = f"{name}{options}{step}/{opt_name}"
             out[key] = _differences(params, state, ref, ref_state) if trainer else []
     return out

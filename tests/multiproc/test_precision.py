@@ -16,6 +16,12 @@ import torch
 from torch import nn
 
 import phalanx as px
+from tests.helpers.equivalence import (
+    assert_states_close,
+    global_batches,
+    one_process,
+    train_shards,
+)
 from tests.helpers.spawn import run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,28 +35,15 @@ def _model() -> nn.Module:
 
 
 def _batches(world: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(0)
-    n = LOCAL_BATCH * world
-    return [(torch.randn(n, 8, generator=g), torch.randint(0, 4, (n,), generator=g))
-            for _ in range(STEPS)]  # fmt: skip
+    return global_batches(world, steps=STEPS, features=8, classes=4, local_batch=LOCAL_BATCH)
 
 
 def _reference(batches: list, dtype: torch.dtype, skip: int | None = None) -> dict:
     """One process, the global batch, autocast to ``dtype``; fp16 steps unscale exactly."""
-    model = _model()
-    opt = ADAM(model.parameters())
     scale = 2.0**16 if dtype == torch.float16 else 1.0
-    for step, (x, y) in enumerate(batches):
-        if step == skip:
-            continue
-        opt.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=dtype):
-            loss = nn.functional.cross_entropy(model(x), y)
-        (loss * scale).backward()
-        for p in model.parameters():
-            p.grad.mul_(1.0 / scale)
-        opt.step()
-    return model.state_dict()
+    skipped = () if skip is None else (skip,)
+    return one_process(_model(), ADAM, batches, skip=skipped, autocast=dtype,
+                       loss_scale=scale).state()  # fmt: skip
 
 
 class OverflowOnRank:
@@ -67,9 +60,8 @@ class OverflowOnRank:
         return loss * 1e30 if hit else loss
 
 
-def _train(ctx: px.Context) -> dict:
+def _run(ctx: px.Context) -> dict:
     out, batches = {}, _batches(ctx.world_size)
-    lo = ctx.rank * LOCAL_BATCH
     for strategy in ("allreduce", "partitioned"):
         for precision in ("bf16", "fp16"):
             loss_fn = (OverflowOnRank(ctx.world_size - 1, OVERFLOW_STEP)
@@ -79,10 +71,8 @@ def _train(ctx: px.Context) -> dict:
             model[0].register_forward_hook(lambda m, i, o, d=dtypes: d.append(o.dtype))
             engine = px.Engine(model, loss_fn, ADAM, exchange=strategy, precision=precision,
                                context=ctx)  # fmt: skip
-            skipped = []
-            for x, y in batches:
-                engine.step(x[lo : lo + LOCAL_BATCH], y[lo : lo + LOCAL_BATCH])
-                skipped.append(engine.stats.nonfinite_skipped)
+            skipped = train_shards(engine, batches, local_batch=LOCAL_BATCH, sync=False,
+                                   observe=lambda e: e.stats.nonfinite_skipped)  # fmt: skip
             out[(strategy, precision)] = {
                 "state": engine.module.state_dict(),
                 "skipped": skipped,
@@ -93,8 +83,7 @@ def _train(ctx: px.Context) -> dict:
     # Compression composes with precision: bf16 forward, fp16 gradient messages.
     engine = px.Engine(copy.deepcopy(_model()), nn.functional.cross_entropy, ADAM,
                        precision="bf16", compress="fp16", context=ctx)  # fmt: skip
-    for x, y in batches:
-        engine.step(x[lo : lo + LOCAL_BATCH], y[lo : lo + LOCAL_BATCH])
+    train_shards(engine, batches, local_batch=LOCAL_BATCH, sync=False)
     out["bf16+fp16 messages"] = engine.module.state_dict()
     engine.close()
     for kwargs in ({"exchange": "ps"}, {"nonfinite": "abort"}):
@@ -109,7 +98,7 @@ def _train(ctx: px.Context) -> dict:
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_bf16_and_fp16_equal_one_process(world_size: int) -> None:
-    results = run_ranks(_train, world_size, timeout=240)
+    results = run_ranks(_run, world_size, timeout=240)
     batches = _batches(world_size)
     expected = {
         "bf16": _reference(batches, torch.bfloat16),
@@ -124,10 +113,10 @@ def test_bf16_and_fp16_equal_one_process(world_size: int) -> None:
             assert fp16["dtypes"] == {torch.float16}
             for precision, tolerance in (("bf16", 5e-4), ("fp16", 1e-4)):
                 state = result[(strategy, precision)]["state"]
-                for name, value in expected[precision].items():
-                    torch.testing.assert_close(state[name], value, atol=tolerance, rtol=0)
-        for name, value in expected["bf16"].items():
-            torch.testing.assert_close(result["bf16+fp16 messages"][name], value, atol=2e-3, rtol=0)
+                what = f"rank {rank} {strategy} {precision}"
+                assert_states_close(state, expected[precision], atol=tolerance, rtol=0, what=what)
+        state, what = result["bf16+fp16 messages"], f"rank {rank} bf16+fp16 messages"
+        assert_states_close(state, expected["bf16"], atol=2e-3, rtol=0, what=what)
         assert result[str({"exchange": "ps"})].startswith("precision: fp16 needs its loss scale")
         assert result[str({"nonfinite": "abort"})].startswith("nonfinite: 'abort' with precision")
 

@@ -4,7 +4,6 @@ that resume under another world size and strategy: test_checkpoints.py)."""
 
 from __future__ import annotations
 
-import copy
 import functools
 
 import pytest
@@ -12,17 +11,23 @@ import torch
 from torch import nn
 
 import phalanx as px
-from phalanx.exchange import strategy_factory
-from phalanx.memory.manager import MemoryConfig, MemoryManager
 from phalanx.optim import AdaGrad
+from tests.helpers.equivalence import (
+    ADAM,
+    LOCAL_BATCH,
+    SGD,
+    ReversedNet,
+    copy_params,
+    global_batches,
+    host_memory,
+    make_engine,
+    max_diff,
+    one_process,
+    train_shards,
+)
 from tests.helpers.spawn import run_ranks
-from tests.multiproc.test_engine import LOCAL_BATCH, ReversedNet, _batches, _reference
 
-OPTIMIZERS = {
-    "sgd": functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9),
-    "adam": functools.partial(torch.optim.Adam, lr=0.01),
-    "adagrad": functools.partial(AdaGrad, lr=0.05),
-}
+OPTIMIZERS = {"sgd": SGD, "adam": ADAM, "adagrad": functools.partial(AdaGrad, lr=0.05)}
 STRATEGIES = [
     ("tree", {}),
     ("partitioned", {"schedule": "cyclic"}),
@@ -35,67 +40,30 @@ STRATEGIES = [
 STRATEGY_LIST = [("allreduce", {}), *STRATEGIES]
 
 
-def _engine(
-    ctx: px.Context, model: nn.Module, factory, name: str, options: dict, host: str = ""
-) -> px.Engine:
-    memory = None
-    if host:  # F19 in small chunks: state in a spill file (stream), or on the host (mirror)
-        config = MemoryConfig(optimizer=host, optimizer_chunk_mb=0.002)
-        memory = MemoryManager.build([], config, ctx.device)
-    return px.Engine(
-        copy.deepcopy(model),
-        nn.functional.cross_entropy,
-        factory,
-        exchange=strategy_factory(name, options),
-        bucket_mb=0.004,  # several buckets, so several partitions per step
-        context=ctx,
-        memory=memory,
-    )
-
-
-def _train(engine: px.Engine, batches: list) -> None:
-    r = engine.data_rank
-    for x, y in batches:
-        engine.step(
-            x[r * LOCAL_BATCH : (r + 1) * LOCAL_BATCH], y[r * LOCAL_BATCH : (r + 1) * LOCAL_BATCH]
-        )
-    engine.sync()
-
-
-def _params(engine: px.Engine) -> list[torch.Tensor]:
-    return [p.detach().clone() for p in engine.module.parameters()]
-
-
 def _compare_all(ctx: px.Context) -> dict:
     torch.manual_seed(0)
     model = ReversedNet()
-    batches = _batches(ctx.world_size)
+    batches = global_batches(ctx.world_size)
     out: dict = {"diffs": {}, "optimizer_bytes": {}}
     runs = [(o, f, n, s, "") for o, f in OPTIMIZERS.items() for n, s in STRATEGY_LIST]
     for place in ("stream", "mirror"):
         runs += [("adam", OPTIMIZERS["adam"], n, s, place) for n, s in STRATEGY_LIST]
     for opt_name, factory, name, options, host in runs:
-        engine = _engine(ctx, model, factory, name, options, host)
+        # F19 in small chunks: state in a spill file (stream), or on the host (mirror);
+        # several buckets, so several partitions per step
+        memory = host_memory(ctx, host, chunk_mb=0.002)
+        engine = make_engine(ctx, model, factory, name, options, bucket_mb=0.004, memory=memory)
         workers = engine.data_world_size
-        _train(
-            engine,
-            [(x[: LOCAL_BATCH * workers], y[: LOCAL_BATCH * workers]) for x, y in batches],
-        )
+        # the global batch of the workers (ps servers shrink it)
+        trained_on = [(x[: LOCAL_BATCH * workers], y[: LOCAL_BATCH * workers]) for x, y in batches]
+        train_shards(engine, trained_on)
         key = f"{name}{options}/{opt_name}" + (f" {host}" if host else "")
         if opt_name == "adam":
             out["optimizer_bytes"][key] = engine.optimizer_bytes()
         if engine.is_trainer:
-            # Compare with allreduce on the same global batch (ps servers shrink it).
-            ref = _reference(
-                model,
-                factory,
-                [(x[: LOCAL_BATCH * workers], y[: LOCAL_BATCH * workers]) for x, y in batches],
-            )  # noqa: E501
-            diff = max(
-                (a - b.detach()).abs().max().item()
-                for a, b in zip(_params(engine), ref.parameters())
-            )  # noqa: E501
-            out["diffs"][key] = diff
+            # Compare with allreduce on the same global batch.
+            ref = one_process(model, factory, trained_on).model
+            out["diffs"][key] = max_diff(copy_params(engine.module), ref)
         out.setdefault("bytes", {})[key] = (
             engine.stats.bytes_sent,
             engine.stats.bytes_received,
@@ -113,16 +81,12 @@ def _compare_all(ctx: px.Context) -> dict:
 def _tree_fp16(ctx: px.Context, model: nn.Module, batches: list) -> dict:
     """``tree`` with fp16: the root encodes the sum once, every rank below passes it on (at 4
     ranks rank 2 forwards to rank 3), so every replica decodes the same bytes."""
-    engine = px.Engine(
-        copy.deepcopy(model), nn.functional.cross_entropy, OPTIMIZERS["sgd"], exchange="tree",
-        compress="fp16", bucket_mb=0.004, context=ctx,
-    )  # fmt: skip
-    _train(engine, batches)
-    ref = _reference(model, OPTIMIZERS["sgd"], batches)
-    params = _params(engine)
+    engine = make_engine(ctx, model, SGD, exchange="tree", compress="fp16", bucket_mb=0.004)
+    train_shards(engine, batches)
+    ref = one_process(model, SGD, batches).model
+    params = copy_params(engine.module)
     engine.close()
-    diff = max((a - b.detach()).abs().max().item() for a, b in zip(params, ref.parameters()))
-    return {"diff": diff, "params": params}
+    return {"diff": max_diff(params, ref), "params": params}
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
