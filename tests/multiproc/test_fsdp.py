@@ -99,20 +99,22 @@ def _weights(engine: px.Engine) -> dict[str, torch.Tensor]:
 def _equivalence(ctx: px.Context) -> dict[str, Any]:
     out: dict[str, Any] = {}
     batches = _batches()
-    # AdamW with decay, tied weights, an unused layer
+    # AdamW with decay, tied weights, an unused layer; a small model: one unit (the root)
     model = _model()
     engine = px.Engine(model, nn.functional.cross_entropy, _adamw(model.parameters()),
                        exchange="fsdp")  # fmt: skip
+    out["units"] = [len(engine.strategy.units)]  # type: ignore[attr-defined]
     out["losses"] = _train(engine, batches, ctx)
     out["plain"] = _weights(engine)
     local = sum(p.to_local().numel() * 4 for p in engine.trainable)  # type: ignore[attr-defined]
     out["bytes"] = local + engine.optimizer_bytes()
     engine.close()
-    # two micro-batches and clipping; units kept gathered between forward and backward
-    options = {"reshard_after_forward": False, "prefetch": 2}
+    # two micro-batches and clipping; one unit per layer, kept gathered from forward to backward
+    options = {"reshard_after_forward": False, "prefetch": 2, "whole_model_mb": 0}
     exchange = px.ExchangeConfig(strategy="fsdp", options=options)
     engine = px.Engine(_model(), nn.functional.cross_entropy, _adamw, exchange=exchange,
                        accumulate_steps=2, max_grad_norm=0.05)  # fmt: skip
+    out["units"].append(len(engine.strategy.units))  # type: ignore[attr-defined]
     _train(engine, batches, ctx)
     with torch.no_grad():  # a forward outside a step (validation) on every rank
         engine.forward_module(_shard(batches[0], ctx.rank, ctx.world_size)[0])
@@ -129,7 +131,8 @@ def _equivalence(ctx: px.Context) -> dict[str, Any]:
     # the memory manager's activation offload and recompute on fsdp units
     out["managed"] = _managed(ctx)
     engine_ref: list[px.Engine] = []
-    engine = px.Engine(_model(), loss_fn, _adamw, exchange="fsdp")
+    per_layer = px.ExchangeConfig(strategy="fsdp", options={"whole_model_mb": 0})
+    engine = px.Engine(_model(), loss_fn, _adamw, exchange=per_layer)  # resharded after forward
     engine_ref.append(engine)
     _train(engine, batches, ctx)
     out["skipped"] = (_weights(engine), engine.num_nonfinite_steps)
@@ -203,6 +206,7 @@ def _check_equivalence(results: list[dict[str, Any]], world: int) -> None:
                     msg=lambda m, n=name, k=key, r=rank: f"world {world} rank {r} {n} {k}: {m}",
                 )  # fmt: skip
         assert out["skipped"][1] == 1
+        assert out["units"] == [0, 3]  # small: the root alone; per layer: block, unused, norm
         assert out["losses"] == pytest.approx(losses, rel=1e-5)  # every rank: the global mean
         # each rank holds its rows: about 1/world of the parameters and state (rows round up)
         assert out["bytes"] <= total / world * 1.2, (rank, out["bytes"], total)
@@ -291,13 +295,21 @@ class Recorder(nn.Module):
 
 
 class Net(nn.Module):
+    """A frozen first layer (fine-tuning), a Recorder, two blocks of the same shapes (their
+    collectives' buffers alike), a head."""
+
     def __init__(self) -> None:
         super().__init__()
-        self.body = nn.Sequential(nn.Linear(6, 24), nn.Tanh(), Recorder(), nn.Linear(24, 24))
+        self.body = nn.Sequential(nn.Linear(6, 24), nn.Tanh(), Recorder())
+        self.body[0].requires_grad_(False)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(24, 24), nn.Tanh()) for _ in "ab")
         self.head = nn.Linear(24, 4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.relu(self.body(x)))
+        x = self.body(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
 
 
 def _net() -> Net:
@@ -340,11 +352,16 @@ def _refused(read: Any) -> str:
     return "not refused"
 
 
-def _ported_loop(ctx: px.Context, out_dir: str) -> dict[str, Any]:
+def _ported_loop(ctx: px.Context, out_dir: str, options: dict[str, Any]) -> dict[str, Any]:
+    from phalanx.exchange import fsdp as fsdp_strategy
+
+    fsdp_strategy.POOLED_BYTES = 0  # every buffer from the pool, as a large model's are
     out: dict[str, Any] = {}
     model = _net()
     recorder = model.body[2]
-    engine = px.Engine(model, nn.functional.cross_entropy, _groups(model), exchange="fsdp")
+    fsdp = px.ExchangeConfig(strategy="fsdp", options=options)
+    engine = px.Engine(model, nn.functional.cross_entropy, _groups(model), exchange=fsdp)
+    out["frozen sharded"] = hasattr(model.body[0].weight, "to_local")
     batches = [_shard(b, ctx.rank, ctx.world_size) for b in _loop_batches(4)]
     engine.step(*batches[0])
     # a validation: eval on engine.module, a forward on every rank, train again on the user's
@@ -381,7 +398,7 @@ def _ported_loop(ctx: px.Context, out_dir: str) -> dict[str, Any]:
         optimizer = _groups(again)
         if before:
             optimizer.load_state_dict(state)
-        other = px.Engine(again, nn.functional.cross_entropy, optimizer, exchange="fsdp")
+        other = px.Engine(again, nn.functional.cross_entropy, optimizer, exchange=fsdp)
         if not before:
             other.load_optimizer_state_dict(state)
         other.step(*batches[3])
@@ -402,18 +419,26 @@ def _assert_close(got: dict[str, Any], expected: dict[str, Any], what: str) -> N
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("world", [2, 3])
-def test_fsdp_is_a_drop_in_for_ddp_in_a_users_loop(tmp_path: Path, world: int) -> None:
+@pytest.mark.parametrize(
+    ("world", "options"), [(2, {}), (3, {"whole_model_mb": 0, "reshard_after_forward": False})]
+)
+def test_fsdp_is_a_drop_in_for_ddp_in_a_users_loop(
+    tmp_path: Path, world: int, options: dict[str, Any]
+) -> None:
     """A DDP script ported to ``exchange="fsdp"``: train()/eval() on ``engine.module`` or on
     the user's model reach the module that runs; rank 0 reading the weights alone between
     steps is refused in one line before any collective (the ranks step on); what rank 0 saves
     from ``engine.full_state_dict()`` loads into a fresh model; ``optimizer_state_dict()``
     equals one process's after the same steps and resumes (loaded before or after the
-    Engine) as one process continues."""
-    results = run_ranks(_ported_loop, world, str(tmp_path), timeout=120)
+    Engine) as one process continues. World 2: the default (a small model is one unit, its
+    frozen layer whole on every rank); world 3: one unit per layer, the frozen layer sharded,
+    the blocks' buffers alike back to back. Every communication buffer comes from the
+    strategy's pool (as large ones do), never one that gradients still view."""
+    results = run_ranks(_ported_loop, world, str(tmp_path), options, timeout=120)
     weights, state = _loop_reference(3)
     for rank, out in enumerate(results):
         assert out["modes"] == [False, True, True], (rank, out["modes"])
+        assert out["frozen sharded"] == (options.get("whole_model_mb") == 0)
         _assert_close(out["state"]["state"], state["state"], f"rank {rank} optimizer state")
         assert out["state"]["param_groups"] == state["param_groups"]
         final, _ = _loop_reference(4)

@@ -1,21 +1,24 @@
 """``phalanx bench fsdp``: phalanx's ``fsdp`` against torch's own FSDP2 in a hand-written loop,
-and against ``partitioned`` and ``allreduce``, on one GPT script in one invocation.
+against DDP, and against ``partitioned`` and ``allreduce``, on one user script
+(``--model``, phalanx.bench.fsdp_scripts: ``gpt``, ``resnet``, ``lora``, ``mlp``) in one
+invocation.
 
-The script is ``bench port``'s (a GPT computing its own loss, tied embeddings, AdamW decay /
-no-decay groups, clipping at 1.0). Contenders, each with its own copy of the same initial
-model, in the same ``nproc`` ranks:
-  - ``fsdp2``: ``fully_shard`` on each transformer layer, then on the model; the loop a user
-    writes (zero_grad, loss.backward, clip_grad_norm_, step);
-  - ``fsdp``: ``Engine(model, optimizer=..., exchange=ExchangeConfig(strategy="fsdp",
-    options={"units": ["TransformerEncoderLayer"]}))``: the same units;
+Contenders (``--contenders``), each with its own copy of the same initial model, in the same
+``nproc`` ranks:
+  - ``fsdp2``: ``fully_shard`` on each of the script's units (its block class; each top-level
+    child with parameters where it names none), then on the model; the loop a user writes
+    (zero_grad, loss.backward, the script's clipping, step);
+  - ``ddp``: ``DistributedDataParallel`` and the same loop;
+  - ``fsdp``: ``Engine(model, loss, optimizer, exchange="fsdp")``: for ``gpt`` with
+    ``units = ["TransformerEncoderLayer"]`` (FSDP2's units), elsewhere the default wrapping;
   - ``partitioned``, ``allreduce``: the Engine with those strategies.
 After ``warmup`` steps each, ``rounds`` rounds run the contenders one after another (the order
 rotates each round), ``steps`` steps each, timed between barriers (the slowest rank's time).
 Per contender and rank: the bytes it holds (parameters, gradients and optimizer state, counted
 from the tensors: this rank's shards where sharded), and its steps' peak above what was held
 before them (``memory.measure.StepPeak``: the CUDA allocator's, or the resident set's on a CPU).
-Reported: median step time, the median per-round ratio to ``fsdp2`` (its time / theirs), and
-the largest rank's bytes.
+Reported: median step time; the median per-round ratio to ``fsdp2`` (its time / theirs) and
+to ``ddp`` (their time / its: the cost of a contender over DDP); the largest rank's bytes.
 """
 
 from __future__ import annotations
@@ -28,15 +31,17 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 import phalanx as px
 from phalanx.bench import machine_meta
-from phalanx.bench.port import GPT, PortBenchConfig, _batch, _lr
+from phalanx.bench.fsdp_scripts import SCRIPTS, Script, Sizes, parameters_of
 from phalanx.errors import ConfigError
 from phalanx.fields import option
 from phalanx.memory.measure import StepPeak
 
-KINDS = ("fsdp2", "fsdp", "partitioned", "allreduce")
+KINDS = ("fsdp2", "fsdp", "partitioned", "allreduce", "ddp")
+DEFAULT_KINDS = ("fsdp2", "fsdp", "partitioned", "allreduce")
 UNIT = "TransformerEncoderLayer"
 
 
@@ -45,50 +50,65 @@ class FsdpBenchConfig:
     """Everything one ``phalanx bench fsdp`` run needs (sent to the ranks)."""
 
     nproc: int = option(2, "processes")
-    vocab: int = option(2048, "vocabulary")
-    width: int = option(256, "model width")
-    num_layers: int = option(4, "transformer layers (the fully_shard units)")
-    seq_len: int = option(64, "tokens per sequence")
-    batch_size: int = option(8, "sequences per process per step")
+    model: str = option("gpt", f"the user script: {', '.join(SCRIPTS)}")
+    contenders: tuple[str, ...] = option(DEFAULT_KINDS, f"which of {', '.join(KINDS)}")
+    vocab: int = option(2048, "vocabulary (gpt, lora)")
+    width: int = option(256, "model width (gpt, lora, mlp)")
+    num_layers: int = option(4, "transformer layers (gpt, lora)")
+    seq_len: int = option(64, "tokens per sequence (gpt, lora)")
+    batch_size: int = option(8, "sequences, images or vectors per process per step")
+    image_size: int = option(64, "image height and width (resnet)")
     steps: int = option(10, "steps per round and contender")
     rounds: int = option(7, "alternating rounds")
     warmup: int = option(3, "untimed steps per contender first")
 
     def validate(self) -> None:
         for key, value in asdict(self).items():
-            if value < (0 if key == "warmup" else 1):
+            if isinstance(value, int) and value < (0 if key == "warmup" else 1):
                 raise ConfigError(f"--{key.replace('_', '-')}: must be >= 1, got {value}")
+        if self.model not in SCRIPTS:
+            raise ConfigError(f"--model: got {self.model!r}; allowed: {', '.join(SCRIPTS)}")
+        unknown = [k for k in self.contenders if k not in KINDS]
+        if unknown or not self.contenders:
+            raise ConfigError(f"--contenders: got {unknown or 'none'}; allowed: {', '.join(KINDS)}")
 
-    def model(self) -> PortBenchConfig:
-        fields = ("vocab", "width", "num_layers", "seq_len", "batch_size", "steps", "warmup")
-        return PortBenchConfig(nproc=self.nproc, **{k: getattr(self, k) for k in fields})
+    def sizes(self) -> Sizes:
+        fields = ("vocab", "width", "num_layers", "seq_len", "batch_size", "image_size")
+        return Sizes(**{k: getattr(self, k) for k in fields})
 
 
 class _Contender:
-    """One way of training the script's model; ``step(i, idx, targets)`` runs step i."""
+    """One way of training the script's model; ``step(i, inputs, targets)`` runs step i."""
 
-    def __init__(self, kind: str, model: GPT, ctx: Any) -> None:
-        self.kind, self.model = kind, model
+    def __init__(self, kind: str, script: Script, model: nn.Module, ctx: Any) -> None:
+        self.kind, self.script, self.model = kind, script, model
         if kind == "fsdp2":
-            _fully_shard_by_hand(model, ctx)
-        self.optimizer = model.configure_optimizers()  # after fully_shard, as torch says
+            _fully_shard_by_hand(model, script.unit, ctx)
+        self.optimizer = script.optimizer(model)  # after fully_shard, as torch says
+        self.ddp = nn.parallel.DistributedDataParallel(model) if kind == "ddp" else None
         self.engine: px.Engine | None = None
-        if kind != "fsdp2":
-            options = {"units": [UNIT]} if kind == "fsdp" else {}
-            exchange = px.ExchangeConfig(strategy=kind, options=options)
-            self.engine = px.Engine(model, optimizer=self.optimizer, exchange=exchange,
-                                    max_grad_norm=1.0, context=ctx)  # fmt: skip
+        if kind not in ("fsdp2", "ddp"):
+            units = kind == "fsdp" and script.unit == UNIT  # FSDP2's units for the GPT
+            exchange = px.ExchangeConfig(strategy=kind, options={"units": [UNIT]} if units else {})
+            self.engine = px.Engine(model, script.loss_fn, self.optimizer, exchange=exchange,
+                                    max_grad_norm=script.clip or None, context=ctx)  # fmt: skip
 
-    def step(self, i: int, idx: torch.Tensor, targets: torch.Tensor) -> None:
-        for group in self.optimizer.param_groups:
-            group["lr"] = _lr(i)
+    def step(self, i: int, inputs: torch.Tensor, targets: torch.Tensor) -> None:
+        if self.script.lr is not None:
+            for group in self.optimizer.param_groups:
+                group["lr"] = self.script.lr(i)
         if self.engine is not None:
-            self.engine.step(idx, targets)
+            self.engine.step(inputs, targets)
             return
         self.optimizer.zero_grad(set_to_none=True)
-        _, loss = self.model(idx, targets)
+        model = self.ddp or self.model
+        if self.script.loss_fn is None:
+            _, loss = model(inputs, targets)
+        else:
+            loss = self.script.loss_fn(model(inputs), targets)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        if self.script.clip:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.script.clip)
         self.optimizer.step()
 
     def held_bytes(self) -> int:
@@ -101,12 +121,16 @@ class _Contender:
         return weights + sum(_nbytes(t) for s in state for t in s.values() if torch.is_tensor(t))
 
 
-def _fully_shard_by_hand(model: GPT, ctx: Any) -> None:
+def _fully_shard_by_hand(model: nn.Module, unit: str | None, ctx: Any) -> None:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
     mesh = DeviceMesh.from_group(ctx.group, ctx.device.type)
-    for layer in model.blocks.layers:
+    if unit is not None:
+        units = [m for m in model.modules() if type(m).__name__ == unit]
+    else:
+        units = [c for c in model.children() if any(True for _ in c.parameters())]
+    for layer in units:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
 
@@ -117,14 +141,15 @@ def _nbytes(t: torch.Tensor) -> int:
     return local.numel() * local.element_size()
 
 
-def _timed(ctx: Any, contender: _Contender, cfg: PortBenchConfig, first: int) -> float:
+def _timed(ctx: Any, contender: _Contender, cfg: FsdpBenchConfig, first: int) -> float:
     """Seconds per step over ``cfg.steps`` steps, the slowest rank's, between barriers."""
-    batches = [_batch(cfg, first + s, ctx.rank) for s in range(cfg.steps)]
+    script, sizes = SCRIPTS[cfg.model], cfg.sizes()
+    batches = [script.batch(sizes, first + s, ctx.rank) for s in range(cfg.steps)]
     batches = [(x.to(ctx.device), y.to(ctx.device)) for x, y in batches]
     dist.barrier(group=ctx.group)
     start = time.perf_counter()
-    for s, (idx, targets) in enumerate(batches):
-        contender.step(first + s, idx, targets)
+    for s, (inputs, targets) in enumerate(batches):
+        contender.step(first + s, inputs, targets)
     if ctx.device.type == "cuda":
         torch.cuda.synchronize(ctx.device)
     seconds = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=ctx.device)
@@ -133,20 +158,20 @@ def _timed(ctx: Any, contender: _Contender, cfg: PortBenchConfig, first: int) ->
 
 
 def _in_ranks(ctx: Any, cfg: FsdpBenchConfig) -> dict[str, Any]:
-    model_cfg = cfg.model()
+    script, sizes, kinds = SCRIPTS[cfg.model], cfg.sizes(), cfg.contenders
     torch.manual_seed(0)
-    model = GPT(model_cfg).to(ctx.device)
-    contenders = {k: _Contender(k, copy.deepcopy(model), ctx) for k in KINDS}
+    model = script.build(sizes).to(ctx.device)
+    contenders = {k: _Contender(k, script, copy.deepcopy(model), ctx) for k in kinds}
     for contender in contenders.values():  # warm-up
         for s in range(cfg.warmup):
-            contender.step(s, *(t.to(ctx.device) for t in _batch(model_cfg, s, ctx.rank)))
-    seconds: dict[str, list[float]] = {k: [] for k in KINDS}
-    peaks: dict[str, list[int]] = {k: [] for k in KINDS}
+            contender.step(s, *(t.to(ctx.device) for t in script.batch(sizes, s, ctx.rank)))
+    seconds: dict[str, list[float]] = {k: [] for k in kinds}
+    peaks: dict[str, list[int]] = {k: [] for k in kinds}
     for r in range(cfg.rounds):
-        order = KINDS[r % len(KINDS) :] + KINDS[: r % len(KINDS)]
+        order = kinds[r % len(kinds) :] + kinds[: r % len(kinds)]
         for k in order:
             peak = StepPeak(ctx.device)
-            seconds[k].append(_timed(ctx, contenders[k], model_cfg, cfg.warmup + r * cfg.steps))
+            seconds[k].append(_timed(ctx, contenders[k], cfg, cfg.warmup + r * cfg.steps))
             peaks[k].append(peak.peak_bytes())
     held = {k: c.held_bytes() for k, c in contenders.items()}
     for contender in contenders.values():
@@ -163,19 +188,36 @@ def run_benchmark(cfg: FsdpBenchConfig) -> dict[str, Any]:
     ranks = run_ranks(_in_ranks, cfg.nproc, cfg, timeout=None)
     seconds = ranks[0]["seconds"]
     rows = {}
-    for kind in KINDS:
-        ratios = [b / s for s, b in zip(seconds[kind], seconds["fsdp2"])]
-        rows[kind] = {
+    for kind in cfg.contenders:
+        row: dict[str, Any] = {
             "step_s": statistics.median(seconds[kind]),
             "seconds": seconds[kind],
-            "vs_fsdp2": statistics.median(ratios),
             "held_mib": max(r["held"][kind] for r in ranks) / 2**20,
             "step_peak_mib": max(r["peak"][kind] for r in ranks) / 2**20,
         }
-    params = sum(p.numel() for p in GPT(cfg.model()).parameters())
+        if "fsdp2" in seconds:  # speed against torch's loop: its time / this one's
+            row["vs_fsdp2"] = _median_ratio(seconds["fsdp2"], seconds[kind])
+        if "ddp" in seconds:  # cost over DDP: this one's time / DDP's
+            row["time_vs_ddp"] = _median_ratio(seconds[kind], seconds["ddp"])
+            row["time_vs_ddp_range"] = _ratio_range(seconds[kind], seconds["ddp"])
+        rows[kind] = row
+    params, trainable = parameters_of(SCRIPTS[cfg.model].build(cfg.sizes()))
     meta = {**machine_meta(), "wall_s": time.perf_counter() - started, "config": asdict(cfg),
-            "parameters": params}  # fmt: skip
+            "parameters": params, "trainable": trainable}  # fmt: skip
     return {"meta": meta, "rows": rows}
+
+
+def _median_ratio(top: list[float], bottom: list[float]) -> float:
+    return statistics.median(a / b for a, b in zip(top, bottom))
+
+
+def _ratio_range(top: list[float], bottom: list[float]) -> tuple[float, float]:
+    """The per-round ratios' interquartile range: how far this machine's noise reaches."""
+    ratios = [a / b for a, b in zip(top, bottom)]
+    if len(ratios) < 2:
+        return ratios[0], ratios[0]
+    quartiles = statistics.quantiles(ratios, n=4, method="inclusive")
+    return quartiles[0], quartiles[-1]
 
 
 def _check(result: dict[str, Any]) -> None:
@@ -184,21 +226,29 @@ def _check(result: dict[str, Any]) -> None:
 
 
 def format_table(result: dict[str, Any]) -> str:
-    cfg, meta = result["meta"]["config"], result["meta"]
+    cfg, meta, rows = result["meta"]["config"], result["meta"], result["rows"]
+    ratios = [k for k in ("vs_fsdp2", "time_vs_ddp") if any(k in r for r in rows.values())]
+    heads = {"vs_fsdp2": "vs fsdp2", "time_vs_ddp": "time / ddp's"}
     lines = [
-        f"GPT script ({cfg['num_layers']} layers, width {cfg['width']}, vocab {cfg['vocab']}, "
-        f"{meta['parameters'] / 1e6:.1f} M parameters, {cfg['batch_size']} x {cfg['seq_len']} "
-        f"tokens per process), AdamW groups, clip 1.0, {cfg['nproc']} processes; medians of "
+        f"{cfg['model']} script ({meta['parameters'] / 1e6:.1f} M parameters, "
+        f"{meta['trainable'] / 1e6:.2f} M trainable), {cfg['nproc']} processes; medians of "
         f"{cfg['rounds']} alternating rounds of {cfg['steps']} steps",
-        f"{'contender':<12} {'step ms':>8} {'vs fsdp2':>9} {'held MiB/rank':>14} "
-        f"{'step peak MiB':>14}",
-    ]
-    for kind, row in result["rows"].items():
+        f"{'contender':<12} {'step ms':>8} " + " ".join(f"{heads[k]:>13}" for k in ratios)
+        + f" {'held MiB/rank':>14} {'step peak MiB':>14}",
+    ]  # fmt: skip
+    for kind, row in rows.items():
+        cells = " ".join(f"{row[k]:>12.3f}x" for k in ratios)
         lines.append(
-            f"{kind:<12} {row['step_s'] * 1e3:>8.1f} {row['vs_fsdp2']:>8.3f}x "
+            f"{kind:<12} {row['step_s'] * 1e3:>8.1f} {cells} "
             f"{row['held_mib']:>14.1f} {row['step_peak_mib']:>14.1f}"
         )
-    fsdp = result["rows"]["fsdp"]["vs_fsdp2"]
-    lines.append(f"fsdp vs torch's FSDP2 loop: {fsdp:.3f}x ({'PASS' if fsdp >= 0.95 else 'MISS'}"
-                 " >= 0.95)")  # fmt: skip
+    if "fsdp" in rows and "vs_fsdp2" in rows["fsdp"]:
+        fsdp = rows["fsdp"]["vs_fsdp2"]
+        verdict = "PASS" if fsdp >= 0.95 else "MISS"
+        lines.append(f"fsdp vs torch's FSDP2 loop: {fsdp:.3f}x ({verdict} >= 0.95)")
+    if "fsdp" in rows and "time_vs_ddp" in rows["fsdp"]:
+        cost, (lo, hi) = rows["fsdp"]["time_vs_ddp"], rows["fsdp"]["time_vs_ddp_range"]
+        verdict = "PASS" if cost <= 1.25 else "MISS"
+        lines.append(f"fsdp's step time / DDP's: {cost:.3f}x, rounds {lo:.3f}-{hi:.3f} "
+                     f"({verdict} <= 1.25)")  # fmt: skip
     return "\n".join(lines)
