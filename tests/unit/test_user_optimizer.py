@@ -66,7 +66,6 @@ def test_a_factory_over_the_same_parameters_is_accepted() -> None:
         ("foreign", "allreduce", "not trainable parameters of the model"),
         ("lbfgs", "allreduce", "LBFGS needs a closure"),
         ("adafactor", "partitioned", "Adafactor is not known to be elementwise"),
-        ("stateful", "fsdp", "already holds state"),
     ],
 )
 def test_what_cannot_be_honoured_is_refused_in_one_line(spec, strategy, message) -> None:
@@ -77,10 +76,6 @@ def test_what_cannot_be_honoured_is_refused_in_one_line(spec, strategy, message)
         spec = torch.optim.LBFGS(model.parameters())
     elif spec == "adafactor":
         spec = torch.optim.Adafactor(model.parameters())
-    elif spec == "stateful":
-        spec = torch.optim.Adam(model.parameters())
-        model(batch(6)[0]).sum().backward()
-        spec.step()
     with pytest.raises(ConfigError, match=message) as caught:
         px.Engine(model, nn.functional.cross_entropy, spec, exchange=strategy)
     assert "\n" not in str(caught.value)

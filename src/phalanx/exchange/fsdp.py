@@ -1,11 +1,15 @@
 """``fsdp``: parameters, gradients and optimizer state sharded over the data ranks, through
 torch's ``fully_shard`` (FSDP2), as one more exchange strategy.
 
-Units: each top-level child module holding parameters (a config model's layers), or the
-submodules whose class is named in ``units``; a unit holding a parameter it shares with
-another (tied embedding and head) stays in the root unit, which holds everything else. Each
-parameter becomes a DTensor sharded on dim 0 (rows; torch.chunk's split, the last rank's
-shard may be shorter or empty). In the Engine's step (phalanx.engine; the same phases):
+Units: a model up to ``whole_model_mb`` is one unit, the root, its frozen parameters left
+whole on every rank (per-layer collectives cost small models more than they save: a step
+then gathers once and reduce-scatters once); a larger one has a unit per top-level child
+module holding parameters (a config model's layers; a ModuleList's blocks), or per submodule
+of the classes named in ``units``; a unit holding a parameter it shares with another (tied
+embedding and head) stays in the root, which holds everything else. Each sharded parameter
+becomes a DTensor on dim 0 (rows; torch.chunk's split, the last rank's shard may be shorter
+or empty). On Gloo, every all-gather and reduce-scatter is a point-to-point ring
+(``_gloo_collectives``). In the Engine's step (phalanx.engine; the same phases):
   Phase 1 (``begin_step``): gradients cleared.
   Phase 2: forward all-gathers each unit before it runs (``prefetch`` units ahead); backward
     all-gathers it again (``reshard_after_forward``) and reduce-scatters its gradient to the
