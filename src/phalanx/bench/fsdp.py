@@ -11,7 +11,8 @@ Contenders (``--contenders``), each with its own copy of the same initial model,
   - ``ddp``: ``DistributedDataParallel`` and the same loop;
   - ``fsdp``: ``Engine(model, loss, optimizer, exchange="fsdp")``: for ``gpt`` with
     ``units = ["TransformerEncoderLayer"]`` (FSDP2's units), elsewhere the default wrapping;
-  - ``partitioned``, ``allreduce``: the Engine with those strategies.
+  - ``partitioned``, ``allreduce``, ``tree``, ``ps``: the Engine with those strategies (with
+    ``--model mlp``: the cost of a small step against DDP, issue 44).
 After ``warmup`` steps each, ``rounds`` rounds run the contenders one after another (the order
 rotates each round), ``steps`` steps each, timed between barriers (the slowest rank's time).
 Per contender and rank: the bytes it holds (parameters, gradients and optimizer state, counted
@@ -40,7 +41,7 @@ from phalanx.errors import ConfigError
 from phalanx.fields import option
 from phalanx.memory.measure import StepPeak
 
-KINDS = ("fsdp2", "fsdp", "partitioned", "allreduce", "ddp")
+KINDS = ("fsdp2", "fsdp", "partitioned", "allreduce", "tree", "ps", "ddp")
 DEFAULT_KINDS = ("fsdp2", "fsdp", "partitioned", "allreduce")
 UNIT = "TransformerEncoderLayer"
 
