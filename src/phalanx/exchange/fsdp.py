@@ -401,9 +401,9 @@ def _volume(module: nn.Module, regather: bool, ctx: Context) -> int:
 
 def _gloo_collectives(modules: list[Any]) -> list[_Buffers]:
     """Each FSDP module's all-gather and reduce-scatter on Gloo as point-to-point rings
-    (exchange.ring's), which ran 2-4x faster than Gloo's collectives here (2 CPU ranks,
-    45 MiB: all-gather 12.0 vs 49.7 ms, reduce-scatter 18.3 vs 108.6; 3 ranks: 21.2 vs 65.9
-    and 29.1 vs 165.7). One instance of each serves every module (one receive arena).
+    (exchange.ring's), which ran 3x faster than Gloo's collectives here (45 MiB, 2 CPU
+    ranks: all-gather 15.5 vs 50.5 ms, reduce-scatter 19.2 vs 58.5; 3 ranks: 21.0 vs 64.5
+    and 27.2 vs 86.6). One instance of each serves every module (one receive arena).
     Torch versions without custom collectives keep their own."""
     gather, scatter = _RingAllGather(), _RingReduceScatter()
     for m in modules:
