@@ -356,17 +356,34 @@ def _ported_loop(ctx: px.Context, out_dir: str, options: dict[str, Any]) -> dict
     from phalanx.exchange import fsdp as fsdp_strategy
 
     fsdp_strategy.POOLED_BYTES = 0  # every buffer from the pool, as a large model's are
-    out: dict[str, Any] = {}
-    model = _net()
-    recorder = model.body[2]
     fsdp = px.ExchangeConfig(strategy="fsdp", options=options)
+    model = _net()
     engine = px.Engine(model, nn.functional.cross_entropy, _groups(model), exchange=fsdp)
-    out["frozen sharded"] = hasattr(model.body[0].weight, "to_local")
+    out: dict[str, Any] = {"frozen sharded": hasattr(model.body[0].weight, "to_local")}
     batches = [_shard(b, ctx.rank, ctx.world_size) for b in _loop_batches(4)]
+    out.update(_three_steps(ctx, engine, model, batches, out_dir))
+    weights = engine.full_state_dict()  # every rank
+    out["state"] = state = engine.optimizer_state_dict()  # every rank
+    if ctx.rank == 0:
+        torch.save({"model": weights, "optimizer": state}, Path(out_dir) / "ckpt.pt")
+    checkpoint.save(Path(out_dir) / "dcp", 3, {"engine": engine})  # each rank its rows
+    out["resumed"] = [
+        _resumed(fsdp, how, weights, state, batches[3], out_dir)
+        for how in ("before", "after", "checkpoint")
+    ]
+    engine.step(*batches[3])
+    out["resumed"].append(engine.full_state_dict())
+    engine.close()
+    return out
+
+
+def _three_steps(
+    ctx: px.Context, engine: px.Engine, model: Net, batches: list, out_dir: str
+) -> dict[str, Any]:
+    """A validation between steps (eval on engine.module, a forward on every rank, train on
+    the user's model; then the other way round) and rank 0 alone reading the weights."""
+    recorder, modes = model.body[2], []
     engine.step(*batches[0])
-    # a validation: eval on engine.module, a forward on every rank, train again on the user's
-    # model object; then the other way round
-    modes = []
     engine.module.eval()
     with torch.no_grad():
         engine.module(batches[0][0])
@@ -376,6 +393,7 @@ def _ported_loop(ctx: px.Context, out_dir: str, options: dict[str, Any]) -> dict
     modes.append(recorder.seen[-1])
     model.eval()
     engine.module.train()
+    out: dict[str, Any] = {}
     if ctx.rank == 0:  # a periodic save on rank 0 only, between steps
         out["refused"] = [_refused(lambda: engine.module.state_dict()),
                           _refused(lambda: torch.save(model.state_dict(), Path(out_dir) / "x.pt")),
@@ -383,32 +401,30 @@ def _ported_loop(ctx: px.Context, out_dir: str, options: dict[str, Any]) -> dict
                           _refused(lambda: engine.optimizer.state_dict())]  # fmt: skip
     engine.step(*batches[2])  # every rank steps on: nothing was gathered above
     modes.append(recorder.seen[-1])
-    out["modes"] = modes
-    weights = engine.full_state_dict()  # every rank
-    state = engine.optimizer_state_dict()  # every rank
-    if ctx.rank == 0:
-        torch.save({"model": weights, "optimizer": state}, Path(out_dir) / "ckpt.pt")
-    out["state"] = state
-    # resuming as a DDP script does: weights into a plain model, the optimizer state loaded
-    # before the Engine (split over the shards) or through the Engine after it
-    resumed = []
-    for before in (True, False):
-        again = _net()
-        again.load_state_dict(weights)
-        optimizer = _groups(again)
-        if before:
-            optimizer.load_state_dict(state)
-        other = px.Engine(again, nn.functional.cross_entropy, optimizer, exchange=fsdp)
-        if not before:
-            other.load_optimizer_state_dict(state)
-        other.step(*batches[3])
-        resumed.append(other.full_state_dict())
-        other.close()
-    engine.step(*batches[3])
-    resumed.append(engine.full_state_dict())
-    out["resumed"] = resumed
+    return {**out, "modes": modes}
+
+
+def _resumed(
+    fsdp: px.ExchangeConfig, how: str, weights: dict, state: dict, batch: tuple, out_dir: str
+) -> dict[str, torch.Tensor]:
+    """A new Engine resumed as a DDP script does (the weights into the plain model, the
+    optimizer's state loaded before the Engine or through it after), or from the phalanx
+    checkpoint; the weights after one more step."""
+    model = _net()
+    if how != "checkpoint":
+        model.load_state_dict(weights)
+    optimizer = _groups(model)
+    if how == "before":
+        optimizer.load_state_dict(state)
+    engine = px.Engine(model, nn.functional.cross_entropy, optimizer, exchange=fsdp)
+    if how == "after":
+        engine.load_optimizer_state_dict(state)
+    if how == "checkpoint":
+        checkpoint.restore(Path(out_dir) / "dcp", {"engine": engine})
+    engine.step(*batch)
+    after = engine.full_state_dict()
     engine.close()
-    return out
+    return after
 
 
 def _assert_close(got: dict[str, Any], expected: dict[str, Any], what: str) -> None:
@@ -430,10 +446,11 @@ def test_fsdp_is_a_drop_in_for_ddp_in_a_users_loop(
     steps is refused in one line before any collective (the ranks step on); what rank 0 saves
     from ``engine.full_state_dict()`` loads into a fresh model; ``optimizer_state_dict()``
     equals one process's after the same steps and resumes (loaded before or after the
-    Engine) as one process continues. World 2: the default (a small model is one unit, its
-    frozen layer whole on every rank); world 3: one unit per layer, the frozen layer sharded,
-    the blocks' buffers alike back to back. Every communication buffer comes from the
-    strategy's pool (as large ones do), never one that gradients still view."""
+    Engine, or a phalanx checkpoint) as one process continues. World 2: the default (a small
+    model is one unit, its frozen layer whole on every rank); world 3: one unit per layer,
+    the frozen layer sharded, the blocks' buffers alike back to back. Every communication
+    buffer comes from the strategy's pool (as large ones do), never one that gradients still
+    view."""
     results = run_ranks(_ported_loop, world, str(tmp_path), options, timeout=120)
     weights, state = _loop_reference(3)
     for rank, out in enumerate(results):
