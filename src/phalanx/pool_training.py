@@ -160,8 +160,11 @@ def _score(block: tuple[torch.Tensor, torch.Tensor], name: str, batch_size: int)
     return sums
 
 
-def _model_state(name: str) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in _replica(name).engine.module.state_dict().items()}
+def _model_state(keep: bool, name: str) -> dict[str, torch.Tensor] | None:
+    """Every worker takes part (``fsdp`` gathers the rows each holds); ``keep``: the one whose
+    copy travels back."""
+    state = _replica(name).engine.full_state_dict()
+    return {k: v.detach().clone() for k, v in state.items()} if keep else None
 
 
 def _drop(name: str) -> None:
@@ -247,7 +250,10 @@ class PoolTrainer:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Rank 0's model state on the CPU (every replica holds the same parameters)."""
-        return self.pool.run_on(0, _model_state, self.name)
+        keep = [r == 0 for r in range(self.pool.num_workers)]
+        state = self.pool.run_each(_model_state, keep, self.name)[0]
+        assert state is not None
+        return state
 
     def close(self) -> None:
         """Drop the replicas from the workers (the pool stays open)."""
