@@ -351,6 +351,12 @@ class Schedule(ABC):
     # one unit per layer); None: buckets formed by the threshold
     unit_label: str | None = None
 
+    def loss_rides(self, codec: WireCodec) -> bool:
+        """Whether the Engine's global loss travels in a message the step makes anyway (the
+        verdict's all-reduce; the last bucket where whole buckets are summed uncompressed)."""
+        del codec
+        return self.loss_rides_verdict
+
     def check_world(self, world: int) -> None:
         """One-line ConfigError if this schedule cannot run on ``world`` ranks."""
         del world
@@ -438,6 +444,9 @@ class AllReduceSchedule(Schedule):
         # last bucket, which the compute thread exchanges itself (exchange/allreduce.py)
         return codec.compresses and not last
 
+    def loss_rides(self, codec: WireCodec) -> bool:
+        return not codec.compresses  # in the last bucket's rider slots (phalanx.global_loss)
+
 
 @SCHEDULES.register("ring")
 class RingSchedule(Schedule):
@@ -461,6 +470,9 @@ class TreeSchedule(Schedule):
 
     def bucket_phases(self, world: int, codec: WireCodec, nbytes: float) -> list[Phase]:
         return [Phase("tree", tree_rounds(world))] if world > 1 else []
+
+    def loss_rides(self, codec: WireCodec) -> bool:
+        return not codec.compresses  # in the last bucket's rider slots (phalanx.global_loss)
 
 
 @SCHEDULES.register("partitioned")

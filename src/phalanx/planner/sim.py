@@ -288,7 +288,7 @@ class Simulator:
         timeline.returns_on_thread = bool(returns) and schedule.on_thread(network.codec, False)
         timeline.comm_rate = self.cluster.comm_rate_beside_compute(world)
         timeline.steals = not self.measured_beside_exchange
-        if world > 1 and not schedule.loss_rides_verdict and timeline.steals:
+        if world > 1 and not schedule.loss_rides(network.codec) and timeline.steals:
             timeline.loss_s = self._agree_s(network, world)  # the same 1-message all-reduce
         for step in range(NUM_STEPS):
             timeline.step(
