@@ -8,11 +8,11 @@ loss = engine.step(inputs, targets)
 
 from phalanx.config import RunConfig, load_config
 from phalanx.engine import Engine
+from phalanx.engine.config import StepConfig
 from phalanx.errors import CheckpointError, ConfigError, DataError, PhalanxError, WorkerError
 from phalanx.exchange import STRATEGIES, ExchangeConfig, Strategy
 from phalanx.runtime.context import Context, init, shutdown
 from phalanx.runtime.pool import WorkerPool, current_worker
-from phalanx.step_config import StepConfig
 
 __version__ = "0.1.0"
 

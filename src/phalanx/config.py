@@ -17,6 +17,8 @@ from typing import Any
 
 from phalanx.checkpoint import CheckpointConfig
 from phalanx.data.sources import DataConfig
+from phalanx.engine.config import StepConfig
+from phalanx.engine.tracing import TraceConfig
 from phalanx.errors import ConfigError
 from phalanx.exchange.base import ExchangeConfig
 from phalanx.fields import ConfigValueError, from_dict, join_key, option, require
@@ -26,8 +28,6 @@ from phalanx.optim.factory import OptimizerConfig
 from phalanx.optim.schedule import SchedulerConfig
 from phalanx.parallel.layout import ParallelConfig, check_stage_count, stages_from_layers
 from phalanx.runtime.context import RuntimeConfig
-from phalanx.step_config import StepConfig
-from phalanx.tracing import TraceConfig
 from phalanx.viz import LogConfig
 
 if sys.version_info >= (3, 11):

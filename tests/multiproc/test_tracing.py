@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 import phalanx as px
+from phalanx.engine.tracing import TraceConfig
 from phalanx.planner.trace import LANES, lane_totals, read_trace
-from phalanx.tracing import TraceConfig
 from tests.helpers.cli import run_main
 from tests.helpers.spawn import run_ranks
 

@@ -53,10 +53,13 @@ CONSTRUCTION = {
     "max_grad_norm kind": (dict(max_grad_norm="1"), "max_grad_norm: expected float"),
     "max_grad_norm value": (dict(max_grad_norm=-1.0), "max_grad_norm: must be >= 0"),
     "unknown keyword": (dict(bucket_size=4), "bucket_size: not an Engine argument; allowed:"),
-    "step kind": (dict(step={"precision": "bf16"}), "step: pass a phalanx.step_config.StepConfig"),
+    "step kind": (
+        dict(step={"precision": "bf16"}),
+        "step: pass a phalanx.engine.config.StepConfig",
+    ),
     "exchange kind": (dict(exchange=3), "exchange: pass a strategy name"),
     "memory": (dict(memory="16GB"), "memory: pass a phalanx.memory.manager.MemoryManager"),
-    "trace": (dict(trace=True), "trace: pass a phalanx.tracing.TraceConfig"),
+    "trace": (dict(trace=True), "trace: pass a phalanx.engine.tracing.TraceConfig"),
     "parallel": (dict(parallel={"pipeline": 2}), "parallel: pass a phalanx.parallel.layout"),
     "context": (dict(context="world"), "context: pass the Context of phalanx.init()"),
     "DataParallel": (

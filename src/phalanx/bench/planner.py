@@ -3,7 +3,7 @@
 For each model (the digits CNN, the 8.4 M-parameter MLP, the char-LSTM), strategy, compression
 and threshold (25 MiB, ``auto``), two processes train with the Engine; after a warm-up (and
 after ``auto`` settled) ``steps`` consecutive steps are timed and traced
-(``phalanx.tracing``): the measured step is the slower rank's mean over them. That block is
+(``phalanx.engine.tracing``): the measured step is the slower rank's mean over them. That block is
 repeated ``blocks`` times per cell, alternating over the cells (every cell once per round, a
 fresh Engine each time), and a cell's error is its median block's: a burst of load from this
 machine's neighbours then spoils one block of several cells instead of one cell. The planner
@@ -54,6 +54,7 @@ from phalanx.bench.planner_validation import (
     validate_paths,
 )
 from phalanx.costs import LayerCost
+from phalanx.engine.tracing import TRACE_FILE, StepTracer, TraceConfig
 from phalanx.errors import ConfigError
 from phalanx.exchange.comm import measure_handoff_s
 from phalanx.exchange.link import LinkModel, calibrate, measure_message_s
@@ -65,7 +66,6 @@ from phalanx.planner.sim import ExchangeSetup, Simulator
 from phalanx.planner.step import StepProfile
 from phalanx.planner.trace import read_trace
 from phalanx.runtime.context import RuntimeConfig
-from phalanx.tracing import TRACE_FILE, StepTracer, TraceConfig
 
 MODELS = ("digits_cnn", "mlp", "char_lstm")
 STRATEGIES = ("allreduce", "tree", "partitioned", "ps", "fsdp")

@@ -12,10 +12,10 @@ from pathlib import Path
 from typing import Any
 
 from phalanx.commands.plan import _strategies
+from phalanx.engine.guard import rescaling_problem
 from phalanx.errors import ConfigError
 from phalanx.exchange.base import strategy_factory
 from phalanx.fileio import atomic_write_text
-from phalanx.guard import rescaling_problem
 from phalanx.planner.calibrate import load_or_calibrate, slowdown_now
 from phalanx.planner.plan import make_plan, recommended_sets, threshold_of
 from phalanx.planner.prediction import PREDICTION

@@ -17,10 +17,10 @@ from phalanx import checkpoint
 from phalanx.commands.auto_plan import auto_plan, predict_run
 from phalanx.commands.common import EXIT_PREEMPTED, PROG
 from phalanx.config import config_from_data, load_config, read_config, with_overrides
+from phalanx.engine.guard import rescaling_problem
 from phalanx.errors import Interrupted, PhalanxError
 from phalanx.exchange.base import STRATEGIES, Strategy
 from phalanx.fields import from_dict
-from phalanx.guard import rescaling_problem
 from phalanx.memory import measure
 from phalanx.memory.manager import MemoryConfig
 

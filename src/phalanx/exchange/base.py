@@ -110,7 +110,7 @@ ThreadSpan = tuple[str, str, int, int, float, float]  # lane, name, bucket, byte
 
 def stamp_done(bucket: Bucket, handle: Any) -> Any:
     """Set ``bucket.done_time`` when ``handle`` (a backend Work or a communication thread's
-    Future) completes: the exchange lane of traces (phalanx.tracing). Returns ``handle``."""
+    Future) completes: the exchange lane of traces (phalanx.engine.tracing). Returns ``handle``."""
 
     def stamp(*_: Any) -> None:
         bucket.done_time = time.perf_counter()

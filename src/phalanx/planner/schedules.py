@@ -342,7 +342,7 @@ class Schedule(ABC):
 
     agrees_before_backward = False
     # the Engine's global loss rides in the strategy's verdict all-reduce (no message of its
-    # own); False: its own 1-element all-reduce runs beside backward (phalanx.global_loss)
+    # own); False: its own 1-element all-reduce runs beside backward (phalanx.engine.global_loss)
     loss_rides_verdict = False
     # whether ``phalanx plan`` sweeps it by default (``ring``, ``tree_ps``: models of other
     # systems, planned when asked for)
@@ -445,7 +445,7 @@ class AllReduceSchedule(Schedule):
         return codec.compresses and not last
 
     def loss_rides(self, codec: WireCodec) -> bool:
-        return not codec.compresses  # in the last bucket's rider slots (phalanx.global_loss)
+        return not codec.compresses  # in the last bucket's rider slots (phalanx.engine.global_loss)
 
 
 @SCHEDULES.register("ring")
@@ -472,7 +472,7 @@ class TreeSchedule(Schedule):
         return [Phase("tree", tree_rounds(world))] if world > 1 else []
 
     def loss_rides(self, codec: WireCodec) -> bool:
-        return not codec.compresses  # in the last bucket's rider slots (phalanx.global_loss)
+        return not codec.compresses  # in the last bucket's rider slots (phalanx.engine.global_loss)
 
 
 @SCHEDULES.register("partitioned")

@@ -12,8 +12,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from phalanx import engine_state
-from phalanx.batches import (
+from phalanx.compile import CompileClock
+from phalanx.engine import state as engine_state
+from phalanx.engine.auto_bucketing import DEFAULT_BUCKET_MB, AutoBucketing, ObservedOrder
+from phalanx.engine.batches import (
     Accumulated,
     Batch,
     MicroBatches,
@@ -22,9 +24,15 @@ from phalanx.batches import (
     split_batch,
     step_batch,
 )
-from phalanx.compile import CompileClock
+from phalanx.engine.config import StepConfig
+from phalanx.engine.global_loss import SLOTS as LOSS_SLOTS
+from phalanx.engine.global_loss import GlobalLoss
+from phalanx.engine.guard import NonfiniteGuard, rescaling_problem
+from phalanx.engine.hooks import StepEnd, StepHook
+from phalanx.engine.pipeline_driver import PipelineDriver
+from phalanx.engine.teardown import Teardown
+from phalanx.engine.tracing import StepTrace, StepTracer, TraceConfig
 from phalanx.errors import PEER_LOSS, CheckpointError, ConfigError, PeerLost, PhalanxError
-from phalanx.exchange.auto_bucketing import DEFAULT_BUCKET_MB, AutoBucketing, ObservedOrder
 from phalanx.exchange.base import (
     STRATEGIES,
     ExchangeConfig,
@@ -40,10 +48,6 @@ from phalanx.exchange.link import LinkModel
 from phalanx.exchange.threshold import Choice
 from phalanx.faults import fault_at
 from phalanx.fields import with_options
-from phalanx.global_loss import SLOTS as LOSS_SLOTS
-from phalanx.global_loss import GlobalLoss
-from phalanx.guard import NonfiniteGuard, rescaling_problem
-from phalanx.hooks import StepEnd, StepHook
 from phalanx.memory.manager import MemoryManager
 from phalanx.memory.residency import OptimizerResidency
 from phalanx.metrics import PhaseTimer, StepStats
@@ -55,14 +59,10 @@ from phalanx.optim.user import (
     group_of,
     resolve_optimizer,
 )
-from phalanx.parallel.driver import PipelineDriver
 from phalanx.parallel.layout import ParallelConfig
 from phalanx.parallel.pipeline import PipelineParallel, build_pipeline
 from phalanx.precision import Precision
 from phalanx.runtime.context import Context, current_context, on_shutdown
-from phalanx.step_config import StepConfig
-from phalanx.teardown import Teardown
-from phalanx.tracing import StepTrace, StepTracer, TraceConfig
 
 logger = logging.getLogger("phalanx")
 AUTO = "auto"
@@ -93,7 +93,7 @@ class Engine:
     run's ``[exchange]``) and ``step`` (a StepConfig such as a run's ``[train]``), validated
     once by those Configs; keyword shorthand for their keys (``bucket_mb=``, ``compress=``,
     ``accumulate_steps=``, ``precision=``, ``max_grad_norm=``, ...) replaces them.
-    Components act at fixed points of the step (step hooks, phalanx.hooks): the observed
+    Components act at fixed points of the step (step hooks, phalanx.engine.hooks): the observed
     bucket order, ``bucket_mb = "auto"``, traces; the non-finite guard, the global loss and
     the pipeline driver are called where their results decide the step.
 
@@ -140,9 +140,9 @@ class Engine:
         if not hasattr(model, "no_sync"):  # a ported DDP loop's `with model.no_sync():`
             model.__dict__["no_sync"] = _PointToEngine("no_sync")
         _check_kinds(
-            step=(step, StepConfig, "a phalanx.step_config.StepConfig (e.g. a run's [train])"),
+            step=(step, StepConfig, "a phalanx.engine.config.StepConfig (e.g. a run's [train])"),
             memory=(memory, MemoryManager, "a phalanx.memory.manager.MemoryManager or None"),
-            trace=(trace, TraceConfig, "a phalanx.tracing.TraceConfig or None"),
+            trace=(trace, TraceConfig, "a phalanx.engine.tracing.TraceConfig or None"),
             parallel=(parallel, ParallelConfig, "a phalanx.parallel.layout.ParallelConfig or None"),
             context=(context, Context, "the Context of phalanx.init() or None"),
         )
@@ -712,10 +712,10 @@ class Engine:
         piece (``[memory] optimizer = "host"`` on a CPU), or None: ``optimizer_resident``."""
         return None if self._mirror is None else self._mirror.lazy_shards(self.trainable)
 
-    # -- state (phalanx.engine_state) ---------------------------------------------------------
+    # -- state (phalanx.engine.state) ---------------------------------------------------------
     def state_dict(self, stored: dict[str, Any] | None = None) -> dict[str, Any]:
         """This rank's part of the Engine's state for torch.distributed.checkpoint (see
-        ``phalanx.engine_state.state_dict``); collective for sharded strategies."""
+        ``phalanx.engine.state.state_dict``); collective for sharded strategies."""
         with self.strategy.own_reads():  # fsdp refuses the user's reads of its shards
             return engine_state.state_dict(self, stored)
 

@@ -19,10 +19,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from phalanx.engine.guard import NonfiniteGuard
 from phalanx.exchange.base import GradientExchange
 from phalanx.exchange.buckets import GradientBuckets
 from phalanx.faults import fault_at
-from phalanx.guard import NonfiniteGuard
 from phalanx.parallel.pipeline import PipelineParallel
 from phalanx.precision import Precision
 from phalanx.runtime.context import Context

@@ -32,8 +32,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from phalanx.engine.hooks import StepEnd, StepHook
 from phalanx.fields import option, require
-from phalanx.hooks import StepEnd, StepHook
 from phalanx.planner.trace import TraceEvent, write_trace
 
 TRACE_FILE = "trace.json"

@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from phalanx.engine.guard import GuardConfig
 from phalanx.fields import option, require
-from phalanx.guard import GuardConfig
 
 
 @dataclass(kw_only=True)

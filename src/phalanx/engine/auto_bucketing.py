@@ -1,5 +1,5 @@
-"""The bucket layout's step hooks (phalanx.hooks): the observed order after the first step, and
-``bucket_mb = "auto"`` (F12): measure the link, profile the first backward passes, choose the
+"""The bucket layout's step hooks (phalanx.engine.hooks): the observed order after the first step,
+and ``bucket_mb = "auto"`` (F12): measure the link, profile the first backward passes, choose the
 fusion threshold from the cost model (phalanx.exchange.threshold), then time the candidate
 layouts and keep the fastest (phalanx.exchange.autotune).
 
@@ -21,12 +21,12 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from phalanx.engine.hooks import StepEnd, StepHook
 from phalanx.exchange.autotune import LayoutTrials
 from phalanx.exchange.buckets import GradientBuckets, plan_buckets
 from phalanx.exchange.comm import global_rank
 from phalanx.exchange.link import LinkModel, calibrate
 from phalanx.exchange.threshold import BackwardRecorder, Choice, agree_profile, choose_bucket_bytes
-from phalanx.hooks import StepEnd, StepHook
 from phalanx.runtime.context import Context
 
 logger = logging.getLogger("phalanx")
