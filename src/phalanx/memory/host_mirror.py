@@ -1,60 +1,28 @@
 """F19 as the document builds it: fp32 master parameters, the optimizer's state and its
-arithmetic on the host; gradients stream to the host chunk by chunk, updated parameters stream
-back, and each layer waits for its own parameters in a forward pre-hook.
-
-``HostMirror(optimizer, device, module, chunk_bytes)`` takes over ``optimizer`` (the one the
-exchange strategy built over the device parameters, or over its shard): a second optimizer of
-the same class steps fp32 master copies of those parameters in host memory (pinned on CUDA, so
-the copies are asynchronous DMA on a side stream), and the device optimizer keeps no state. The
-optimizer must be elementwise per parameter (SGD, Adam, AdamW, AdaGrad, RMSprop...), as
-ZeRO-Offload's CPU optimizers are: it steps one chunk at a time with only that chunk's
-gradients visible.
-
-Phases of ``step`` (chunks follow the optimizer's parameter order, which is forward's order for
-``model.parameters()``):
-  Phase 1 (gradients to the host): with ``allreduce`` and ``tree`` each bucket's gradients are
-    queued for copying into their fp32 host buffers on the copy stream as soon as the
-    strategy's ``finish()`` has that bucket's mean (``listen``: while later buckets are still
-    on the wire); a factor the Engine scales them by afterwards (clipping, fp16 unscaling) is
-    applied to the host copies in Phase 2. At ``step`` the device optimizer's hyperparameters
-    (an LR schedule's changes) are copied to the host optimizer and the remaining gradients
-    queued, an event after each chunk. The compute stream then waits for the copies before
-    anything can rewrite the gradients.
-  Phase 2 (the host steps, per chunk): wait for the chunk's gradients; step the host optimizer
-    with only them visible.
-  Phase 3 (parameters back, per chunk): the chunk's updated masters are queued for copying into
-    the device parameters (cast to their dtype) on the copy stream; an event marks them ready.
-  Phase 4 (the next forward): when the optimizer steps the module's own parameters (``allreduce``,
-    ``tree``), Phases 2-3 run on a worker thread and ``step`` returns at once: each submodule's
-    forward pre-hook waits only for the chunks holding its own parameters, so the next forward's
-    first layers run while the host still steps the last chunks. Strategies whose optimizer
-    steps shard tensors (``partitioned`` owners, ``ps`` servers) send them right after ``step``,
-    so there Phases 2-3 run inside ``step`` and it returns when every copy is queued (the compute
-    stream waits for them).
-
-On a CPU-only machine the same code runs with synchronous copies (the host is the device): the
-master copy then only matters for parameters in bf16/fp16. ``resident()`` gives the device
-optimizer the state for checkpoints and bucket rebuilds and takes it (and the parameters, as
-masters) back after; ``sync()`` waits for every chunk (``Engine.sync`` / ``Engine.module``).
+arithmetic on the host; gradients stream to the host chunk by chunk (as each bucket's exchange
+ends, with ``allreduce`` and ``tree``), updated parameters stream back, and each layer waits for
+its own parameters in a forward pre-hook. The optimizer must be elementwise per parameter.
+docs/memory.md (``mirror``) has the phases of ``step``; on a CPU-only machine the copies are
+synchronous and the masters only matter for bf16/fp16 parameters.
 """
 
 from __future__ import annotations
 
 import inspect
 import threading
-import types
 from collections.abc import Iterator
 from concurrent.futures import Future
-from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 import torch
 
 from phalanx.compile import forward_waiters
 from phalanx.errors import ConfigError
+from phalanx.memory.residency import StepMirror
 
 
-class HostMirror:
+class HostMirror(StepMirror):
     """The optimizer's master parameters, state and arithmetic on the host (module docstring)."""
 
     def __init__(
@@ -82,16 +50,13 @@ class HostMirror:
         self._early: set[int] = set()  # parameters whose gradient is on its way already
         self._early_factor = 1.0  # scaling applied on the device after those copies started
         self.num_early_copies = 0
-        self._adopt()
-        self._original_step = optimizer.step
-        optimizer.step = types.MethodType(_host_step, optimizer)  # type: ignore[method-assign]
-        optimizer._phalanx_mirror = self  # type: ignore[attr-defined]
+        self.evict()
+        self._take_step()
 
     # -- taking the optimizer over --------------------------------------------------------------
-    def _adopt(self) -> None:
+    def evict(self) -> None:
         """Masters from the device parameters, the host optimizer over them with the device
-        optimizer's state moved in (fp32 where it has the parameter's shape); the device
-        optimizer keeps none. Called at construction and after ``resident()``."""
+        optimizer's state moved in (fp32 where it has the parameter's shape)."""
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         kept = dict(zip(map(id, getattr(self, "params", [])), getattr(self, "masters", [])))
         self.params = params
@@ -142,23 +107,17 @@ class HostMirror:
         own = {id(p) for p in module.parameters()}
         if not all(id(p) in own for p in self.params):
             return  # shard tensors: step() finishes the update itself
-        for sub, params in forward_waiters(
-            module, subtree=False
-        ):  # a compiled layer: its subtree's
-            chunks = sorted({self._chunk_of[id(p)] for p in params})
-            if chunks:
-                self._hooks.append(sub.register_forward_pre_hook(self._waiter(chunks)))
+        for sub, params in forward_waiters(module, subtree=False):  # compiled: its subtree's
+            if chunks := sorted({self._chunk_of[id(p)] for p in params}):
+                self._hooks.append(sub.register_forward_pre_hook(partial(self._wait, chunks)))
         for sub in module.modules():
-            chunks = sorted({self._chunk_of[id(p)] for p in sub.parameters(recurse=False)})
-            if chunks:
-                self._hooks.append(sub.register_state_dict_pre_hook(self._waiter(chunks)))
+            if chunks := sorted({self._chunk_of[id(p)] for p in sub.parameters(recurse=False)}):
+                self._hooks.append(sub.register_state_dict_pre_hook(partial(self._wait, chunks)))
 
-    def _waiter(self, chunks: list[int]) -> Any:
-        def hook(module: torch.nn.Module, *args: Any) -> None:
-            for c in chunks:
-                self._wait_chunk(c)
-
-        return hook
+    def _wait(self, chunks: list[int], *hook_args: Any) -> None:
+        """A module's pre-hook: wait for the chunks holding its parameters."""
+        for c in chunks:
+            self._wait_chunk(c)
 
     # -- gradients as the exchange finishes them ----------------------------------------------
     def listen(self, strategy: Any) -> None:
@@ -297,18 +256,7 @@ class HostMirror:
             self._worker = None
 
     # -- outside the step -----------------------------------------------------------------------
-    @contextmanager
-    def resident(self) -> Iterator[None]:
-        """The whole state in the device optimizer inside the block (checkpoints, rebuilds);
-        after it the mirror takes the optimizer (and its possibly new parameters) back."""
-        self.num_resident += 1
-        self._hand_back()
-        try:
-            yield
-        finally:
-            self._adopt()
-
-    def _hand_back(self) -> None:
+    def materialize(self) -> None:
         """The host state into the device optimizer, on the parameters' device (fp32 kept)."""
         self.sync()
         for p, m in zip(self.params, self.masters):
@@ -339,22 +287,14 @@ class HostMirror:
         back, remove the hooks (the optimizer then works without the mirror). At interpreter
         exit the state is left on the host: the process is ending."""
         try:
-            self._hand_back()
+            self.materialize()
         except RuntimeError as e:
             if "shutdown" not in str(e) and "interpreter" not in str(e):
                 raise
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
-        if self.optimizer.__dict__.get("step") is not None:
-            del self.optimizer.step
-        del self.optimizer._phalanx_mirror  # type: ignore[attr-defined]
-
-
-def _host_step(optimizer: torch.optim.Optimizer, closure: Any = None) -> None:
-    if closure is not None:
-        raise ValueError("the host optimizer mirror steps without a closure")
-    optimizer._phalanx_mirror.step()  # type: ignore[attr-defined]
+        self._release_step()
 
 
 def _record(stream: Any) -> Any:

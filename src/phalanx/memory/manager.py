@@ -1,31 +1,5 @@
-"""The memory manager: ``[memory]`` turns into a plan (F17) applied with offload (F18) and
-recomputation around the Engine's forward and backward.
-
-    manager = MemoryManager.build(layers, MemoryConfig(budget_mb=300), device, sample, loss_fn,
-                                  optimizer_factory)
-    print(manager.plan.describe())
-    engine = px.Engine(model, loss_fn, optimizer_factory, memory=manager)
-
-Phases of ``build``:
-  Phase 1 (profile, only with a budget): the layers themselves run forward and backward on
-    two slices of the sample micro-batch (a sixteenth and an eighth) under the one per-layer
-    profiler (phalanx.memory.profile); its ``layer_costs``, extrapolated to the whole
-    micro-batch, are what the plan reads. So the profile stays within the budget and no copy
-    of the model is held; the buffers a forward updates are put back and the gradients
-    dropped, and the optimizer's state is sized on tiny stand-ins.
-  Phase 2 (tier): the next tier is opened (pinned host memory on CUDA, a spill file on CPU) and
-    its write/read bandwidth measured with a transfer the size of the largest layer's saved
-    tensors (1 to 32 MiB, at most 1/8 of the budget: the probe too stays within it).
-  Phase 3 (plan): keep / offload / recompute per layer, the named layers first, the budget's
-    choices by least predicted time per byte.
-  Phase 4 (apply): recomputed layers run under torch.utils.checkpoint (their module and
-    parameter names do not change); offloaded layers get an ActivationOffloader, whose
-    ``step()`` the Engine enters around forward and backward.
-  Phase 5 (optimizer, unless ``optimizer = "device"``): the Engine hands over the optimizer its
-    strategy built (``attach_optimizer``): a HostMirror steps fp32 masters on the host
-    (``mirror``, phalanx.memory.host_mirror), an OptimizerMirror keeps its state in the tier
-    between steps (``stream``, phalanx.memory.mirror); ``host`` is the first on CUDA, the
-    second on a CPU-only machine.
+"""The memory manager: ``[memory]`` becomes a plan (F17) applied with offload (F18),
+recomputation and an optimizer off the device (F19); build's phases are in docs/memory.md.
 """
 
 from __future__ import annotations
@@ -40,7 +14,7 @@ import torch
 from torch import nn
 
 from phalanx.costs import LayerCost
-from phalanx.fields import ConfigValueError, option, require
+from phalanx.fields import ConfigValueError, option, require, require_choice
 from phalanx.memory import host_cache, measure
 from phalanx.memory.host_mirror import HostMirror
 from phalanx.memory.mirror import OptimizerMirror
@@ -114,20 +88,12 @@ class MemoryConfig:
 
     def __post_init__(self) -> None:
         require(self.budget_mb >= 0, "budget_mb", f"must be >= 0 MiB, got {self.budget_mb}")
-        require(
-            self.optimizer in OPTIMIZER_PLACES,
-            "optimizer",
-            f"got {self.optimizer!r}; allowed: {', '.join(OPTIMIZER_PLACES)}",
-        )
-        require(
-            self.optimizer_chunk_mb > 0,
-            "optimizer_chunk_mb",
-            f"must be > 0 MiB, got {self.optimizer_chunk_mb}",
-        )
+        require_choice(self.optimizer, "optimizer", OPTIMIZER_PLACES)
+        chunk = self.optimizer_chunk_mb
+        require(chunk > 0, "optimizer_chunk_mb", f"must be > 0 MiB, got {chunk}")
         both = sorted(set(self.offload) & set(self.recompute))
-        require(
-            not both, "recompute", f"layer {both[0]!r} is also in memory.offload" if both else ""
-        )
+        if both:
+            raise ConfigValueError("recompute", f"layer {both[0]!r} is also in memory.offload")
 
     @property
     def plans_layers(self) -> bool:
@@ -186,10 +152,8 @@ class MemoryManager:
         optimizer_factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None,
         shards: int = 1,
     ) -> MemoryManager:
-        """The manager for ``layers`` (the model's, in order; [] with only ``optimizer =
-        "host"``). ``sample`` (one micro-batch), ``loss_fn`` and ``optimizer_factory`` are
-        needed with a budget, which profiles a copy of the layers. ``shards``: the ranks a
-        strategy shards the parameters, gradients and state over (``fsdp``; 1: none)."""
+        """The manager for ``layers`` (in order; [] with only ``optimizer``); a budget needs
+        ``sample``, ``loss_fn`` and ``optimizer_factory``; ``shards``: fsdp's ranks."""
         if config.budget_mb and (sample is None or loss_fn is None or optimizer_factory is None):
             raise ValueError("budget_mb: the profile needs sample, loss_fn and optimizer_factory")
         names = [str(i) for i in range(len(layers))]
@@ -261,11 +225,10 @@ class MemoryManager:
         chunk_bytes = int(config.optimizer_chunk_mb * 2**20)
         if place != "device":
             plan.notes.append(OPTIMIZER_NOTES[place].format(config.optimizer_chunk_mb))
-        optimizer: dict[str, Any] = {"optimizer_place": place, "optimizer_chunk_bytes": chunk_bytes}
         if not offloaded and place != "stream":  # nothing uses the tier
             tier.close()
-            return cls(plan, offloader, layers, None, **optimizer, device=device)
-        return cls(plan, offloader, layers, tier, **optimizer, device=device)
+        used = tier if offloaded or place == "stream" else None
+        return cls(plan, offloader, layers, used, place, chunk_bytes, device)
 
     def attach_optimizer(
         self, optimizer: torch.optim.Optimizer, module: nn.Module | None = None
@@ -326,17 +289,8 @@ def _costs(
     notes: list[str],
     shards: int = 1,
 ) -> tuple[list[LayerCost], int, int]:
-    """Phase 1: per-layer costs of the full micro-batch (with a budget), or zero costs when only
-    named layers are managed (nothing to choose); the bytes every plan holds above the start
-    (gradients, optimizer state, backward's transient gradients, workspaces, the process's
-    own growth in its first steps); and of those, the
-    transient bytes the profiled steps' allocator peak showed beyond the accounted tensors.
-
-    The profile stays within the budget and holds no copy of the model: the real layers run
-    forward and backward (no optimizer step) on two slices of the micro-batch, a sixteenth and
-    an eighth, and every size and time is extrapolated linearly to the whole of it; the
-    buffers a forward updates (BatchNorm's statistics) are put back, gradients dropped. The
-    optimizer's state is measured by stepping it over tiny stand-ins."""
+    """Phase 1 (docs/memory.md): per-layer costs of the full micro-batch (zero without a
+    budget), the bytes every plan holds above the start, and of those the transient bytes."""
     if not config.budget_mb:
         return [LayerCost(name=str(i)) for i in range(len(layers))], 0, 0
     x, y = sample
@@ -353,7 +307,7 @@ def _costs(
     retained = max(0, measure.current_bytes(device) - start)
     costs = [_extrapolate(a, b, sizes, full) for a, b in zip(fits[0][0], fits[-1][0])]
     transient = max(0, round(_line(fits[0][1], fits[-1][1], sizes, full)))
-    grads = sum(p.numel() * p.element_size() for p in _trainable(layers))
+    grads = _grad_bytes(layers)
     if shards > 1:
         grads, state = _sharded(layers, grads, state, shards, notes)
     moving = _moving(costs)
@@ -409,10 +363,8 @@ def _slice_sizes(full: int) -> list[int]:
 def _slice_costs(
     layers: list[nn.Module], loss_fn: Any, batch: Any, device: torch.device
 ) -> tuple[list[LayerCost], float]:
-    """The layers' costs on one slice, and the step's measured peak there beyond what the costs
-    account for: a last step measured as the budget is (``measure.StepPeak``'s meaning: the
-    process's resident high-water mark on a CPU, CUDA's allocator peak), above what was held
-    before it."""
+    """The layers' costs on one slice, and the step's ``measure.StepPeak`` there beyond what
+    the costs account for."""
     from phalanx.memory.profile import profile_model
 
     buffers = [(b, b.detach().clone()) for layer in layers for b in layer.buffers()]
@@ -463,11 +415,7 @@ def _extrapolate(small: LayerCost, large: LayerCost, sizes: list[int], full: int
 
 
 def _trainable(layers: list[nn.Module]) -> list[nn.Parameter]:
-    seen: dict[int, nn.Parameter] = {}
-    for layer in layers:
-        for p in layer.parameters():
-            if p.requires_grad:
-                seen.setdefault(id(p), p)
+    seen = {id(p): p for layer in layers for p in layer.parameters() if p.requires_grad}
     return list(seen.values())
 
 
@@ -476,12 +424,9 @@ def _grad_bytes(layers: list[nn.Module]) -> int:
 
 
 def _optimizer_state_bytes(layers: list[nn.Module], factory: Any, notes: list[str]) -> int:
-    """The optimizer's state after a step, from the factory's optimizer stepped over tiny
-    stand-ins of the parameters (each dimension 2, same dtype): state shaped like its
-    parameter counts the parameter's elements, a scalar (Adam's step) counts once, any other
-    shape in proportion. (Meta tensors would be exact, but their first use imports 70 MiB of
-    torch's Python decompositions into the process the budget is measured on.) An optimizer
-    that cannot step on the stand-ins is counted as Adam's two states per parameter."""
+    """The optimizer's state after a step over tiny stand-ins (each dimension 2), scaled to the
+    parameters; Adam's 2x where it cannot step. (Meta tensors would import 70 MiB of torch's
+    decompositions into the process the budget is measured on.)"""
     params = _trainable(layers)
     stand_ins = [nn.Parameter(torch.zeros((2,) * p.dim(), dtype=p.dtype)) for p in params]
     for p in stand_ins:
@@ -506,9 +451,8 @@ def _optimizer_state_bytes(layers: list[nn.Module], factory: Any, notes: list[st
 
 
 def _recompute(layer: nn.Module) -> None:
-    """Run ``layer`` under torch.utils.checkpoint from now on: only its input is saved, its
-    forward runs again in backward. The instance's forward is wrapped, so module and parameter
-    names (and state dicts) stay as they were."""
+    """Run ``layer`` under torch.utils.checkpoint; the instance's forward is wrapped, so names
+    and state dicts stay as they were."""
     from torch.utils.checkpoint import checkpoint
 
     forward = layer.forward

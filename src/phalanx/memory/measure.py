@@ -1,20 +1,9 @@
 """Peak memory, counted honestly: the process's resident set (and its cgroup's, where readable),
 or the CUDA allocator's peak on GPUs; and the CPU allocator's peak over a block of code
-(``AllocatorPeak``), which sees every tensor and kernel workspace.
+(``AllocatorPeak``). ``StepPeak`` is the one meaning of "peak" a memory budget is held to.
 
-On a CPU-only machine "device memory" is the process's RSS. ``reset_peak()`` resets the kernel's
-high-water mark (writing 5 to /proc/self/clear_refs, Linux >= 4.0) so ``peak_bytes()`` covers
-only what ran since. ``StepPeak`` is the one meaning of "peak" a memory budget is held to: the
-high-water mark above what the process held when it started (CUDA: ``max_memory_allocated``
-above ``memory_allocated``; CPU: VmHWM above VmRSS, what ``/usr/bin/time`` shows minus the
-start).
-
-Freed tensors only lower RSS when the allocator returns them to the kernel: glibc keeps small
-and mid-size blocks in its heap, and after a large block is freed it raises its mmap threshold
-(up to 32 MiB), so later tensors of that size stay in the heap too. ``release_freed_memory()``
-fixes glibc's mmap threshold at 64 KiB (``mallopt``, as ``MALLOC_MMAP_THRESHOLD_`` does for a
-process that starts with it: ``allocator_env()``): every larger tensor is its own mapping,
-unmapped when freed. ``trim()`` hands the heap's free pages back (``malloc_trim``).
+Freed tensors only lower RSS when glibc returns them to the kernel, which its dynamic mmap
+threshold stops doing for blocks under 32 MiB: ``release_freed_memory()`` fixes it at 64 KiB.
 """
 
 from __future__ import annotations
@@ -44,8 +33,7 @@ logger = logging.getLogger("phalanx")
 
 @functools.cache
 def _libc() -> ctypes.CDLL | None:
-    """The C library this process runs on, where it has glibc's ``mallopt`` / ``malloc_trim``
-    (musl and macOS have neither): None elsewhere."""
+    """The C library, where it has glibc's ``mallopt`` and ``malloc_trim`` (else None)."""
     try:
         libc = ctypes.CDLL(None)
         libc.mallopt, libc.malloc_trim  # noqa: B018
@@ -60,9 +48,7 @@ def malloc_settable() -> bool:
 
 
 def set_malloc(mmap_threshold: int, trim_threshold: int) -> bool:
-    """glibc's mmap threshold (blocks from this size up are their own mappings; fixed, no
-    dynamic raise) and trim threshold (free heap above it goes back to the kernel); returns
-    whether both settings took (False where glibc is absent)."""
+    """glibc's fixed mmap threshold and trim threshold; whether both took (not without glibc)."""
     libc = _libc()
     if libc is None:
         return False
@@ -71,9 +57,8 @@ def set_malloc(mmap_threshold: int, trim_threshold: int) -> bool:
 
 
 def release_freed_memory() -> bool:
-    """From now on, freed host tensors go back to the kernel: glibc's mmap threshold fixed at
-    ``MMAP_THRESHOLD`` (no dynamic raise) and its heap trimmed above it. A threshold the user
-    set (``MALLOC_MMAP_THRESHOLD_``) is left alone. Returns whether the setting is in force."""
+    """From now on, freed host tensors of ``MMAP_THRESHOLD`` and more go back to the kernel (a
+    user's ``MALLOC_MMAP_THRESHOLD_`` is left alone); whether the setting is in force."""
     huge_pages_for_large_tensors()  # in force only where the process asked early enough
     if "MALLOC_MMAP_THRESHOLD_" in os.environ:
         return True
@@ -86,11 +71,8 @@ _THP_ENV = "THP_MEM_ALLOC_ENABLE"  # torch CPU allocator (c10 alloc_cpu): read a
 
 def huge_pages_for_large_tensors() -> bool:
     """Ask torch's CPU allocator to back tensors of 2 MiB and more with transparent huge pages
-    (``THP_MEM_ALLOC_ENABLE``): a freshly mapped block then faults in per 2 MiB instead of per
-    4 KiB, which is most of what returning freed memory to the kernel costs a step. torch reads
-    the setting once, at its first block of 2 MiB or more, so it takes only where none was
-    allocated before; a value the user set is left alone. Returns whether it is in force (the
-    mapping of a fresh 2 MiB tensor is advised for huge pages)."""
+    (a fresh block faults in per 2 MiB, not per 4 KiB); torch reads it at its first such block.
+    Returns whether it is in force."""
     if not _SMAPS.is_file():
         return False
     os.environ.setdefault(_THP_ENV, "1")
@@ -116,12 +98,9 @@ REUSE_TRIM_THRESHOLD = 64 << 20  # free heap above this goes back to the kernel
 
 
 def reuse_freed_memory() -> bool:
-    """From now on, freed host tensors up to 32 MiB stay in the heap for the next step (as
-    CUDA's caching allocator keeps device memory): glibc's mmap threshold fixed at its largest
-    value, so it never maps, zeroes and unmaps a fresh block per tensor, which its dynamic
-    threshold does until it settles (measured: a 10.6 M-parameter MLP with Adam stepped in 20
-    instead of 28 ms, the same peak). A threshold the user set (``MALLOC_MMAP_THRESHOLD_`` or
-    ``MALLOC_TRIM_THRESHOLD_``) is left alone. Returns whether the setting is in force."""
+    """From now on, freed host tensors up to 32 MiB stay in the heap for the next step (a
+    10.6 M-parameter MLP with Adam: 20 instead of 28 ms a step); a user's setting is left
+    alone. Returns whether the setting is in force."""
     if "MALLOC_MMAP_THRESHOLD_" in os.environ or "MALLOC_TRIM_THRESHOLD_" in os.environ:
         return False
     return set_malloc(REUSE_MMAP_THRESHOLD, REUSE_TRIM_THRESHOLD)
@@ -137,10 +116,8 @@ def trim() -> None:
 
 
 class StepPeak:
-    """The peak a memory budget is held to: the high-water mark since ``start`` above what was
-    held at ``start`` (bytes). CUDA: ``max_memory_allocated`` above ``memory_allocated``; CPU:
-    the process's VmHWM above its VmRSS (the kernel's mark reset at ``start`` where Linux
-    allows; otherwise the mark since the process began, which can only over-count)."""
+    """The high-water mark since construction above what was held then: CUDA's allocator, or
+    VmHWM above VmRSS (reset where Linux allows, else since the process began: over-counts)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -241,11 +218,8 @@ def profiler_running() -> bool:
 
 
 class AllocatorPeak:
-    """The CPU allocator's peak growth over a block (bytes above the live bytes at its
-    start), from torch.profiler's allocation events: every tensor, autograd's temporaries
-    and kernels' workspaces (oneDNN allocates through the same allocator), which an accounting
-    of saved tensors does not see. Frees of blocks allocated before the block are not seen,
-    so the peak can only be over-counted."""
+    """The CPU allocator's peak growth over a block from torch.profiler's allocation events:
+    every tensor and kernel workspace (frees of older blocks are not seen: over-counts)."""
 
     def __enter__(self) -> AllocatorPeak:
         from torch.profiler import ProfilerActivity, profile

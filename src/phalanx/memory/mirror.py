@@ -1,44 +1,22 @@
 """F19: the optimizer's state lives in the next tier and streams through memory chunk by chunk.
 
-``OptimizerMirror(optimizer, tier)`` keeps every parameter's large state tensors (Adam's
-``exp_avg`` / ``exp_avg_sq``, SGD's momentum buffer, AdaGrad's sums) in a tier between steps:
-pinned host memory on CUDA, a spill file on local disk on a CPU-only machine. Only small state
-(step counters) stays resident. Any strategy's optimizer works unchanged: the mirror replaces
-the instance's ``step`` (so sharded owners and parameter servers, which build the optimizer on
-their own shard and call ``step`` themselves, step through it too) and steps the optimizer once
-per chunk with only that chunk's gradients visible. The optimizer must be elementwise per
-parameter (SGD, Adam, AdamW, AdaGrad, RMSprop...), as ZeRO-Offload's are; its step hooks run
-once per chunk.
-
-Phases of ``step``:
-  Phase 1: the parameters with a gradient are grouped, in the optimizer's order, into chunks of
-    about ``chunk_bytes`` of state; the read of chunk 0's state is queued.
-  Phase 2 (per chunk i): wait for chunk i's state and queue chunk i+1's read (prefetch: the tier
-    reads while this chunk steps); the state tensors are views into the loaded buffer.
-  Phase 3: step the optimizer over chunk i's pieces alone (each a view of its parameter's
-    elements and of its gradient's); it updates the state views, so the same buffer, now holding
-    the new state, is queued for writing and dropped from the optimizer. At most two writes are
-    in flight: the write of chunk i overlaps chunk i+1's step.
-  Phase 4: the groups' parameter lists are restored; the last writes complete before the next
-    read of the same state (the tier serves requests in order).
-
-Tensors cross the tier as 1-D uint8 (each state tensor's bytes at a 64-byte aligned offset) on
-the optimizer's device; ``materialize()`` brings every state back, whole per parameter
-(checkpoints, bucket rebuilds), ``evict()`` cuts it into pieces and sends it out again.
+``OptimizerMirror`` keeps every parameter's large state tensors in a tier between steps (small
+ones such as step counters stay resident) and steps the optimizer once per chunk with only that
+chunk's gradients visible, so the optimizer must be elementwise per parameter; docs/memory.md
+(``stream``) has the step. Tensors cross the tier as 1-D uint8, each at a 64-byte aligned offset.
 """
 
 from __future__ import annotations
 
 import types
-from collections.abc import Iterator
 from concurrent.futures import Future
-from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 import torch
 
+from phalanx.memory.residency import StepMirror
 from phalanx.memory.tiers import Loaded, Slot, Tier
 from phalanx.slices import LazySlices
 
@@ -78,7 +56,7 @@ class _Stored:
     entries: list[_Entry]
 
 
-class OptimizerMirror:
+class OptimizerMirror(StepMirror):
     """The optimizer's state in ``tier`` between steps (see the module docstring)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, tier: Tier, chunk_bytes: int) -> None:
@@ -97,10 +75,7 @@ class OptimizerMirror:
         self.num_chunks_stepped = 0
         self.num_resident = 0  # resident() blocks entered (checkpoints, sharded rebuilds)
         self._original_step = optimizer.step
-        # The instance attribute shadows the class's step for every caller (strategies, LR
-        # schedulers, which wrap ``optimizer.step`` in turn through its __func__).
-        optimizer.step = types.MethodType(_mirrored_step, optimizer)  # type: ignore[method-assign]
-        optimizer._phalanx_mirror = self  # type: ignore[attr-defined]
+        self._take_step()
 
     # -- the step -----------------------------------------------------------------------------
     def step(self) -> None:
@@ -210,8 +185,6 @@ class OptimizerMirror:
 
     # -- outside the step ---------------------------------------------------------------------
     def materialize(self) -> None:
-        """Every state tensor back in the optimizer, whole per parameter (for code that reads
-        or replaces it)."""
         self._read_cache = None
         state = self.optimizer.state
         # A cut parameter's state is joined into tensors of its own as each chunk arrives, so
@@ -246,7 +219,6 @@ class OptimizerMirror:
                 state[p] = {**small[0], **whole}
 
     def evict(self) -> None:
-        """Every resident state tensor cut into its pieces and out to the tier again."""
         self._refresh_chunks()
         self._cut_whole_states()
         for i in range(len(self._chunks)):
@@ -271,21 +243,10 @@ class OptimizerMirror:
                 found.setdefault(piece.param, []).append(piece)
         return found
 
-    @contextmanager
-    def resident(self) -> Iterator[None]:
-        """The whole state in the optimizer inside the block, out in the tier after it."""
-        self.num_resident += 1
-        self.materialize()
-        try:
-            yield
-        finally:
-            self.evict()
-
     def sync(self) -> None:
         """Nothing to wait for: ``step`` returns with the parameters updated."""
 
-    # The Engine's hooks of the host mirror (memory.host_mirror): nothing to do here, the state
-    # streams at the step and the gradients stay where they are.
+    # The host mirror's hooks: nothing to do, the gradients stay where they are.
     def listen(self, strategy: Any) -> None:
         del strategy
 
@@ -298,11 +259,8 @@ class OptimizerMirror:
     def lazy_shards(
         self, params: list[torch.Tensor]
     ) -> tuple[dict[int, dict[str, Any]], list[dict[str, Any]]] | None:
-        """The state as ``OptimizerSharding.optimizer_shards`` gives it, for a checkpoint that
-        reads it from the tier one piece at a time (``LazySlices``): a save then holds a piece
-        at a time, not the whole state. None where the optimizer's parameters are not
-        ``params`` (a sharded strategy's flat shards) or state is resident (``resident()``
-        is used then)."""
+        """The state for a checkpoint that reads the tier one piece at a time (``LazySlices``);
+        None where the parameters are not ``params`` (flat shards) or state is resident."""
         index = {id(p): i for i, p in enumerate(params)}
         if any(id(p) not in index for p in self._params):
             return None
@@ -361,10 +319,8 @@ class OptimizerMirror:
         self._writes = []
 
     def close(self) -> None:
-        """Bring the state back into the optimizer and give it its own ``step`` again (the
-        optimizer then works without the mirror; before the tier closes), unless
-        ``discard_state()`` was called. At interpreter exit, when Python has already stopped
-        the tier's I/O thread, the state is left where it is: the process is ending."""
+        """The state back in the optimizer (unless ``discard_state``), its own ``step`` again;
+        at interpreter exit (the tier's thread stopped) the state is left where it is."""
         if self._discard:
             self._stored.clear()
             self._wait_writes()
@@ -377,14 +333,11 @@ class OptimizerMirror:
         except RuntimeError as e:
             if "after shutdown" not in str(e):  # concurrent.futures at interpreter exit
                 raise
-        if self.optimizer.__dict__.get("step") is not None:
-            del self.optimizer.step  # an LR scheduler's wrapper, if any, goes with it
-        del self.optimizer._phalanx_mirror  # type: ignore[attr-defined]
+        self._release_step()
 
     def discard_state(self) -> None:
-        """``close`` drops the state instead of bringing it back (a run that has written its
-        last checkpoint: bringing back gigabytes only to exit would be the process's peak);
-        the optimizer then refuses to step."""
+        """``close`` drops the state instead (after the last checkpoint, bringing gigabytes
+        back only to exit would be the process's peak); the optimizer then refuses to step."""
         self._discard = True
 
 
@@ -393,12 +346,6 @@ def _discarded_step(optimizer: torch.optim.Optimizer, closure: Any = None) -> No
         "this optimizer's state was dropped when its run closed (OptimizerMirror."
         "discard_state); load a checkpoint into a new Engine to train on"
     )
-
-
-def _mirrored_step(optimizer: torch.optim.Optimizer, closure: Any = None) -> None:
-    if closure is not None:
-        raise ValueError("the host optimizer mirror steps without a closure")
-    optimizer._phalanx_mirror.step()  # type: ignore[attr-defined]
 
 
 def _pack(

@@ -1,20 +1,7 @@
 """Activation offload with prefetch (F18): after a layer's forward its saved tensors move to the
-next memory tier; during backward the tensors of the layer before the one being computed come
-back ahead of need.
-
-Built on torch's hooks, not a fork of autograd: ``torch.autograd.graph.saved_tensors_hooks`` sees
-every tensor autograd saves, module forward pre-/post-hooks say which layer is running, and a
-pre-hook on the autograd node that produced a layer's output says when that layer's backward
-starts.
-
-Use::
-
-    offloader = ActivationOffloader(layers, offload={0, 1, 2}, tier=SpillFileTier())
-    with offloader.step():
-        loss = loss_fn(model(x), y)
-        loss.backward()
-    offloader.stats  # this step's bytes, waits and I/O time
-    offloader.close()
+next memory tier; during backward those of the layer before the one computing come back ahead
+of need. Built on torch's hooks (saved-tensor hooks, module hooks, a pre-hook on the node that
+produced a layer's output), not a fork of autograd.
 """
 
 from __future__ import annotations
@@ -72,7 +59,7 @@ class _Record:
         self.stale = False  # the source changed while it was being written
 
     def __del__(self) -> None:
-        # Phase 3: the graph let go of the last handle; the next step reuses the space.
+        # the graph let go of the last handle; the next step reuses the space
         try:
             self.tier.free(self.slot)
         except Exception:  # noqa: BLE001 - interpreter shutdown; the tier is going away anyway
@@ -98,32 +85,10 @@ def _in_backward() -> bool:
 
 
 class ActivationOffloader:
-    """Moves the saved tensors of chosen layers to a ``Tier`` and prefetches them for backward.
-
-    ``layers``: the model's layers in forward order (e.g. the children of an ``nn.Sequential``);
-    ``offload``: indices of the layers whose saved tensors move; ``tier``: where they go (tensors
-    on another device than ``tier.device`` stay). Saved tensors keep their dtype, shape, strides
-    and device: what backward gets back is bit-identical.
-
-    Phase 1 (forward of an offloaded layer): the pack hook gives parameters, small tensors and
-    tensors of other layers back unchanged. A large activation's storage is queued for writing
-    (``tier.put``) and autograd keeps a handle instead of the tensor; once the write completed
-    nothing of ours holds the tensor, so its memory is freed as soon as forward lets go of it.
-    A storage saved twice (by two ops, or by two layers) is written once. At most
-    ``max_inflight_bytes`` are queued: beyond that forward waits for the oldest write, which
-    bounds the memory the offload itself holds.
-    Phase 2 (backward): when layer i's backward starts (a pre-hook on the node that produced its
-    output), the reads of layers i-1 .. i-lookahead are queued (the last saved first; with
-    ``prefetch_bytes`` only that many bytes of each), and the rest of layer i's own. The unpack
-    hook waits for its read (counted in ``stats.backward_wait_s``) and rebuilds the view; the
-    record lets go of the bytes after its last unpack, so they live only as long as the
-    backward node that uses them.
-    Phase 3 (after backward): autograd frees the graph, the handles die and their slots go back
-    to the tier, which hands the same space (and buffers) to the next step.
-
-    ``step()`` is the one context manager an Engine puts around forward and backward (any number
-    of micro-batches); outside it no hook is installed. ``close()`` also closes the tier.
-    """
+    """Moves the saved tensors of the ``offload`` layers to ``tier`` and prefetches them for
+    backward (bit-identical; docs/memory.md has the phases). A storage saved twice is written
+    once; beyond ``max_inflight_bytes`` queued, forward waits for the oldest write. ``step()``
+    goes around forward and backward (no hook outside it); ``close()`` closes the tier too."""
 
     def __init__(
         self,
@@ -224,14 +189,11 @@ class ActivationOffloader:
 
     def _watch_backward(self, index: int, output: Any) -> None:
         """Pre-hook on the node(s) that produced the layer's output: its backward starts there."""
-        nodes = {}
-        for tensor in _tensors(output):
-            if tensor.grad_fn is not None:
-                nodes[id(tensor.grad_fn)] = tensor.grad_fn
+        nodes = {id(t.grad_fn): t.grad_fn for t in _tensors(output) if t.grad_fn is not None}
         for node in nodes.values():
             node.register_prehook(partial(self._backward_starts, index))
 
-    # -- Phase 1: forward ----------------------------------------------------------------------
+    # -- forward -------------------------------------------------------------------------------
     def _pack(self, tensor: torch.Tensor) -> Any:
         layer = self._stack[-1] if self._stack else None
         if layer is None or layer not in self.offload:
@@ -268,11 +230,7 @@ class ActivationOffloader:
             return False
         storage = tensor.untyped_storage()
         nbytes = storage.nbytes()
-        return (
-            nbytes > 0
-            and nbytes >= self.min_bytes
-            and (storage.data_ptr() not in self._param_storages)
-        )
+        return 0 < nbytes >= self.min_bytes and storage.data_ptr() not in self._param_storages
 
     def _move(self, tensor: torch.Tensor, storage: Any, layer: int) -> _Record:
         nbytes = storage.nbytes()
@@ -307,9 +265,9 @@ class ActivationOffloader:
             inflight -= n
         self.stats.forward_wait_s += time.perf_counter() - start
 
-    # -- Phase 2: backward ---------------------------------------------------------------------
+    # -- backward ------------------------------------------------------------------------------
     def _backward_starts(self, layer: int, grad_outputs: Any) -> None:
-        # Phase 2: layer ``layer``'s backward starts; what it and its predecessors need is read.
+        """Layer ``layer``'s backward starts: read what it and its predecessors need."""
         self._prefetch(layer, ahead=False)  # the first layer backward reaches: not yet asked
         for previous in range(layer - 1, max(-1, layer - 1 - self.lookahead), -1):
             self._prefetch(previous, ahead=True)

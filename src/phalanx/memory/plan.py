@@ -1,25 +1,5 @@
-"""The plan (F17): where each layer's saved activations live during a step.
-
-Per layer one of three choices, from the profile of the first iterations (F16) and the measured
-bandwidth of the next tier:
-
-- ``keep``: the saved tensors stay on the device until backward frees them (no cost);
-- ``offload``: after the layer's forward they move to the tier, and come back ahead of its
-  backward (F18): costs the part of the write and the read that the neighbouring layers'
-  compute does not hide;
-- ``recompute``: only the layer's input is kept; backward runs its forward again
-  (torch.utils.checkpoint): costs one forward of the layer. Beyond the document: chosen where
-  it is cheaper than the transfer.
-
-Every peak here is the step's peak above the memory held before the first step (the parameters
-and buffers are in that start; ``measure.StepPeak`` measures the same thing): the fixed bytes
-(gradients, optimizer state, backward's transient gradients, kernels' workspaces) plus the
-larger of the saved activations still on the device at the end of forward and, at each layer's
-backward, those of the layers before it, its own all back (read, rematerialized or kept) and
-the read of the layer before it ahead of need (``predict_peak``). For each cap on the size of
-an offloaded layer, the planner adds the choice that frees the most bytes per predicted second
-until the peak fits, and keeps the cheapest plan that fits (the smallest-peak plan too is a
-candidate); when none fits it says so in one line.
+"""The plan (F17): per layer keep, offload or recompute its saved activations, the cheapest
+choices whose predicted peak (``predict_peak``) fits the budget; docs/memory.md has the model.
 """
 
 from __future__ import annotations
@@ -73,9 +53,8 @@ def offload_cost(
     read_bytes_per_s: float,
     prefetch_bytes: int | None = None,
 ) -> float:
-    """Seconds offloading layer i adds: its write overlaps the next layer's forward, its read
-    the following layer's backward (prefetch); only what sticks out is paid. Beyond
-    ``prefetch_bytes`` the read waits in full (it starts when the layer's backward does)."""
+    """Seconds offloading layer i adds: what its write and read stick out of the next layer's
+    forward and backward; beyond ``prefetch_bytes`` the read waits in full."""
     layer = layers[i]
     ahead = layer.saved_bytes if prefetch_bytes is None else min(layer.saved_bytes, prefetch_bytes)
     write = layer.saved_bytes / write_bytes_per_s
@@ -93,13 +72,9 @@ def predict_peak(
     offload_overhead_bytes: int = 0,
     prefetch_bytes: int | None = None,
 ) -> int:
-    """Fixed bytes (gradients, optimizer state, backward's transient gradients, workspaces)
-    + the tier's own buffers when anything is offloaded + the larger of: the activations on
-    the device at the end of forward, and at each layer's backward the activations of the
-    layers before it, its own saved tensors all back (read from the tier, rematerialized by
-    recomputation, or kept), the read of the layer before it ahead of need (at most
-    ``prefetch_bytes`` of it, when it is offloaded) and, where measured, the gradient it gets
-    and its backward's work (else ``fixed_bytes`` holds the largest input + output)."""
+    """Fixed bytes + the tier's buffers when anything is offloaded + the larger of the
+    activations at the end of forward and, at each layer's backward, those before it, its own
+    all back, the prefetched read of the one before and its measured backward work."""
     offloads = any(choices.get(layer.name) == OFFLOAD for layer in layers)
     overhead = offload_overhead_bytes if offloads else 0
     resident = [_resident([layer], choices) for layer in layers]
@@ -146,24 +121,21 @@ def make_plan(
     choice."""
     fit_bytes = None if budget_bytes is None else int(budget_bytes * (1 - margin))
     names = [layer.name for layer in layers]
-    for key, given in (("offload", offload), ("recompute", recompute)):
+    choices = {name: KEEP for name in names}
+    for choice, given in ((OFFLOAD, offload), (RECOMPUTE, recompute)):
         for name in given or []:
             if name not in names:
                 raise ConfigError(
-                    f"memory.{key}: unknown layer {name!r}; layers: {', '.join(names)}"
+                    f"memory.{choice}: unknown layer {name!r}; layers: {', '.join(names)}"
                 )
-    choices = {name: KEEP for name in names}
-    for name in offload or []:
-        choices[name] = OFFLOAD
-    for name in recompute or []:
-        choices[name] = RECOMPUTE
+            choices[name] = choice
 
     def peaks(prefetch: int | None) -> Callable[[dict[str, str]], int]:
         return lambda plan: predict_peak(
             layers, plan, fixed_bytes, offload_overhead_bytes, prefetch
         )
 
-    def costs_of(prefetch: int | None) -> dict[tuple[str, str], float]:
+    def costs_of(prefetch: int | None) -> Costs:
         costs = {
             (layer.name, OFFLOAD): offload_cost(
                 layers, i, write_bytes_per_s, read_bytes_per_s, prefetch
@@ -173,9 +145,6 @@ def make_plan(
         costs.update({(layer.name, RECOMPUTE): layer.forward_s for layer in layers})
         return costs
 
-    def total(costs: dict[tuple[str, str], float], plan: dict[str, str]) -> float:
-        return sum(costs[(name, c)] for name, c in plan.items() if c != KEEP)
-
     unmanaged = peaks(None)({})
     floor = min([unmanaged, *(peaks(0)(plan) for plan in _floor_plans(layers, {}))])
     # Whole-layer prefetch first; only when no plan fits, a layer read ahead in part.
@@ -184,10 +153,10 @@ def make_plan(
         peak_of, costs = peaks(prefetch), costs_of(prefetch)
         plan = choices
         if fit_bytes is not None:
-            plan = _cheapest_fit(layers, choices, costs, peak_of, fit_bytes)
+            plan = _Fit(layers, costs, peak_of, fit_bytes).cheapest(choices)
         if fit_bytes is None or peak_of(plan) <= fit_bytes:
-            if best is None or total(costs, plan) < best[0]:
-                best = (total(costs, plan), plan, prefetch)
+            if best is None or _total(costs, plan) < best[0]:
+                best = (_total(costs, plan), plan, prefetch)
             if prefetch is None:
                 break
     if best is None:
@@ -218,78 +187,65 @@ def _prefetch_caps(layers: list[LayerCost], budget_bytes: int | None) -> list[in
     return [None, *(largest * k // 4 for k in (3, 2, 1, 0))]
 
 
-def _cheapest_fit(
-    layers: list[LayerCost],
-    given: dict[str, str],
-    costs: dict[tuple[str, str], float],
-    peak_of: Callable[[dict[str, str]], int],
-    budget_bytes: int,
-) -> dict[str, str]:
-    """The cheapest choices found that fit: for every cap on the size of an offloaded layer
-    (the transfer window grows with the largest ones), fill greedily; keep the cheapest
-    that fits (or the given choices when none does: the caller reports it)."""
-    best: tuple[float, dict[str, str]] | None = None
-    candidates = []
-    for cap in sorted({0, *(layer.saved_bytes for layer in layers)}):
-        choices = dict(given)
-        _fill_budget(layers, choices, costs, peak_of, budget_bytes, cap)
-        candidates.append(choices)
-    for choices in [*candidates, *_floor_plans(layers, given)]:
-        if peak_of(choices) > budget_bytes:
-            continue
-        _keep_what_fits(choices, given, costs, peak_of, budget_bytes)
-        total = sum(costs[(name, c)] for name, c in choices.items() if c != KEEP)
-        if best is None or total < best[0]:
-            best = (total, choices)
-    return given if best is None else best[1]
+Costs = dict[tuple[str, str], float]
 
 
-def _keep_what_fits(
-    choices: dict[str, str],
-    given: dict[str, str],
-    costs: dict[tuple[str, str], float],
-    peak_of: Callable[[dict[str, str]], int],
-    budget_bytes: int,
-) -> None:
-    """Put back to keep, costliest first, every changed layer (not one named) the plan fits
-    without: the greedy fill frees bytes that are not always at the peak (the last layer's
-    activations are back first in backward, whatever is done with them)."""
-    changed = [n for n, c in choices.items() if c != KEEP and given.get(n, KEEP) == KEEP]
-    for name in sorted(changed, key=lambda n: costs[(n, choices[n])], reverse=True):
-        choice = choices[name]
-        choices[name] = KEEP
-        if peak_of(choices) > budget_bytes:
-            choices[name] = choice
+def _total(costs: Costs, plan: dict[str, str]) -> float:
+    return sum(costs[(name, c)] for name, c in plan.items() if c != KEEP)
 
 
-def _fill_budget(
-    layers: list[LayerCost],
-    choices: dict[str, str],
-    costs: dict[tuple[str, str], float],
-    peak_of: Callable[[dict[str, str]], int],
-    budget_bytes: int,
-    cap: int,
-) -> None:
-    """Greedy: while the peak is over the budget, take the change of one kept layer that frees
-    the most resident bytes per predicted second; layers saving more than ``cap`` bytes are
-    not offloaded (the window is bounded by the cap, so it is left out of the comparison)."""
-    while peak_of(choices) > budget_bytes:
-        before = _resident(layers, choices)
-        best: tuple[float, str, str] | None = None
-        for layer in layers:
-            if choices[layer.name] != KEEP:
+@dataclass
+class _Fit:
+    """The search for the cheapest choices under ``budget_bytes``, for one prefetch size."""
+
+    layers: list[LayerCost]
+    costs: Costs
+    peak_of: Callable[[dict[str, str]], int]
+    budget_bytes: int
+
+    def cheapest(self, given: dict[str, str]) -> dict[str, str]:
+        """For every cap on an offloaded layer's size (the transfer window grows with the
+        largest), fill greedily; the cheapest that fits, or ``given`` (the caller reports it)."""
+        best: tuple[float, dict[str, str]] | None = None
+        caps = sorted({0, *(layer.saved_bytes for layer in self.layers)})
+        candidates = [self.fill(dict(given), cap) for cap in caps]
+        for choices in [*candidates, *_floor_plans(self.layers, given)]:
+            if self.peak_of(choices) > self.budget_bytes:
                 continue
-            options = (OFFLOAD, RECOMPUTE) if layer.saved_bytes <= cap else (RECOMPUTE,)
-            for option in options:
-                saved = before - _resident(layers, {**choices, layer.name: option})
-                if saved <= 0:
+            self.keep_what_fits(choices, given)
+            if best is None or _total(self.costs, choices) < best[0]:
+                best = (_total(self.costs, choices), choices)
+        return given if best is None else best[1]
+
+    def keep_what_fits(self, choices: dict[str, str], given: dict[str, str]) -> None:
+        """Back to keep, costliest first, every changed layer the plan fits without: the greedy
+        fill frees bytes not always at the peak (the last layer's are back first anyway)."""
+        changed = [n for n, c in choices.items() if c != KEEP and given.get(n, KEEP) == KEEP]
+        for name in sorted(changed, key=lambda n: self.costs[(n, choices[n])], reverse=True):
+            choice = choices[name]
+            choices[name] = KEEP
+            if self.peak_of(choices) > self.budget_bytes:
+                choices[name] = choice
+
+    def fill(self, choices: dict[str, str], cap: int) -> dict[str, str]:
+        """Greedy: while over the budget, change the kept layer that frees the most resident
+        bytes per predicted second; layers saving more than ``cap`` are not offloaded."""
+        while self.peak_of(choices) > self.budget_bytes:
+            before = _resident(self.layers, choices)
+            best: tuple[float, str, str] | None = None
+            for layer in self.layers:
+                if choices[layer.name] != KEEP:
                     continue
-                value = saved / (costs[(layer.name, option)] + 1e-9)
-                if best is None or value > best[0]:
-                    best = (value, layer.name, option)
-        if best is None:
-            return
-        choices[best[1]] = best[2]
+                options = (OFFLOAD, RECOMPUTE) if layer.saved_bytes <= cap else (RECOMPUTE,)
+                for option in options:
+                    saved = before - _resident(self.layers, {**choices, layer.name: option})
+                    value = saved / (self.costs[(layer.name, option)] + 1e-9)
+                    if saved > 0 and (best is None or value > best[0]):
+                        best = (value, layer.name, option)
+            if best is None:
+                break
+            choices[best[1]] = best[2]
+        return choices
 
 
 def _floor_plans(layers: list[LayerCost], given: dict[str, str]) -> list[dict[str, str]]:
@@ -297,11 +253,5 @@ def _floor_plans(layers: list[LayerCost], given: dict[str, str]) -> list[dict[st
     its smaller resident choice (recompute where its input is smaller than what it saves)."""
     free = [layer for layer in layers if given.get(layer.name, KEEP) == KEEP]
     offload_all = {**given, **{layer.name: OFFLOAD for layer in free}}
-    mixed = {
-        **given,
-        **{
-            layer.name: RECOMPUTE if layer.input_bytes < layer.saved_bytes else OFFLOAD
-            for layer in free
-        },
-    }
-    return [offload_all, mixed]
+    smaller = {x.name: RECOMPUTE if x.input_bytes < x.saved_bytes else OFFLOAD for x in free}
+    return [offload_all, {**given, **smaller}]

@@ -1,32 +1,10 @@
 """The one per-layer profiler (F16): per layer, time and memory; every saved tensor's lifetime.
 
-``profile_model`` runs a few training steps of a layer sequence (an ``nn.Sequential``'s
-children) on one process and records, per layer, forward and backward time (median over the
-steps after a warm-up), the bytes autograd saves for its backward, its output, its parameters,
-gradients and optimizer state; and, over the last step, a timeline of bytes by category
-(parameters, gradients, optimizer state, saved activations) at every layer boundary, with the
-peak. Each storage autograd saves is one ``SavedTensor``: which layers' backward need it (its
-reference count, what the F17 plan reuses memory by) and the events at which it is created and
-freed. The whole profile is JSON (``to_dict``/``from_dict``).
-
-Every per-layer measurement in phalanx is this one, read through ``MemoryProfile.layer_costs``
-(``phalanx.costs.LayerCost``): ``phalanx profile``, the memory plan (``memory/manager.py``, on a
-copy of the layers), the planner's step (``planner/step.py``, from a run or a saved JSON) and
-the pipeline split (``parallel/split.py``, on the model itself: no loss, no optimizer, so the
-layers are left as they were).
-
-How it sees the memory: ``torch.autograd.graph.saved_tensors_hooks`` hands every tensor autograd
-saves to a pack hook, which wraps it in a small object; autograd drops that object when it frees
-the node's saved variables after the node's backward, so the wrapper's ``__del__`` is the exact
-moment of release. Storages are counted once however many nodes save them; parameters and
-buffers that autograd saves (a Linear's weight) are model state, not activations. A tensor hook
-on each layer's output marks where that layer's backward begins (its gradient is ready), which
-is where the next layer's backward ended. Byte counts are of what autograd holds at layer
-boundaries; workspace inside one layer's kernels and gradients of activations in flight are
-not in them. The allocator's own peak over the last step is recorded beside
-(``measured_peak_bytes``: CUDA's ``max_memory_allocated``; on the CPU, torch.profiler's
-allocation events, which see every tensor and oneDNN's workspaces), and on CUDA every event's
-``allocated_bytes``.
+Every per-layer measurement in phalanx is this one, read through ``MemoryProfile.layer_costs``;
+docs/memory.md describes what it records. Saved tensors are seen through
+``saved_tensors_hooks``: the pack hook's wrapper is dropped when autograd frees the node's saved
+variables, so its ``__del__`` is the moment of release; a hook on each layer's output marks
+where that layer's backward begins.
 """
 
 from __future__ import annotations
@@ -78,6 +56,11 @@ class LayerProfile:
     grad_bytes: int  # its parameters' gradients after backward
     optimizer_bytes: int  # its parameters' optimizer state after optimizer.step
     backward_work_bytes: int = 0  # measured (``measure_work``): see costs.LayerCost
+
+
+# what a LayerCost takes from a LayerProfile as it is
+_COST_FIELDS = ("name", "forward_s", "backward_s", "param_bytes", "output_bytes", "saved_bytes",
+                "backward_work_bytes")  # fmt: skip
 
 
 @dataclass(kw_only=True)
@@ -176,22 +159,14 @@ class MemoryProfile:
         return f"{event.phase} of layer {layer.name} ({layer.type})"
 
     def layer_costs(self, input_bytes: int = 0) -> list[LayerCost]:
-        """Each layer's cost, in forward order: what the pipeline split, the memory plan and
-        the planner's step read. ``input_bytes``: the first layer's input (the batch's
-        inputs, which the profile does not keep); each later layer's input is the output
-        before it. A layer's gradients are one tensor here (the profile sums them)."""
+        """Each layer's cost, in forward order; ``input_bytes``: the first layer's input (each
+        later one's is the output before it); a layer's gradients are one tensor here."""
         inputs = [input_bytes, *(layer.output_bytes for layer in self.layers[:-1])]
         return [
             LayerCost(
-                name=layer.name,
-                forward_s=layer.forward_s,
-                backward_s=layer.backward_s,
-                param_bytes=layer.param_bytes,
-                output_bytes=layer.output_bytes,
-                saved_bytes=layer.saved_bytes,
+                **{key: getattr(layer, key) for key in _COST_FIELDS},
                 input_bytes=inputs[i],
                 grad_bytes=(layer.grad_bytes,) if layer.grad_bytes else (),
-                backward_work_bytes=layer.backward_work_bytes,
             )
             for i, layer in enumerate(self.layers)
         ]
@@ -248,10 +223,8 @@ class _Record:
 
 
 class _Packed:
-    """What autograd stores instead of the tensor; freed when autograd frees the saved variable
-    (after the node's backward), which ``__del__`` reports. Holds a detached alias: the tensor
-    itself would be a reference cycle for saved outputs (tensor -> grad_fn -> saved -> tensor),
-    and the release would then wait for the garbage collector."""
+    """What autograd stores instead of the tensor; ``__del__`` reports its release. A detached
+    alias: the tensor itself would be a cycle for saved outputs (tensor -> grad_fn -> saved)."""
 
     __slots__ = ("tensor", "record", "trace")
 
@@ -299,9 +272,8 @@ class _StepTrace:
         return time.perf_counter() - self.t0
 
     def start(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.t0 = time.perf_counter()
+        self.t0 = 0.0
+        self.t0 = self.now()  # after the device's queued work
         self.event("start", None)
 
     def event(self, phase: str, layer: int | None) -> None:
@@ -434,25 +406,13 @@ def profile_model(
     measure_work: bool = False,
     until: Callable[[list[float]], bool] | None = None,
 ) -> MemoryProfile:
-    """Train ``layers`` (applied in order, like the nn.Sequential they come from; moved to
-    ``device`` and put in train mode) for one step per batch and profile it.
+    """Train ``layers`` (in order, on ``device``) one step per batch and profile it.
 
-    ``batches``: (inputs, targets) pairs, any device (copied to ``device``); ``loss_fn(output,
-    target)`` -> scalar, or None: backward starts from a gradient of ones (the output's sum; a
-    layer's backward takes as long whatever the values), and targets may be None;
-    ``optimizer_factory(params)`` -> the optimizer over every trainable parameter, or None: no
-    optimizer step, the parameters stay as they are and their gradients are None afterwards.
-    Times are medians over the steps after the first ``warmup`` (all steps when there are no
-    more); memory and lifetimes are the last step's (steady state: the optimizer state exists
-    from its start). ``autocast``: the forward's context (phalanx.precision).
-    ``measure_peak``: the allocator's peak over the last step (``measured_peak_bytes``; on the
-    CPU that step runs under torch.profiler and is not timed); off, no allocator statistics
-    are reset or read. ``measure_work``: each layer's backward work (``backward_work_bytes``:
-    the high-water mark during its backward above the bytes at its start, as ``measure``
-    counts them: the resident set on a CPU, CUDA's allocator), over the last step.
-    ``until(step_s)``: called with the timed steps' seconds after each timed step; once it
-    says True, one more step (the traced last step) ends the profile early (``batches`` is
-    then the most steps it may take)."""
+    ``loss_fn`` None: backward from the output's sum; ``optimizer_factory`` None: no optimizer
+    step, gradients None afterwards. Times are medians after ``warmup`` steps, bytes the last
+    step's. ``measure_peak``: the allocator's peak over the last step (on a CPU under
+    torch.profiler, untimed); ``measure_work``: each layer's backward high-water mark;
+    ``until(step_s)`` True after a timed step: one more (traced) step ends the profile."""
     device = torch.device(device)
     layers = list(layers)
     names = [str(i) for i in range(len(layers))] if names is None else list(names)
@@ -621,12 +581,9 @@ def _run_step(
     trace: _StepTrace,
     autocast: Autocast | None,
 ) -> None:
-    """One training step under the trace's hooks: zero, forward layer by layer, loss (the
-    output's sum without a loss function), backward, optimizer step (none without an
-    optimizer); an event after each."""
+    """One training step (gradients already None) under the trace's hooks: forward layer by
+    layer, loss (the output's sum without one), backward, optimizer step; an event after each."""
     context = autocast or contextlib.nullcontext
-    if optimizer is not None:
-        optimizer.zero_grad(set_to_none=True)
     trace.start()
     with torch.autograd.graph.saved_tensors_hooks(trace.pack, trace.unpack):
         h = x
@@ -807,7 +764,7 @@ def plot_profile(profile: MemoryProfile, output: Path) -> None:
 
 def _short_label(event: MemoryEvent) -> str:
     if event.phase in ("start", "optimizer"):
-        return {"start": "start", "optimizer": "opt"}[event.phase]
+        return "start" if event.phase == "start" else "opt"
     prefix = "F" if event.phase == "forward" else "B"
     return f"{prefix} loss" if event.layer is None else f"{prefix}{event.layer}"
 

@@ -1,16 +1,7 @@
 """Memory tiers (F18): where a tensor's bytes go while they are not needed, and how they come back.
 
-A tier moves flat byte buffers (1-D contiguous ``torch.uint8`` tensors on the tier's ``device``)
-out of device memory and back, asynchronously, and reuses its space across steps:
-
-- ``pinned_host`` (CUDA): device -> page-locked host buffers, copied on a side CUDA stream; a
-  completion thread waits on each copy's event before it lets go of the device tensor.
-- ``spill_file`` (CPU): host memory -> one spill file per process on local disk, written and read
-  by one I/O thread with ``os.pwrite``/``os.preadv`` (direct writes double-buffered with a disk
-  thread under it); direct I/O (``O_DIRECT``) where the file system takes it, else the page
-  cache with ``fdatasync`` + ``POSIX_FADV_DONTNEED``, so spilled pages leave memory instead of
-  moving into the page cache.
-
+A tier moves 1-D uint8 buffers out of device memory and back, asynchronously, reusing its space
+across steps: ``pinned_host`` (CUDA) and ``spill_file`` (CPU), as docs/memory.md describes.
 Every request is logged (``tier.log``) in submission order, so tests can check *when* a transfer
 was asked for without timing anything.
 """
@@ -166,11 +157,9 @@ class TierConfig:
     staging_mb: float = option(8.0, "spill_file: aligned staging buffer for direct writes, MiB")
 
     def __post_init__(self) -> None:
-        require(
-            self.name == "auto" or self.name in TIERS,
-            "name",
-            f"unknown tier {self.name!r}; known: auto, {', '.join(TIERS.names())}",
-        )
+        known = ["auto", *TIERS.names()]
+        reason = f"unknown tier {self.name!r}; known: {', '.join(known)}"
+        require(self.name in known, "name", reason)
         require_choice(self.direct_io, "direct_io", DIRECT_IO)
         require(self.staging_mb > 0, "staging_mb", f"must be > 0, got {self.staging_mb}")
 
@@ -183,12 +172,8 @@ def make_tier(config: TierConfig, device: torch.device) -> Tier:
 
 # -- CPU: the spill file -----------------------------------------------------------------------
 class Extents:
-    """First-fit allocator of aligned ranges in a file that only grows.
-
-    Freed ranges coalesce; a step that asks for the same sizes in the same order after the
-    previous step freed everything gets the same offsets, so the file stops growing after the
-    first step.
-    """
+    """First-fit allocator of aligned ranges in a file that only grows; freed ranges coalesce,
+    so a step asking for the same sizes gets the same offsets and the file stops growing."""
 
     def __init__(self, align: int = ALIGN) -> None:
         self.align = align
@@ -285,22 +270,9 @@ def _bytes_view(data: torch.Tensor) -> memoryview:
 
 
 class SpillFileTier(Tier):
-    """Host memory <-> one spill file per process on local disk.
-
-    Phase 1 (``put``, caller's thread): reserve an extent of the file (first-fit, aligned, so a
-    step's tensors land at the same offsets every step) and queue the write.
-    Phase 2 (I/O thread, one worker, requests in order): write. With direct I/O the bytes go
-    through a reusable aligned staging buffer, whose two halves alternate between being filled
-    by this thread and written by a disk thread; without, straight from the tensor, then
-    ``fdatasync`` and ``POSIX_FADV_DONTNEED`` push them out of the page cache. The tensor is let go
-    as soon as its write completed.
-    Phase 3 (``get``): queue a read into a fresh, aligned buffer; the future resolves to it.
-    Reads queued after a write of the same slot see its bytes (one worker, FIFO).
-
-    The file is created without a name (``O_TMPFILE``, or unlinked right after it was opened), so
-    it disappears when the process ends, however it ends; ``close()`` stops the thread and closes
-    the file.
-    """
+    """Host memory <-> one unnamed spill file per process on local disk (gone however the
+    process ends). One I/O thread serves requests in order, so a read sees its slot's write;
+    without direct I/O, ``fdatasync`` + ``POSIX_FADV_DONTNEED`` keep pages out of the cache."""
 
     def __init__(
         self,
@@ -357,7 +329,6 @@ class SpillFileTier(Tier):
     def file_size(self) -> int:
         return os.fstat(self.fd).st_size
 
-    # -- Phase 1: reserve and queue ------------------------------------------------------------
     def put(self, data: torch.Tensor, tag: Any = None) -> Slot:
         assert data.dtype == torch.uint8 and data.dim() == 1 and data.is_contiguous()
         nbytes = data.numel()
@@ -368,7 +339,6 @@ class SpillFileTier(Tier):
         slot.written = self._io.submit(self._write, slot, data)
         return slot
 
-    # -- Phase 2: the I/O thread ---------------------------------------------------------------
     def _write(self, slot: Slot, data: torch.Tensor) -> float:
         start = time.perf_counter()
         try:
@@ -402,7 +372,6 @@ class SpillFileTier(Tier):
                 if future is not None:
                     future.result()
 
-    # -- Phase 3: read back --------------------------------------------------------------------
     def get(self, slot: Slot, tag: Any = None) -> Future:
         self._begin(slot, "read", tag)
         try:
@@ -452,17 +421,9 @@ class SpillFileTier(Tier):
 
 # -- CUDA: pinned host memory ------------------------------------------------------------------
 class PinnedHostTier(Tier):
-    """Device memory <-> reusable page-locked host buffers, copied on a side CUDA stream.
-
-    Phase 1 (``put``, caller's thread): record an event on the caller's stream; the side stream
-    waits on it (the tensor is complete) and copies into a pinned buffer taken from a pool keyed
-    by size, so the same buffers serve every step; an event marks the end of the copy.
-    Phase 2 (completion thread): wait for that event, then let go of the device tensor, so the
-    caching allocator reuses its memory only after the copy read it.
-    Phase 3 (``get``): allocate on the side stream, copy back, record an event; the consumer's
-    ``Loaded.use()`` makes its stream wait on the event (no host sync) and marks the tensor as
-    used by its stream. Reads and writes share the side stream, so a read follows its write.
-    """
+    """Device memory <-> page-locked host buffers pooled by size, copied on a side stream
+    (shared by reads and writes, so a read follows its write). A completion thread lets go of
+    the device tensor after its copy's event; ``Loaded.use()`` orders the consumer's stream."""
 
     def __init__(self, device: torch.device | None = None) -> None:
         device = torch.device("cuda") if device is None else torch.device(device)
@@ -491,7 +452,7 @@ class PinnedHostTier(Tier):
         self._begin(slot, "write", tag)
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(self.device))
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start, end = _timing_events()
         with torch.cuda.stream(self.stream):
             self.stream.wait_event(ready)
             start.record(self.stream)
@@ -513,7 +474,7 @@ class PinnedHostTier(Tier):
     def get(self, slot: Slot, tag: Any = None) -> Future:
         assert slot.host is not None
         self._begin(slot, "read", tag)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start, end = _timing_events()
         with torch.cuda.stream(self.stream):
             # Allocated on the side stream; Loaded.use() records the consumer's stream on it.
             out = torch.empty(slot.nbytes, dtype=torch.uint8, device=self.device)
@@ -541,6 +502,10 @@ class PinnedHostTier(Tier):
         self._pool.clear()
 
 
+def _timing_events() -> tuple[Any, Any]:
+    return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+
 @TIERS.register("spill_file")
 def _spill_file(device: torch.device, config: TierConfig) -> Tier:
     return SpillFileTier(
@@ -558,8 +523,7 @@ def _pinned_host(device: torch.device, config: TierConfig) -> Tier:
 
 def measure_bandwidth(tier: Tier, nbytes: int, repeats: int = 3) -> tuple[float, float]:
     """(write, read) bytes per second of ``tier`` for one ``nbytes`` transfer: the median of
-    ``repeats`` timed put+wait / get+wait round trips after one warm-up (which reserves the
-    space and touches the buffers), for the planner's cost model."""
+    ``repeats`` timed round trips after a warm-up, for the planner's cost model."""
     data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=tier.device)
     cuda = tier.device.type == "cuda"
     writes, reads = [], []
