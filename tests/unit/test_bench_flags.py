@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from typing import Any
 
 import pytest
 
+from phalanx.bench import load
 from phalanx.bench.data import DataBenchConfig
 from phalanx.bench.exchange import BenchConfig, strategy_contenders
 from phalanx.bench.link import LinkBenchConfig
-from phalanx.bench.memory import MemoryBenchConfig
+from phalanx.bench.memory_layers import MemoryBenchConfig
 from phalanx.bench.optimizer import OptimizerBenchConfig
 from phalanx.bench.pipeline import PipelineBenchConfig
 from phalanx.bench.planner import PlannerBenchConfig
@@ -19,8 +21,7 @@ from phalanx.bench.port import PortBenchConfig
 from phalanx.bench.rnn import RnnBenchConfig
 from phalanx.bench.train_memory import TrainMemoryBenchConfig
 from phalanx.cli import build_parser
-from phalanx.commands.bench import exchange, link
-from phalanx.commands.bench.flags import add_config_flags, config_from_flags
+from phalanx.commands.bench.flags import add_config_flags, config_from_args, config_from_flags
 from phalanx.errors import ConfigError
 
 PLAIN = {
@@ -39,6 +40,11 @@ def _args(*argv: str) -> argparse.Namespace:
     return build_parser().parse_args(["bench", *argv])
 
 
+def _config(target: str, *argv: str) -> Any:
+    """A target's config from its flags, its own flags' values too (as the command builds it)."""
+    return config_from_args(load().get(target)(), _args(target, *argv))
+
+
 @pytest.mark.parametrize("target", sorted(PLAIN))
 def test_no_flag_gives_the_configs_defaults(target: str) -> None:
     cls = PLAIN[target]
@@ -47,8 +53,8 @@ def test_no_flag_gives_the_configs_defaults(target: str) -> None:
 
 def test_the_custom_flags_keep_their_defaults() -> None:
     contenders = strategy_contenders(["allreduce"], ["none"], ["25"])
-    assert exchange.config_from_args(_args("exchange")) == BenchConfig(contenders=contenders)
-    assert link.config_from_args(_args("link")) == LinkBenchConfig()
+    assert _config("exchange") == BenchConfig(contenders=contenders)
+    assert _config("link") == LinkBenchConfig()
 
 
 def test_flags_set_their_fields() -> None:
@@ -58,8 +64,8 @@ def test_flags_set_their_fields() -> None:
     assert cfg.microbatches == (3, 6) and cfg.schedules == ("gpipe",)
     assert config_from_flags(DataBenchConfig, _args("data", "--no-train")).train is False
     assert config_from_flags(RnnBenchConfig, _args("rnn", "--hidden", "8")).hidden == 8
-    assert exchange.config_from_args(_args("exchange", "--steps", "3")).steps == 3
-    assert link.config_from_args(_args("link", "--models", "none")).models == ()
+    assert _config("exchange", "--steps", "3").steps == 3
+    assert _config("link", "--models", "none").models == ()
 
 
 def test_a_list_flag_repeated_adds_to_itself() -> None:

@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 import torch
 
-from phalanx.bench import memory as bench
+from phalanx.bench import memory_layers as bench
+from phalanx.bench import rotate
 from tests.helpers.cli import assert_one_line_error, run_main
 
 TINY = bench.MemoryBenchConfig(
@@ -109,8 +110,8 @@ def test_targets_pass_and_miss_lines() -> None:
 
 def test_rotation_starts_round_zero_with_none() -> None:
     names = bench.MemoryBenchConfig().variants()
-    assert bench.rotate(names, 0)[0] == "none"
-    assert bench.rotate(names, 1) == [*names[1:], "none"]
+    assert rotate(names, 0)[0] == "none"
+    assert rotate(names, 1) == [*names[1:], "none"]
 
 
 @pytest.mark.parametrize(
@@ -146,7 +147,7 @@ def test_tiny_run_on_cuda_measures_device_memory() -> None:
     recomputation and save_on_cpu (pinned: the saved tensors leave the GPU) lower the peak."""
     cfg = dataclasses.replace(TINY, device="cuda", fresh_processes=False)
     result = bench.run_benchmark(cfg)
-    bench._check(result)
+    bench.check(result)
     assert result["meta"]["peak_of"].startswith("device:")
     (only,) = result["rounds"]
     for name in ("none", "checkpoint", "save_on_cpu", "phalanx@min"):

@@ -10,7 +10,7 @@ import torch
 from phalanx.bench.optimizer import (
     VARIANTS,
     OptimizerBenchConfig,
-    _check,
+    check,
     format_report,
     measure_variant,
     summarize,
@@ -34,14 +34,14 @@ def test_variants_train_alike_and_the_host_one_holds_state_in_the_tier(tmp_path)
     assert host["chunks_per_step"] > 1 and mirror["chunks_per_step"] > 1
     rounds = [{"order": list(variants), "variants": variants}]
     result = {"meta": {"model": "MLP"}, "rounds": rounds, "summary": summarize(rounds)}
-    _check(result)
+    check(result)
     report = format_report(result)
     assert "host vs device: peak" in report and "mirror vs device: peak" in report
     assert report.count("losses identical") == 2
     mirror["losses"][0] += 1.0
     result["summary"] = summarize(rounds)
     with pytest.raises(ConfigError, match="the mirror optimizer's losses differ"):
-        _check(result)
+        check(result)
 
 
 def test_bad_flags() -> None:
@@ -87,5 +87,5 @@ def test_on_cuda_host_and_mirror_lower_the_device_peak() -> None:
     summary = summarize(rounds, "cuda")
     assert all(summary["losses_agree"].values()), summary["max_loss_rel_diff"]
     result = {"meta": {"model": "MLP"}, "rounds": rounds, "summary": summary}
-    _check(result)
+    check(result)
     assert "pinned host memory" in format_report(result)

@@ -17,21 +17,20 @@ from __future__ import annotations
 import json
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from phalanx.bench import machine_meta
+from phalanx import bench as common
 from phalanx.errors import ConfigError
 from phalanx.fields import option
 
 VARIANTS = ("off", "on")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class CompileBenchConfig:
     """One ``phalanx bench compile`` run (recorded in the JSON)."""
 
@@ -54,25 +53,22 @@ class CompileBenchConfig:
 
 def run_train(cfg: CompileBenchConfig, compiled: bool, run_dir: Path) -> dict[str, Any]:
     """One ``phalanx train`` process; its step times and compile time, or {"error": line}."""
-    command = [sys.executable, "-m", "phalanx", "train", cfg.config, "--run-dir", str(run_dir)]
-    command += ["--nproc", str(cfg.nproc)]
-    sets = ["train.progress=false", f"train.steps={cfg.steps}", "checkpoint.every=0"]
-    for item in [*sets, "train.val_every=0", *cfg.sets, f"train.compile={str(compiled).lower()}"]:
-        command += ["--set", item]
+    sets = ["train.progress=false", f"train.steps={cfg.steps}", "checkpoint.every=0",
+            "train.val_every=0", *cfg.sets, f"train.compile={str(compiled).lower()}"]  # fmt: skip
+    command = [*common.train_command(cfg.config, run_dir, sets), "--nproc", str(cfg.nproc)]
     try:
         proc = subprocess.run(command, capture_output=True, text=True, timeout=cfg.timeout_s)
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {cfg.timeout_s:.0f} s"}
     if proc.returncode != 0:
-        lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
-        return {"error": lines[-1] if lines else f"exit status {proc.returncode}"}
+        return {"error": common.last_line(proc.stdout + proc.stderr, proc.returncode)}
     summary = json.loads((run_dir / "summary.json").read_text())
-    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    times = [r["time_s"] for r in records[cfg.warmup :]]
+    every = common.step_times(run_dir)
+    times = every[cfg.warmup :]
     return {
         "step_s": times,
         "median_step_s": statistics.median(times),
-        "first_step_s": records[0]["time_s"],
+        "first_step_s": every[0],
         "compile_s": summary.get("compile_s"),
         "val_loss": summary.get("val_loss"),
         "compile_line": next((x for x in proc.stdout.splitlines() if x.startswith("compile:")), ""),
@@ -80,7 +76,6 @@ def run_train(cfg: CompileBenchConfig, compiled: bool, run_dir: Path) -> dict[st
 
 
 def run_benchmark(cfg: CompileBenchConfig) -> dict[str, Any]:
-    cfg.validate()
     started = time.perf_counter()
     rounds = []
     with tempfile.TemporaryDirectory(prefix="phalanx-bench-compile-") as tmp:
@@ -88,7 +83,7 @@ def run_benchmark(cfg: CompileBenchConfig) -> dict[str, Any]:
             order = list(VARIANTS) if r % 2 == 0 else list(reversed(VARIANTS))
             measured = {v: run_train(cfg, v == "on", Path(tmp) / f"{r}-{v}") for v in order}
             rounds.append({"order": order, "variants": measured})
-    meta = {**machine_meta(), "wall_s": time.perf_counter() - started, "config": asdict(cfg)}
+    meta = common.machine_meta(wall_s=time.perf_counter() - started, config=asdict(cfg))
     return {"meta": meta, "rounds": rounds, "summary": summarize(rounds)}
 
 
@@ -144,3 +139,13 @@ def check(result: dict[str, Any]) -> None:
     failed = result["summary"].get("failed")
     if failed:
         raise ConfigError(f"bench compile: a run failed: {failed[0]}")
+
+
+common.register(
+    "compile",
+    "[train] compile off vs on: phalanx train processes of the GPT config",
+    CompileBenchConfig,
+    run_benchmark,
+    check,
+    format_report,
+)

@@ -37,10 +37,9 @@ input wait = time blocked getting the batch; step time = wait + ``Engine.step``.
 
 from __future__ import annotations
 
-import datetime
+import functools
 import gc
 import os
-import platform
 import statistics
 import tempfile
 import time
@@ -55,6 +54,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import phalanx
+from phalanx import bench as common
 from phalanx.data.pipeline import Pipeline
 from phalanx.data.records import Field, RecordStore, write_store
 from phalanx.data.sources import DataConfig, digits_arrays, load_source
@@ -77,7 +77,7 @@ THROUGHPUT = (
 )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class DataBenchConfig:
     """Everything one ``phalanx bench data`` run uses (recorded in the JSON)."""
 
@@ -97,20 +97,21 @@ class DataBenchConfig:
     seed: int = option(0, "data seed")
 
     def validate(self) -> None:
-        for key in ("workers", "batch_size", "rounds", "batches", "train_rounds", "train_steps",
-                    "train_batch_size"):  # fmt: skip
-            if getattr(self, key) < 1:
-                raise ConfigError(f"--{key.replace('_', '-')}: must be >= 1")
+        common.at_least(
+            self,
+            1,
+            "workers",
+            "batch_size",
+            "rounds",
+            "batches",
+            "train_rounds",
+            "train_steps",
+            "train_batch_size",
+        )
         if not 0 < self.crop <= self.image_size:
             raise ConfigError(f"--crop: must be in [1, --image-size={self.image_size}]")
-        unknown = [c for c in self.contenders if c not in THROUGHPUT]
-        if unknown or not self.contenders:
-            raise ConfigError(
-                f"--contenders: unknown {unknown[0] if unknown else ''!r}; known: "
-                f"{', '.join(THROUGHPUT)}"
-            )
-        if self.warmup < 0 or self.settle_s < 0:
-            raise ConfigError("--warmup: must be >= 0")
+        common.known("--contenders", self.contenders, THROUGHPUT)
+        common.at_least(self, 0, "warmup", "settle_s")
 
 
 # -- the preprocessing (module level: picklable for worker processes) ---------------------------
@@ -284,7 +285,7 @@ def run_throughput(cfg: DataBenchConfig, feeders: list[Feeder]) -> dict[str, lis
         for _ in range(cfg.warmup + 1):
             f.next()
     for r in range(cfg.rounds):
-        for f in feeders[r % len(feeders) :] + feeders[: r % len(feeders)]:
+        for f in common.rotate(feeders, r):
             time.sleep(cfg.settle_s)
             f.restart()
             start = time.perf_counter()
@@ -331,8 +332,6 @@ def cnn(crop: int) -> nn.Module:
 
 def run_training(cfg: DataBenchConfig, store: str) -> list[dict[str, Any]]:
     """Both training cases; per case and feeder: per-round wait and step seconds."""
-    import functools
-
     digits = load_source(DataConfig(source="digits"))
     in_memory = torch.utils.data.TensorDataset(digits.x_train, digits.y_train)
     total = (cfg.warmup + cfg.train_steps) * 2
@@ -357,7 +356,7 @@ def run_training(cfg: DataBenchConfig, store: str) -> list[dict[str, Any]]:
             trainees.append(Trainee(make(), Engine(make_model(), F.cross_entropy, sgd)))
         rounds: dict[str, list[dict[str, float]]] = {t.feeder.name: [] for t in trainees}
         for r in range(cfg.train_rounds):
-            for t in trainees[r % 2 :] + trainees[: r % 2]:
+            for t in common.rotate(trainees, r):
                 time.sleep(cfg.settle_s)
                 rounds[t.feeder.name].append(train_block(cfg, t))
         for t in trainees:
@@ -405,8 +404,6 @@ def summarize_training(
 
 def run_benchmark(cfg: DataBenchConfig) -> dict[str, Any]:
     """Throughput then training, in this process; returns every number."""
-    cfg.validate()
-
     started, load_before = time.perf_counter(), os.getloadavg()
     ctx = phalanx.init(RuntimeConfig(threads=1))  # one intra-op thread, like DataLoader workers
     try:
@@ -422,14 +419,10 @@ def run_benchmark(cfg: DataBenchConfig) -> dict[str, Any]:
             training = run_training(cfg, store) if cfg.train else []
     finally:
         phalanx.shutdown()
-    meta = {
-        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "torch": torch.__version__, "python": platform.python_version(),
-        "machine": platform.machine(), "cpu_count": os.cpu_count(), "backend": ctx.backend,
-        "threads_per_process": torch.get_num_threads(), "load_before": load_before,
-        "load_after": os.getloadavg(), "wall_s": time.perf_counter() - started,
-        "config": asdict(cfg),
-    }  # fmt: skip
+    meta = common.machine_meta(
+        backend=ctx.backend, threads_per_process=torch.get_num_threads(), load_before=load_before,
+        load_after=os.getloadavg(), wall_s=time.perf_counter() - started, config=asdict(cfg),
+    )  # fmt: skip
     return {"meta": meta, "throughput": summarize_throughput(cfg, seconds), "training": training}
 
 
@@ -449,7 +442,7 @@ def format_report(result: dict[str, Any]) -> str:
             name, f"{t['median_samples_per_s']:,.0f}", f"{min(sps):,.0f} - {max(sps):,.0f}",
             _ratio(t, "median_vs_dataloader"), _ratio(t, "median_vs_dataloader-batched"),
         ])  # fmt: skip
-    lines += _table(rows)
+    lines += common.aligned(rows, "  ")
     for case in result["training"]:
         lines.append(f"training: {case['case']}, batch {case['batch_size']}, "
                      f"{case['steps_per_round']} steps x {c['train_rounds']} rounds")  # fmt: skip
@@ -459,7 +452,7 @@ def format_report(result: dict[str, Any]) -> str:
                 name, f"{f['median_wait_fraction']:.2%}", f"{f['median_wait_ms_per_step']:.3f}",
                 f"{f['median_step_ms']:.2f}", f"{f['median_samples_per_s']:,.0f}",
             ])  # fmt: skip
-        lines += _table(rows)
+        lines += common.aligned(rows, "  ")
     return "\n".join(lines)
 
 
@@ -467,9 +460,17 @@ def _ratio(entry: dict[str, Any], key: str) -> str:
     return f"{entry[key]:.2f}x" if key in entry else "-"
 
 
-def _table(rows: list[list[str]]) -> list[str]:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return ["  " + "  ".join(cell.rjust(w) for cell, w in zip(r, widths)) for r in rows]
+def check(result: dict[str, Any]) -> None:
+    for name, entry in result["throughput"].items():
+        if not all(s > 0 for s in entry["samples_per_s"]):
+            raise ConfigError(f"bench data: {name} delivered no samples")
 
 
-# -- command line ----------------------------------------------------------------------------------
+common.register(
+    "data",
+    "input Pipeline vs torch DataLoader",
+    DataBenchConfig,
+    run_benchmark,
+    check,
+    format_report,
+)

@@ -18,6 +18,7 @@ compression, bucket sizes) are more specs, not new code paths.
 
 from __future__ import annotations
 
+import argparse
 import math
 import statistics
 import time
@@ -29,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from phalanx.bench import machine_meta
+from phalanx import bench as common
 from phalanx.engine import Engine
 from phalanx.errors import ConfigError, WorkerError
 from phalanx.exchange.base import strategy_factory
@@ -89,13 +90,6 @@ class ContenderSpec:
     options: tuple[tuple[str, Any], ...] = ()
 
 
-DEFAULT_CONTENDERS = (
-    ContenderSpec("single", "single"),
-    ContenderSpec("ddp", "ddp"),
-    ContenderSpec("phalanx", "phalanx", (("exchange", "allreduce"), ("bucket_mb", 25.0))),
-)
-
-
 SINGLE_BUCKET = "single"  # --bucket-mb value: the whole model in one bucket
 
 
@@ -131,7 +125,7 @@ def _phalanx_options(name: str, codec: str, size: str) -> tuple[tuple[str, Any],
     return (("exchange", strategy), ("exchange_options", options), ("compress", codec), *sizes)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class BenchConfig:
     """Everything one ``phalanx bench exchange`` run needs (picklable: sent to the workers)."""
 
@@ -142,24 +136,14 @@ class BenchConfig:
     warmup: int = option(5, "warm-up steps per contender")
     batch_size: int = option(32, "per-process batch")
     seed: int = option(0, "seed of weights and synthetic data")
-    contenders: tuple[ContenderSpec, ...] = DEFAULT_CONTENDERS
+    # the flags --strategies, --compress and --bucket-mb (contenders_from_flags)
+    contenders: tuple[ContenderSpec, ...] = strategy_contenders(["allreduce"])
     timeout_s: float = option(120.0, "collective timeout: a stuck rank fails after this")
-    debug: bool = False  # --debug: the CLI shows the error with the rank's traceback
 
     def validate(self) -> None:
-        for key in ("nproc", "rounds", "batch_size"):
-            if getattr(self, key) < 1:
-                raise ConfigError(f"--{key.replace('_', '-')}: must be >= 1")
-        if self.steps is not None and self.steps < 1:
-            raise ConfigError("--steps: must be >= 1")
-        if self.warmup < 0:
-            raise ConfigError("--warmup: must be >= 0")
-        unknown = [m for m in self.models if m not in BENCH_MODELS]
-        if unknown or not self.models:
-            raise ConfigError(
-                f"--models: unknown model {unknown[0] if unknown else ''!r}; "
-                f"known: {', '.join(BENCH_MODELS)}"
-            )
+        common.at_least(self, 1, "nproc", "rounds", "batch_size", "steps")
+        common.at_least(self, 0, "warmup")
+        common.known("--models", self.models, tuple(BENCH_MODELS), what="model ")
 
     def steps_for(self, model: BenchModel) -> int:
         return self.steps if self.steps is not None else model.default_steps
@@ -251,11 +235,8 @@ def _build_phalanx(spec: ContenderSpec, model: nn.Module, ctx: Context) -> Conte
     return Contender(spec, True, step, stats=stats, close=engine.close)
 
 
-CONTENDER_KINDS: dict[str, Builder] = {
-    "single": _build_single,
-    "ddp": _build_ddp,
-    "phalanx": _build_phalanx,
-}
+CONTENDER_KINDS: dict[str, Builder] = {"single": _build_single, "ddp": _build_ddp,
+                                       "phalanx": _build_phalanx}  # fmt: skip
 
 
 def build_contenders(
@@ -265,7 +246,9 @@ def build_contenders(
     out = []
     for spec in specs:
         if spec.kind not in CONTENDER_KINDS:
-            raise ConfigError(f"contender kind {spec.kind!r}; known: {', '.join(CONTENDER_KINDS)}")
+            raise ConfigError(
+                f"contender kind {spec.kind!r}; common.known: {', '.join(CONTENDER_KINDS)}"
+            )
         out.append(CONTENDER_KINDS[spec.kind](spec, make_model(), ctx))
     return out
 
@@ -347,22 +330,16 @@ def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
     """
     from phalanx.runtime.spawn import run_ranks
 
-    cfg.validate()
     started = time.perf_counter()
     runtime = RuntimeConfig(threads=1, timeout_s=cfg.timeout_s)
     raw = run_ranks(_worker, cfg.nproc, cfg, timeout=None, runtime=runtime)[0]
-    meta = _meta(cfg, raw["env"], time.perf_counter() - started)
+    meta = common.machine_meta(
+        backend=raw["env"]["backend"],
+        threads_per_process=raw["env"]["threads"],
+        wall_s=time.perf_counter() - started,
+        config=asdict(cfg),
+    )
     return {"meta": meta, "models": [summarize(m, cfg) for m in raw["models"]]}
-
-
-def _meta(cfg: BenchConfig, env: dict[str, Any], wall_s: float) -> dict[str, Any]:
-    return {
-        **machine_meta(),
-        "backend": env["backend"],
-        "threads_per_process": env["threads"],
-        "wall_s": wall_s,
-        "config": asdict(cfg),
-    }
 
 
 def summarize(raw: dict[str, Any], cfg: BenchConfig) -> dict[str, Any]:
@@ -469,20 +446,64 @@ def _si(n: int) -> str:
 
 
 def format_table(result: dict[str, Any]) -> str:
-    """The header line and one row per (model, contender), columns aligned."""
+    """The header line and one row per (model, contender), columns common.aligned."""
     rows = [list(ROW_COLUMNS)] + [
         _row(m, name, c) for m in result["models"] for name, c in m["contenders"].items()
     ]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(ROW_COLUMNS))]
-    lines = ["  ".join(cell.rjust(w) for cell, w in zip(r, widths)) for r in rows]
-    return "\n".join([header_line(result), *lines])
+    return "\n".join([header_line(result), *common.aligned(rows)])
 
 
-def _check_finite(result: dict[str, Any]) -> None:
+def check(result: dict[str, Any]) -> None:
     for m in result["models"]:
         for name, c in m["contenders"].items():
             if not all(math.isfinite(v) and v > 0 for v in c["samples_per_s"]):
                 raise WorkerError(0, f"{m['model']}/{name}: non-finite or zero samples/s")
 
 
-# -- command line -----------------------------------------------------------------------------
+def add_flags(p: argparse.ArgumentParser) -> None:
+    """The contenders' axes, each a comma list (``contenders_from_flags``)."""
+    strategies = ", ".join(STRATEGY_CONTENDERS)
+    p.add_argument("--strategies", default="allreduce",
+                   help=f"comma list or 'all': {strategies} (default allreduce)")  # fmt: skip
+    p.add_argument(
+        "--compress", default="none", help="comma list of: none, fp16, bf16 (default none)"
+    )
+    p.add_argument(
+        "--bucket-mb", default="25", help="comma list of sizes in MiB, 'auto' or 'single'"
+    )
+
+
+def contenders_from_flags(args: argparse.Namespace) -> dict[str, Any]:
+    def items(text: str) -> list[str]:
+        return [n.strip() for n in text.split(",") if n.strip()]
+
+    strategies = [s for n in items(args.strategies)
+                  for s in (STRATEGY_CONTENDERS if n == "all" else [n])]  # fmt: skip
+    common.known("--strategies", strategies, ("all", *STRATEGY_CONTENDERS))
+    compress = items(args.compress)
+    common.known("--compress", compress, ("none", "fp16", "bf16"))
+    sizes = items(args.bucket_mb) or ["25"]
+    for size in sizes:
+        if size not in ("auto", SINGLE_BUCKET) and not _positive(size):
+            raise ConfigError(f"--bucket-mb: {size!r} is not a positive size, auto or single")
+    return {"contenders": strategy_contenders(list(dict.fromkeys(strategies)), compress, sizes)}
+
+
+def _positive(text: str) -> bool:
+    try:
+        return float(text) > 0
+    except ValueError:
+        return False
+
+
+common.register(
+    "exchange",
+    "phalanx Engine vs torch DDP",
+    BenchConfig,
+    run_benchmark,
+    check,
+    format_table,
+    skip=("contenders",),
+    flags=add_flags,
+    from_flags=contenders_from_flags,
+)

@@ -31,11 +31,10 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import phalanx as px
-from phalanx.bench import machine_meta
+from phalanx import bench as common
 from phalanx.bench.fsdp_scripts import SCRIPTS, Script, Sizes, parameters_of
 from phalanx.errors import ConfigError
 from phalanx.fields import option
@@ -46,7 +45,7 @@ DEFAULT_KINDS = ("fsdp2", "fsdp", "partitioned", "allreduce")
 UNIT = "TransformerEncoderLayer"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class FsdpBenchConfig:
     """Everything one ``phalanx bench fsdp`` run needs (sent to the ranks)."""
 
@@ -64,9 +63,10 @@ class FsdpBenchConfig:
     warmup: int = option(3, "untimed steps per contender first")
 
     def validate(self) -> None:
-        for key, value in asdict(self).items():
-            if isinstance(value, int) and value < (0 if key == "warmup" else 1):
-                raise ConfigError(f"--{key.replace('_', '-')}: must be >= 1, got {value}")
+        common.at_least(
+            self, 1, *(k for k, v in asdict(self).items() if type(v) is int and k != "warmup")
+        )
+        common.at_least(self, 0, "warmup")
         if self.model not in SCRIPTS:
             raise ConfigError(f"--model: got {self.model!r}; allowed: {', '.join(SCRIPTS)}")
         unknown = [k for k in self.contenders if k not in KINDS]
@@ -147,15 +147,12 @@ def _timed(ctx: Any, contender: _Contender, cfg: FsdpBenchConfig, first: int) ->
     script, sizes = SCRIPTS[cfg.model], cfg.sizes()
     batches = [script.batch(sizes, first + s, ctx.rank) for s in range(cfg.steps)]
     batches = [(x.to(ctx.device), y.to(ctx.device)) for x, y in batches]
-    dist.barrier(group=ctx.group)
-    start = time.perf_counter()
-    for s, (inputs, targets) in enumerate(batches):
-        contender.step(first + s, inputs, targets)
-    if ctx.device.type == "cuda":
-        torch.cuda.synchronize(ctx.device)
-    seconds = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=ctx.device)
-    dist.all_reduce(seconds, op=dist.ReduceOp.MAX, group=ctx.group)
-    return float(seconds.item()) / cfg.steps
+
+    def steps() -> None:
+        for s, (inputs, targets) in enumerate(batches):
+            contender.step(first + s, inputs, targets)
+
+    return common.slowest_s(ctx, steps) / cfg.steps
 
 
 def _in_ranks(ctx: Any, cfg: FsdpBenchConfig) -> dict[str, Any]:
@@ -169,8 +166,7 @@ def _in_ranks(ctx: Any, cfg: FsdpBenchConfig) -> dict[str, Any]:
     seconds: dict[str, list[float]] = {k: [] for k in kinds}
     peaks: dict[str, list[int]] = {k: [] for k in kinds}
     for r in range(cfg.rounds):
-        order = kinds[r % len(kinds) :] + kinds[: r % len(kinds)]
-        for k in order:
+        for k in common.rotate(kinds, r):
             peak = StepPeak(ctx.device)
             seconds[k].append(_timed(ctx, contenders[k], cfg, cfg.warmup + r * cfg.steps))
             peaks[k].append(peak.peak_bytes())
@@ -184,7 +180,6 @@ def _in_ranks(ctx: Any, cfg: FsdpBenchConfig) -> dict[str, Any]:
 def run_benchmark(cfg: FsdpBenchConfig) -> dict[str, Any]:
     from phalanx.runtime.spawn import run_ranks
 
-    cfg.validate()
     started = time.perf_counter()
     ranks = run_ranks(_in_ranks, cfg.nproc, cfg, timeout=None)
     seconds = ranks[0]["seconds"]
@@ -197,31 +192,22 @@ def run_benchmark(cfg: FsdpBenchConfig) -> dict[str, Any]:
             "step_peak_mib": max(r["peak"][kind] for r in ranks) / 2**20,
         }
         if "fsdp2" in seconds:  # speed against torch's loop: its time / this one's
-            row["vs_fsdp2"] = _median_ratio(seconds["fsdp2"], seconds[kind])
+            row["vs_fsdp2"] = common.median_ratio(seconds["fsdp2"], seconds[kind])
         if "ddp" in seconds:  # cost over DDP: this one's time / DDP's
-            row["time_vs_ddp"] = _median_ratio(seconds[kind], seconds["ddp"])
-            row["time_vs_ddp_range"] = _ratio_range(seconds[kind], seconds["ddp"])
+            row["time_vs_ddp"] = common.median_ratio(seconds[kind], seconds["ddp"])
+            row["time_vs_ddp_range"] = common.ratio_iqr(seconds[kind], seconds["ddp"])
         rows[kind] = row
     params, trainable = parameters_of(SCRIPTS[cfg.model].build(cfg.sizes()))
-    meta = {**machine_meta(), "wall_s": time.perf_counter() - started, "config": asdict(cfg),
-            "parameters": params, "trainable": trainable}  # fmt: skip
+    meta = common.machine_meta(
+        wall_s=time.perf_counter() - started,
+        config=asdict(cfg),
+        parameters=params,
+        trainable=trainable,
+    )
     return {"meta": meta, "rows": rows}
 
 
-def _median_ratio(top: list[float], bottom: list[float]) -> float:
-    return statistics.median(a / b for a, b in zip(top, bottom))
-
-
-def _ratio_range(top: list[float], bottom: list[float]) -> tuple[float, float]:
-    """The per-round ratios' interquartile range: how far this machine's noise reaches."""
-    ratios = [a / b for a, b in zip(top, bottom)]
-    if len(ratios) < 2:
-        return ratios[0], ratios[0]
-    quartiles = statistics.quantiles(ratios, n=4, method="inclusive")
-    return quartiles[0], quartiles[-1]
-
-
-def _check(result: dict[str, Any]) -> None:
+def check(result: dict[str, Any]) -> None:
     if not all(r["step_s"] > 0 for r in result["rows"].values()):
         raise RuntimeError("a contender measured no step time")
 
@@ -253,3 +239,13 @@ def format_table(result: dict[str, Any]) -> str:
         lines.append(f"fsdp's step time / DDP's: {cost:.3f}x, rounds {lo:.3f}-{hi:.3f} "
                      f"({verdict} <= 1.25)")  # fmt: skip
     return "\n".join(lines)
+
+
+common.register(
+    "fsdp",
+    "fsdp vs torch's FSDP2 loop vs partitioned vs allreduce",
+    FsdpBenchConfig,
+    run_benchmark,
+    check,
+    format_table,
+)

@@ -16,18 +16,17 @@ process (two ranks on two cores back-propagate more slowly).
 
 from __future__ import annotations
 
+import argparse
 import math
-import os
 import statistics
 import time
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from phalanx.bench import machine_meta
+from phalanx import bench as common
 from phalanx.bench.exchange import BENCH_MODELS, synthetic_batch
 from phalanx.errors import ConfigError
 from phalanx.exchange.comm import measure_handoff_s
@@ -54,7 +53,7 @@ MIB = 2**20
 COMPARED_BYTES = (MIB, 25 * MIB)  # fixed thresholds shown next to the choice
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LinkBenchConfig:
     """Everything one ``phalanx bench link`` run needs (picklable: sent to the workers)."""
 
@@ -62,20 +61,15 @@ class LinkBenchConfig:
     rounds: int = option(5, "calibrations in a row")
     repeats: int = option(DEFAULT_REPEATS, "timed allreduces per size")
     sizes: tuple[int, ...] = DEFAULT_SIZES
-    models: tuple[str, ...] = ("digits_cnn", "mlp")  # empty: no threshold section
+    models: tuple[str, ...] = ("digits_cnn", "mlp")  # empty: no threshold section (--models)
     profile_steps: int = option(5, "profiled backward steps")
     batch_size: int = option(32, "per-process batch of the profiled models")
     seed: int = option(0, "weight seed")
 
     def validate(self) -> None:
-        for key in ("nproc", "rounds", "repeats", "profile_steps", "batch_size"):
-            if getattr(self, key) < 1:
-                raise ConfigError(f"--{key.replace('_', '-')}: must be >= 1")
-        unknown = [m for m in self.models if m not in BENCH_MODELS]
-        if unknown:
-            raise ConfigError(
-                f"--models: unknown model {unknown[0]!r}; known: {', '.join(BENCH_MODELS)}"
-            )
+        common.at_least(self, 1, "nproc", "rounds", "repeats", "profile_steps", "batch_size")
+        if self.models:
+            common.known("--models", self.models, tuple(BENCH_MODELS), what="model ")
 
 
 # -- inside the workers -----------------------------------------------------------------------
@@ -126,7 +120,6 @@ def _profile_task(name: str, cfg: LinkBenchConfig) -> dict[str, Any]:
 def run_benchmark(cfg: LinkBenchConfig) -> dict[str, Any]:
     """Start the pool, calibrate ``rounds`` times, profile the models; every number."""
 
-    cfg.validate()
     started = time.perf_counter()
     with WorkerPool(cfg.nproc, threads=1, timeout_s=60.0) as pool:
         rounds = [pool.run(_calibrate_task, cfg.sizes, cfg.repeats)[0] for _ in range(cfg.rounds)]
@@ -169,13 +162,9 @@ def _threshold(name: str, data: dict[str, Any], link: LinkModel, world: int) -> 
 
 
 def _meta(cfg: LinkBenchConfig, backend: str, wall_s: float) -> dict[str, Any]:
-    return {
-        **machine_meta(),
-        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
-        "backend": backend,
-        "wall_s": wall_s,
-        "config": asdict(cfg),
-    }
+    return common.machine_meta(
+        load_average=common.load_average(), backend=backend, wall_s=wall_s, config=asdict(cfg)
+    )
 
 
 # -- output -----------------------------------------------------------------------------------
@@ -197,7 +186,7 @@ def format_report(result: dict[str, Any]) -> str:
         rows.append((format_bytes(n), f"{median * 1e3:.3f}", f"{min(samples) * 1e3:.3f}",
                      f"{max(samples) * 1e3:.3f}", f"{fitted * 1e3:.3f}",
                      f"{fitted / median - 1:+.0%}"))  # fmt: skip
-    lines += _table(rows)
+    lines += common.aligned(rows, "  ")
     rows = [("round", "alpha us", "beta GB/s", "message us", "handoff us", "calibrate s")]
     for i, r in enumerate(result["rounds"]):
         fit = LinkModel.from_dict(r["link"])
@@ -207,7 +196,7 @@ def format_report(result: dict[str, Any]) -> str:
     middle = LinkModel.from_dict(result["median"])
     rows.append(("median", f"{middle.alpha_s * 1e6:.1f}", _gbps(middle.beta_bytes_per_s),
                  _micros(middle.message_s), _micros(middle.handoff_s), ""))  # fmt: skip
-    lines += _table(rows)
+    lines += common.aligned(rows, "  ")
     lines.append(
         "message us: mean one-way time of a 4 KiB point-to-point message sent from a thread "
         "after a pause (the median row: the round with the median mean); `phalanx plan "
@@ -234,16 +223,34 @@ def _gbps(beta: float) -> str:
     return format_rate(beta).removesuffix(" GB/s")
 
 
-def _table(rows: Sequence[tuple[str, ...]]) -> list[str]:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return ["  " + "  ".join(cell.rjust(w) for cell, w in zip(r, widths)) for r in rows]
-
-
-def _check_finite(result: dict[str, Any]) -> None:
+def check(result: dict[str, Any]) -> None:
     for r in result["rounds"]:
         if not all(math.isfinite(s) and s > 0 for point in r["link"]["sweep"]
                    for s in point["samples_s"]):  # fmt: skip
             raise ConfigError("bench link: a non-finite or zero timing was measured")
 
 
-# -- command line -----------------------------------------------------------------------------
+def add_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--models",
+        default="digits_cnn,mlp",
+        help="bench models to pick a threshold for (comma list; 'none' to skip)",
+    )
+
+
+def models_from_flags(args: argparse.Namespace) -> dict[str, Any]:
+    models = () if args.models == "none" else args.models.split(",")
+    return {"models": tuple(m.strip() for m in models if m.strip())}
+
+
+common.register(
+    "link",
+    "link latency/bandwidth and threshold",
+    LinkBenchConfig,
+    run_benchmark,
+    check,
+    format_report,
+    skip=("sizes", "models"),
+    flags=add_flags,
+    from_flags=models_from_flags,
+)

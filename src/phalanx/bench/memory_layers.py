@@ -69,6 +69,7 @@ reports +24.1% at -58.2% memory); at every budget phalanx is no slower than full
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import functools
 import gc
@@ -85,7 +86,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from phalanx.bench import machine_meta
+from phalanx import bench as common
 from phalanx.errors import ConfigError
 from phalanx.fields import option
 from phalanx.memory import measure
@@ -106,7 +107,7 @@ PEAK_OF = {  # what a run's peak_bytes is, per device type (recorded in the JSON
 }
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class MemoryBenchConfig:
     """Everything one ``phalanx bench memory-layers`` run uses (recorded in the JSON)."""
 
@@ -114,7 +115,7 @@ class MemoryBenchConfig:
     channels: int = option(16, "channels of the blocks")
     image_size: int = option(32, "image side")
     blocks: int = option(8, "residual blocks")
-    budgets: tuple[float, ...] = (0.75, 0.5, 0.3)
+    budgets: tuple[float, ...] = (0.75, 0.5, 0.3)  # --budgets (budgets_from_flags)
     rounds: int = option(3, "rounds")
     steps: int = option(3, "timed steps per variant")
     warmup: int = option(2, "untimed steps first (the first grows the reused heap)")
@@ -126,19 +127,19 @@ class MemoryBenchConfig:
     fresh_processes: bool = True  # False: every variant in this process (tests; peaks rougher)
     timeout_s: float = option(600.0, "seconds per measuring process")
 
-    @property
-    def nproc(self) -> int:
-        return 1  # one measuring process at a time
-
     def validate(self) -> None:
-        for key in ("batch_size", "channels", "image_size", "blocks", "rounds", "steps",
-                    "peak_steps"):  # fmt: skip
-            if getattr(self, key) < 1:
-                raise ConfigError(f"--{key.replace('_', '-')}: must be >= 1")
-        if self.warmup < 0:
-            raise ConfigError("--warmup: must be >= 0")
-        if self.threads < 0:
-            raise ConfigError("--threads: must be >= 0")
+        common.at_least(
+            self,
+            1,
+            "batch_size",
+            "channels",
+            "image_size",
+            "blocks",
+            "rounds",
+            "steps",
+            "peak_steps",
+        )
+        common.at_least(self, 0, "warmup", "threads")
         if not self.budgets:
             raise ConfigError("--budgets: give at least one fraction, e.g. 0.75,0.5,0.3")
         for fraction in self.budgets:
@@ -172,12 +173,6 @@ def check_device(device: str) -> None:
             f"--device cuda: torch {torch.__version__} ({build}) sees no CUDA device here; "
             "run on a machine with a GPU, or use --device cpu"
         )
-
-
-def synchronize(device: torch.device) -> None:
-    """Wait for the device's queued work before a clock or a peak is read (no-op on a CPU)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 # -- the model ----------------------------------------------------------------------------------
@@ -243,10 +238,6 @@ class _Checkpointed(nn.Module):
 
 
 # -- one measurement (a fresh process, or this one) ---------------------------------------------
-def _worker(ctx: Any, cfg: MemoryBenchConfig, variant: str, budget_mb: float, probe: bool) -> Any:
-    return measure_variant(cfg, variant, budget_mb, probe)
-
-
 def measure_variant(
     cfg: MemoryBenchConfig, variant: str, budget_mb: float = 0.0, probe: bool = False
 ) -> dict[str, Any]:
@@ -297,10 +288,10 @@ def measure_variant(
         losses.append(float(loss.detach()))
 
     def timed_step() -> float:
-        synchronize(device)
+        common.synchronize(device)
         start = time.perf_counter()
         step()
-        synchronize(device)  # a GPU's step is done when its queued kernels are
+        common.synchronize(device)  # a GPU's step is done when its queued kernels are
         return time.perf_counter() - start
 
     # Phase 1: the peak, every large block its own mapping (freed to the kernel at once).
@@ -447,31 +438,33 @@ def _allocator_env(enabled: bool = True) -> Iterator[None]:
                 os.environ[key] = value
 
 
-def _run_one(cfg: MemoryBenchConfig, variant: str, budget_mb: float, probe: bool) -> Any:
-    if not cfg.fresh_processes:
-        threads = torch.get_num_threads()
-        try:
-            return measure_variant(cfg, variant, budget_mb, probe)
-        finally:
-            torch.set_num_threads(threads)
+def in_fresh_process(measure: Callable[..., Any], cfg: Any, *args: Any) -> Any:
+    """``measure(cfg, *args)`` in a fresh process of one rank (``cfg.threads`` intra-op threads,
+    ``cfg.timeout_s``), started under ``allocator_env()`` where the peak is host memory."""
     from phalanx.runtime.spawn import run_ranks
 
     runtime = RuntimeConfig(threads=cfg.threads, timeout_s=cfg.timeout_s)
-    args = (cfg, variant, budget_mb, probe)
     with _allocator_env(enabled=cfg.device == "cpu"):
-        return run_ranks(_worker, 1, *args, timeout=cfg.timeout_s, runtime=runtime)[0]
+        return run_ranks(_call, 1, measure, cfg, *args, timeout=cfg.timeout_s, runtime=runtime)[0]
 
 
-def rotate(names: list[str], by: int) -> list[str]:
-    by %= len(names)
-    return names[by:] + names[:by]
+def _call(ctx: Any, measure: Callable[..., Any], *args: Any) -> Any:
+    return measure(*args)
+
+
+def _run_one(cfg: MemoryBenchConfig, variant: str, budget_mb: float, probe: bool) -> Any:
+    if cfg.fresh_processes:
+        return in_fresh_process(measure_variant, cfg, variant, budget_mb, probe)
+    threads = torch.get_num_threads()
+    try:
+        return measure_variant(cfg, variant, budget_mb, probe)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def run_benchmark(cfg: MemoryBenchConfig) -> dict[str, Any]:
     """Every round runs every variant once (each in a fresh process unless
     ``cfg.fresh_processes`` is off), in an order rotated per round; returns every number."""
-
-    cfg.validate()
     started = time.perf_counter()
     variants = cfg.variants()
     budgets: dict[str, float] = {}
@@ -479,7 +472,7 @@ def run_benchmark(cfg: MemoryBenchConfig) -> dict[str, Any]:
     rounds: list[dict[str, Any]] = []
     for r in range(cfg.rounds):
         measured: dict[str, Any] = {}
-        order = rotate(variants, r)  # round 0 starts with none: it computes the budgets
+        order = common.rotate(variants, r)  # round 0 starts with none: it computes the budgets
         for name in order:
             probe = r == 0 and name == "none"
             result = _run_one(cfg, name, budgets.get(name, 0.0), probe)
@@ -491,20 +484,17 @@ def run_benchmark(cfg: MemoryBenchConfig) -> dict[str, Any]:
                 budgets[SMALLEST] = (result["smallest_predicted_bytes"] + 1024) / 2**20
             measured[name] = result
         rounds.append({"order": order, "variants": measured})
-    meta = {
-        **machine_meta(),
-        "wall_s": time.perf_counter() - started,
-        "config": asdict(cfg),
-        "model": (
-            f"pre-activation conv net: {cfg.blocks} blocks x {cfg.channels} channels at "
-            f"{cfg.image_size}x{cfg.image_size}, batch {cfg.batch_size}"
-        ),
-        "params": sum(p.numel() for layer in build_layers(cfg) for p in layer.parameters()),
-        "fixed_bytes": fixed_bytes(cfg),
-        "unmanaged_predicted_bytes": unmanaged_predicted,
-        "budgets_mb": budgets,
-        "peak_of": PEAK_OF[cfg.device],
-    }
+    meta = common.machine_meta(
+        wall_s=time.perf_counter() - started,
+        config=asdict(cfg),
+        model=f"pre-activation conv net: {cfg.blocks} blocks x {cfg.channels} channels at "
+        f"{cfg.image_size}x{cfg.image_size}, batch {cfg.batch_size}",
+        params=sum(p.numel() for layer in build_layers(cfg) for p in layer.parameters()),
+        fixed_bytes=fixed_bytes(cfg),
+        unmanaged_predicted_bytes=unmanaged_predicted,
+        budgets_mb=budgets,
+        peak_of=PEAK_OF[cfg.device],
+    )
     return summarize({"meta": meta, "rounds": rounds}, cfg)
 
 
@@ -734,7 +724,7 @@ def format_report(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _check(result: dict[str, Any]) -> None:
+def check(result: dict[str, Any]) -> None:
     for name, row in result["summary"].items():
         if "error" not in row and not row["median_step_s"] > 0:
             raise ConfigError(f"bench memory: {name} measured a zero step time")
@@ -747,3 +737,26 @@ def parse_budgets(text: str) -> tuple[float, ...]:
         return tuple(float(part) for part in text.split(",") if part.strip())
     except ValueError:
         raise ConfigError(f"--budgets: expected fractions like 0.5,0.3, got {text!r}") from None
+
+
+def add_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--budgets", default="0.75,0.5,0.3", help="phalanx budgets, fractions of the unmanaged peak"
+    )
+
+
+def budgets_from_flags(args: argparse.Namespace) -> dict[str, Any]:
+    return {"budgets": parse_budgets(args.budgets)}
+
+
+common.register(
+    "memory-layers",
+    "in-process: offload/recompute plan vs checkpoint, save_on_cpu",
+    MemoryBenchConfig,
+    run_benchmark,
+    check,
+    format_report,
+    skip=("budgets", "fresh_processes"),
+    flags=add_flags,
+    from_flags=budgets_from_flags,
+)

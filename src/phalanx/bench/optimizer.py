@@ -44,21 +44,19 @@ from typing import Any
 import torch
 from torch import nn
 
-from phalanx.bench import machine_meta
-from phalanx.bench.memory import (
+from phalanx import bench as common
+from phalanx.bench.memory_layers import (
     LOSS_RTOL,
     _Allocator,
-    _allocator_env,
     check_device,
-    relative_diff,
-    synchronize,
+    in_fresh_process,
+    relative_diff,  # fmt: skip
 )
 from phalanx.errors import ConfigError
 from phalanx.fields import option
 from phalanx.memory import measure
 from phalanx.memory.manager import MemoryConfig, MemoryManager
 from phalanx.memory.tiers import TierConfig
-from phalanx.runtime.context import RuntimeConfig
 
 VARIANTS = ("device", "host", "mirror")
 # each variant's [memory] optimizer: host is "stream" (state in the tier between steps), which
@@ -71,7 +69,7 @@ PEAK_OF = {  # what a run's peak_bytes is, per device type (recorded in the JSON
 }
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class OptimizerBenchConfig:
     """One ``phalanx bench optimizer`` run (recorded in the JSON)."""
 
@@ -88,14 +86,8 @@ class OptimizerBenchConfig:
     device: str = option("cpu", "where the model trains and the peak is measured: cpu or cuda")
     timeout_s: float = option(600.0, "seconds per measuring process")
 
-    @property
-    def nproc(self) -> int:
-        return 1
-
     def validate(self) -> None:
-        for key in ("width", "layers", "batch_size", "rounds", "steps", "peak_steps"):
-            if getattr(self, key) < 1:
-                raise ConfigError(f"--{key.replace('_', '-')}: must be >= 1")
+        common.at_least(self, 1, "width", "layers", "batch_size", "rounds", "steps", "peak_steps")
         if self.chunk_mb <= 0:
             raise ConfigError(f"--chunk-mb: must be > 0, got {self.chunk_mb}")
         check_device(self.device)
@@ -121,7 +113,7 @@ def measure_variant(cfg: OptimizerBenchConfig, variant: str) -> dict[str, Any]:
     allocator.measuring()
     gc.collect()
     allocator.trim()
-    synchronize(device)
+    common.synchronize(device)
     before_model = measure.current_bytes(device)
     model = _model(cfg).to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
@@ -153,12 +145,12 @@ def measure_variant(cfg: OptimizerBenchConfig, variant: str) -> dict[str, Any]:
     step()
     gc.collect()
     allocator.trim()
-    synchronize(device)
+    common.synchronize(device)
     after_first = measure.current_bytes(device)
     reset = measure.reset_peak(device)
     for _ in range(cfg.peak_steps):
         step()
-    synchronize(device)
+    common.synchronize(device)
     peak = measure.peak_bytes(device)
     # Phase 2: the time.
     allocator.reuse()
@@ -166,10 +158,10 @@ def measure_variant(cfg: OptimizerBenchConfig, variant: str) -> dict[str, Any]:
         step()
     times = []
     for _ in range(cfg.steps):
-        synchronize(device)
+        common.synchronize(device)
         start = time.perf_counter()
         step()
-        synchronize(device)  # a GPU's step is done when its queued kernels are
+        common.synchronize(device)  # a GPU's step is done when its queued kernels are
         times.append(time.perf_counter() - start)
     held = "rss" if cpu else "device"
     out = {
@@ -194,33 +186,19 @@ def measure_variant(cfg: OptimizerBenchConfig, variant: str) -> dict[str, Any]:
     return out
 
 
-def _worker(ctx: Any, cfg: OptimizerBenchConfig, variant: str) -> dict[str, Any]:
-    return measure_variant(cfg, variant)
-
-
 def run_benchmark(cfg: OptimizerBenchConfig) -> dict[str, Any]:
-    from phalanx.runtime.spawn import run_ranks
-
-    cfg.validate()
     started = time.perf_counter()
-    runtime = RuntimeConfig(threads=cfg.threads, timeout_s=cfg.timeout_s)
     rounds = []
     for r in range(cfg.rounds):
         order = list(VARIANTS) if r % 2 == 0 else list(reversed(VARIANTS))
-        measured = {}
-        for variant in order:
-            with _allocator_env(enabled=cfg.device == "cpu"):
-                measured[variant] = run_ranks(
-                    _worker, 1, cfg, variant, timeout=cfg.timeout_s, runtime=runtime
-                )[0]
+        measured = {v: in_fresh_process(measure_variant, cfg, v) for v in order}
         rounds.append({"order": order, "variants": measured})
-    meta = {
-        **machine_meta(),
-        "wall_s": time.perf_counter() - started,
-        "config": asdict(cfg),
-        "model": f"MLP: {cfg.layers} x Linear({cfg.width}, {cfg.width}) + tanh, Adam",
-        "peak_of": PEAK_OF[cfg.device],
-    }
+    meta = common.machine_meta(
+        wall_s=time.perf_counter() - started,
+        config=asdict(cfg),
+        model=f"MLP: {cfg.layers} x Linear({cfg.width}, {cfg.width}) + tanh, Adam",
+        peak_of=PEAK_OF[cfg.device],
+    )
     return {"meta": meta, "rounds": rounds, "summary": summarize(rounds, cfg.device)}
 
 
@@ -318,10 +296,20 @@ def format_report(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _check(result: dict[str, Any]) -> None:
+def check(result: dict[str, Any]) -> None:
     summary = result["summary"]
     for variant, agree in summary.get("losses_agree", summary["losses_equal"]).items():
         if not agree:
             raise ConfigError(
                 f"bench optimizer: the {variant} optimizer's losses differ from torch's"
             )
+
+
+common.register(
+    "optimizer",
+    "optimizer state in memory vs in the spill file",
+    OptimizerBenchConfig,
+    run_benchmark,
+    check,
+    format_report,
+)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 import phalanx as px
-from phalanx.bench import machine_meta
+from phalanx import bench as common
 from phalanx.errors import ConfigError
 from phalanx.exchange.comm import global_rank
 from phalanx.fields import ConfigValueError, option
@@ -46,7 +46,7 @@ from phalanx.runtime.context import RuntimeConfig
 VOCAB = 97
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class PipelineBenchConfig:
     """One ``phalanx bench pipeline`` run (picklable: sent to the workers)."""
 
@@ -65,12 +65,9 @@ class PipelineBenchConfig:
     steps: int = option(4, "consecutive steps per block")
     seed: int = option(0, "weight seed")
     threads: int = option(1, "intra-op threads per process")
-    extra: dict = field(default_factory=dict)
 
     def validate(self) -> None:
-        for key in ("nproc", "batch_size", "seq_len", "dim", "num_blocks", "rounds", "steps"):
-            if getattr(self, key) < 1:
-                raise ConfigError(f"--{key.replace('_', '-')}: must be >= 1")
+        common.at_least(self, 1, "batch_size", "seq_len", "dim", "num_blocks", "rounds", "steps")
         if self.nproc < 2:
             raise ConfigError("--nproc: a pipeline needs at least 2 processes")
         for name in self.schedules:
@@ -174,12 +171,12 @@ def _measure(
     for i in range(cfg.rounds):  # blocks of consecutive steps, alternating which side goes
         first_ours = i % 2 == 0  # first, so drifts in the machine's speed hit both alike
         if not first_ours:
-            theirs.append(_timed(ctx, their_block))
-        elapsed = _timed(ctx, our_block)
+            theirs.append(common.slowest_s(ctx, their_block))
+        elapsed = common.slowest_s(ctx, our_block)
         ours.append(elapsed / cfg.steps)
         bubbles.append(_mean_over_ranks(ctx, 1.0 - our_busy[-1] / elapsed))
         if first_ours:
-            theirs.append(_timed(ctx, their_block))
+            theirs.append(common.slowest_s(ctx, their_block))
     theirs = [t / cfg.steps for t in theirs]
     local = sum(p.numel() * p.element_size() for p in pipeline.local.parameters())
     total = sum(p.numel() * p.element_size() for layer in layers for p in layer.parameters())
@@ -208,18 +205,6 @@ def _measure(
         "transfer_share": transfer["seconds"] / step_s,
         "samples": {"phalanx_s": ours, "torch_s": theirs, "bubble": bubbles},
     }
-
-
-def _timed(ctx: Any, work: Any) -> float:
-    """Seconds of ``work`` on the slowest rank."""
-    dist.barrier(group=ctx.group)
-    start = time.perf_counter()
-    work()
-    if ctx.device.type == "cuda":
-        torch.cuda.synchronize(ctx.device)
-    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=ctx.device)
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=ctx.group)
-    return float(elapsed.item())
 
 
 PASS_LETTERS = {"forward": "F", "full": "B", "input": "I", "weight": "W"}
@@ -323,9 +308,9 @@ def run_benchmark(cfg: PipelineBenchConfig) -> dict[str, Any]:
     results = run_ranks(
         _worker, cfg.nproc, cfg, timeout=None, runtime=RuntimeConfig(threads=cfg.threads)
     )
-    meta = {**machine_meta(), "nproc": cfg.nproc, "wall_s": time.perf_counter() - start}
-    meta["model"] = f"GPT: {cfg.num_blocks} blocks, dim {cfg.dim}, seq {cfg.seq_len}"
-    meta["batch_size"] = cfg.batch_size
+    meta = common.machine_meta(nproc=cfg.nproc, wall_s=time.perf_counter() - start,
+                        model=f"GPT: {cfg.num_blocks} blocks, dim {cfg.dim}, seq {cfg.seq_len}",
+                        batch_size=cfg.batch_size)  # fmt: skip
     return {"meta": meta, "rows": results[0]["rows"]}
 
 
@@ -378,7 +363,17 @@ def _passes(pass_ms: dict[str, float]) -> str:
     return " ".join(f"{PASS_LETTERS.get(k, k)} {pass_ms[k]:.1f}" for k in order)
 
 
-def _check(result: dict[str, Any]) -> None:
+def check(result: dict[str, Any]) -> None:
     for r in result["rows"]:
         if "refused" not in r and not (r["phalanx_step_s"] > 0 and r["torch_step_s"] > 0):
             raise ConfigError("bench pipeline: a zero step time was measured")
+
+
+common.register(
+    "pipeline",
+    "pipeline schedules vs torch.distributed.pipelining",
+    PipelineBenchConfig,
+    run_benchmark,
+    check,
+    format_report,
+)

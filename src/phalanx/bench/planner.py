@@ -46,7 +46,7 @@ import torch.distributed as dist
 from torch import nn
 
 import phalanx as px
-from phalanx.bench import machine_meta
+from phalanx import bench as common
 from phalanx.bench.planner_validation import (
     check_validation,
     format_validation,
@@ -73,7 +73,7 @@ NO_ORACLE = {"fsdp": "no buckets whose measured compute could feed the oracle"}
 TARGET = 0.10  # |predicted / measured - 1| at 2 processes (issue 13)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class PlannerBenchConfig:
     """One ``phalanx bench planner`` run (picklable: sent to the workers)."""
 
@@ -117,9 +117,7 @@ class PlannerBenchConfig:
             raise ConfigError("--steps: at least 3 timed steps")
         if self.blocks < 1:
             raise ConfigError("--blocks: at least 1 timed block per cell")
-        for name in self.models:
-            if name not in MODELS:
-                raise ConfigError(f"--models: unknown model {name!r}; known: {', '.join(MODELS)}")
+        common.known("--models", self.models, MODELS, what="model ")
         for t in self.thresholds:
             if t != "auto" and not _is_positive_number(t):
                 raise ConfigError(f"--thresholds: {t!r} is neither 'auto' nor a size in MiB")
@@ -433,7 +431,6 @@ def _on_compute_stream(event: dict[str, Any]) -> bool:
 def run_benchmark(cfg: PlannerBenchConfig) -> dict[str, Any]:
     from phalanx.runtime.spawn import run_ranks
 
-    cfg.validate()
     if cfg.config:  # predicted before the run, measured as users run it
         return run_validation(cfg)
     started = time.perf_counter()
@@ -443,7 +440,7 @@ def run_benchmark(cfg: PlannerBenchConfig) -> dict[str, Any]:
         rows += run_ranks(_worker, cfg.nproc, cfg, name, timeout=900 * cfg.blocks, runtime=runtime)[
             0
         ]
-    meta = {**machine_meta(), "wall_s": time.perf_counter() - started, "config": asdict(cfg)}
+    meta = common.machine_meta(wall_s=time.perf_counter() - started, config=asdict(cfg))
     return {"meta": meta, "rows": rows}
 
 
@@ -473,7 +470,7 @@ def format_report(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _check(result: dict[str, Any]) -> None:
+def check(result: dict[str, Any]) -> None:
     if "halves" in result:
         return check_validation(result)
     blocks = [b for r in result["rows"] for b in r["blocks"]]
@@ -481,5 +478,11 @@ def _check(result: dict[str, Any]) -> None:
         raise ConfigError("bench planner: a zero step time was measured or predicted")
 
 
-def _names(text: str) -> tuple[str, ...]:
-    return tuple(s.strip() for s in text.split(",") if s.strip())
+common.register(
+    "planner",
+    "the planner's predicted step time vs measured here",
+    PlannerBenchConfig,
+    run_benchmark,
+    check,
+    format_report,
+)

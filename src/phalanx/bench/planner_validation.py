@@ -43,7 +43,6 @@ before the cells it predicts run (the oracle mode, ``phalanx bench planner`` wit
 
 from __future__ import annotations
 
-import json
 import statistics
 import subprocess
 import sys
@@ -53,7 +52,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from phalanx.bench import machine_meta
+from phalanx import bench as common
 from phalanx.config import load_config
 from phalanx.errors import ConfigError
 from phalanx.planner.calibrate import load_or_calibrate, slowdown_now
@@ -153,22 +152,17 @@ def _predicted_cells(
 def measure(cfg: Any, cell: Cell, run_dir: Path) -> float | str:
     """Phase 3: one ``phalanx train`` process of the cell; its measured step (seconds), or
     what it failed with: the last ``FAILURE_LINES`` lines of its output, the one line last."""
-    command = [sys.executable, "-m", "phalanx", "train", cell.config, "--run-dir", str(run_dir),
-               "--nproc", str(cell.world)]  # fmt: skip
     sets = [f"train.steps={cfg.train_steps}", "train.progress=false", "train.val_every=0",
             "checkpoint.every=0", *cell.sets()]  # fmt: skip
-    for item in sets:
-        command += ["--set", item]
+    command = [*common.train_command(cell.config, run_dir, sets), "--nproc", str(cell.world)]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=cfg.timeout_s)
     except subprocess.TimeoutExpired:
         return f"no result in {cfg.timeout_s:.0f} s"
-    metrics = run_dir / "metrics.jsonl"
-    if done.returncode != 0 or not metrics.is_file():
+    if done.returncode != 0 or not (run_dir / "metrics.jsonl").is_file():
         lines = (done.stdout + done.stderr).strip().splitlines()
         return "\n".join(lines[-FAILURE_LINES:]) if lines else f"exit {done.returncode}"
-    times = [json.loads(line)["time_s"] for line in metrics.read_text().splitlines() if line]
-    return measured_step_s(times)
+    return measured_step_s(common.step_times(run_dir))
 
 
 def run_validation(cfg: Any) -> dict[str, Any]:
@@ -209,7 +203,7 @@ def run_validation(cfg: Any) -> dict[str, Any]:
     rows = [_row(cell, rounds[cell.key()], failed.get(cell.key()), cached[cell.key()])
             for group in cells.values() for cell in group]  # fmt: skip
     meta = {
-        **machine_meta(),
+        **common.machine_meta(),
         "wall_s": time.perf_counter() - started,
         "mode": "validation (predicted before the run)",
         "calibration": f"{calibration.host}, measured {calibration.measured_at[:16]} UTC",

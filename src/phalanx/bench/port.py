@@ -20,6 +20,7 @@ per-round ratios (to ``ddp``; to ``plain``).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -29,15 +30,14 @@ import torch
 from torch import nn
 
 import phalanx as px
-from phalanx.bench import machine_meta
-from phalanx.errors import ConfigError
+from phalanx import bench as common
 from phalanx.fields import option
 
 MULTI = ("ddp", "allreduce", "partitioned")
 SINGLE = ("plain", "engine")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class PortBenchConfig:
     """Everything one ``phalanx bench port`` run needs (sent to the ranks)."""
 
@@ -56,9 +56,8 @@ class PortBenchConfig:
     single_steps: int = option(6, "steps per round and contender in the world of one")
 
     def validate(self) -> None:
-        for key, value in asdict(self).items():
-            if value < (0 if key == "warmup" else 1):
-                raise ConfigError(f"--{key.replace('_', '-')}: must be >= 1, got {value}")
+        common.at_least(self, 1, *(k for k in asdict(self) if k != "warmup"))
+        common.at_least(self, 0, "warmup")
 
 
 class GPT(nn.Module):
@@ -134,18 +133,15 @@ def _batch(cfg: PortBenchConfig, step: int, rank: int) -> tuple[torch.Tensor, to
 
 def _timed(ctx: Any, contender: _Contender, cfg: PortBenchConfig, first: int) -> float:
     """Seconds for ``cfg.steps`` steps, the slowest rank's, between barriers."""
-    import torch.distributed as dist
-
     batches = [_batch(cfg, first + s, ctx.rank) for s in range(cfg.steps)]
-    dist.barrier(group=ctx.group)
-    start = time.perf_counter()
-    for s, (idx, targets) in enumerate(batches):
-        contender.step(first + s, idx, targets)
-    if contender.engine is not None:  # the last step's send-back is this contender's work
-        contender.engine.sync()
-    seconds = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-    dist.all_reduce(seconds, op=dist.ReduceOp.MAX, group=ctx.group)
-    return float(seconds.item())
+
+    def steps() -> None:
+        for s, (idx, targets) in enumerate(batches):
+            contender.step(first + s, idx, targets)
+        if contender.engine is not None:  # the last step's send-back is this contender's work
+            contender.engine.sync()
+
+    return common.slowest_s(ctx, steps)
 
 
 def _race(ctx: Any, cfg: PortBenchConfig, kinds: tuple[str, ...]) -> dict:
@@ -157,8 +153,7 @@ def _race(ctx: Any, cfg: PortBenchConfig, kinds: tuple[str, ...]) -> dict:
             contender.step(s, *_batch(cfg, s, ctx.rank))
     seconds: dict[str, list[float]] = {k: [] for k in kinds}
     for r in range(cfg.rounds):
-        order = kinds[r % len(kinds) :] + kinds[: r % len(kinds)]
-        for k in order:
+        for k in common.rotate(kinds, r):
             seconds[k].append(_timed(ctx, contenders[k], cfg, cfg.warmup + r * cfg.steps))
     for contender in contenders.values():
         if contender.engine is not None:
@@ -167,8 +162,6 @@ def _race(ctx: Any, cfg: PortBenchConfig, kinds: tuple[str, ...]) -> dict:
 
 
 def _in_ranks(ctx: Any, cfg: PortBenchConfig) -> dict:
-    import dataclasses
-
     import torch.distributed as dist
 
     multi = _race(ctx, cfg, MULTI)
@@ -195,18 +188,13 @@ def run_benchmark(cfg: PortBenchConfig) -> dict[str, Any]:
             "tokens_per_s": statistics.median(tokens / s for s in samples),
         }
     for kind, base in [(k, "ddp") for k in MULTI[1:]] + [("engine", "plain")]:
-        ratios = [b / s for s, b in zip(seconds[kind], seconds[base])]
-        rows[kind][f"vs_{base}"] = statistics.median(ratios)
-        # the per-round ratios' interquartile range: how far this VM's noise reaches
-        quartiles = (
-            statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else ratios * 3
-        )
-        rows[kind]["ratio_iqr"] = (quartiles[0], quartiles[-1])
-    meta = {**machine_meta(), "wall_s": time.perf_counter() - started, "config": asdict(cfg)}
+        rows[kind][f"vs_{base}"] = common.median_ratio(seconds[base], seconds[kind])
+        rows[kind]["ratio_iqr"] = common.ratio_iqr(seconds[base], seconds[kind])
+    meta = common.machine_meta(wall_s=time.perf_counter() - started, config=asdict(cfg))
     return {"meta": meta, "rows": rows}
 
 
-def _check(result: dict[str, Any]) -> None:
+def check(result: dict[str, Any]) -> None:
     if not all(r["tokens_per_s"] > 0 for r in result["rows"].values()):
         raise RuntimeError("a contender measured no throughput")
 
@@ -227,3 +215,13 @@ def format_table(result: dict[str, Any]) -> str:
         iqr = "{:.3f}-{:.3f}".format(*row["ratio_iqr"]) if "ratio_iqr" in row else ""
         lines.append(f"{kind:<12} {procs:>9} {row['tokens_per_s']:>10.0f} {ratio:>16} {iqr:>13}")
     return "\n".join(lines)
+
+
+common.register(
+    "port",
+    "a user's GPT script: DDP vs Engine",
+    PortBenchConfig,
+    run_benchmark,
+    check,
+    format_table,
+)

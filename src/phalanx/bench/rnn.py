@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 import statistics
 import time
 from collections.abc import Callable
@@ -32,10 +31,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from phalanx.bench import machine_meta
+from phalanx import bench as common
 from phalanx.data import DataConfig, load_source
 from phalanx.engine import Engine
-from phalanx.errors import ConfigError, WorkerError
+from phalanx.errors import WorkerError
 from phalanx.fields import option
 from phalanx.models.layers import build_layers
 from phalanx.runtime.pool import WorkerPool, current_worker
@@ -45,7 +44,7 @@ CONTENDERS = ("single", "ddp", "phalanx", "pool")
 IN_WORKER = ("ddp", "phalanx")  # timed inside the workers between barriers
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RnnBenchConfig:
     """Everything one ``phalanx bench rnn`` run needs (sent to the workers)."""
 
@@ -60,11 +59,10 @@ class RnnBenchConfig:
     seed: int = option(0, "weight seed")
 
     def validate(self) -> None:
-        for key in ("nproc", "embed", "hidden", "seq_len", "batch_size", "steps", "rounds"):
-            if getattr(self, key) < 1:
-                raise ConfigError(f"--{key.replace('_', '-')}: must be >= 1")
-        if self.warmup < 0:
-            raise ConfigError("--warmup: must be >= 0")
+        common.at_least(
+            self, 1, "nproc", "embed", "hidden", "seq_len", "batch_size", "steps", "rounds"
+        )
+        common.at_least(self, 0, "warmup")
 
     def layers(self, vocab: int) -> list[dict[str, Any]]:
         """The char LSTM of configs/char_lstm.toml: ids (B, T) -> logits (B, T, vocab)."""
@@ -133,11 +131,6 @@ def _setup(block: tuple[torch.Tensor, torch.Tensor], cfg: RnnBenchConfig, vocab:
     return sum(p.numel() for p in engine.module.parameters())
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _timed(name: str, steps: int, barrier: bool) -> dict[str, float]:
     """Run ``steps`` steps of contender ``name``; seconds (between barriers when parallel)."""
     worker = current_worker()
@@ -151,7 +144,7 @@ def _timed(name: str, steps: int, barrier: bool) -> dict[str, float]:
         step()
         if stat is not None:
             exchange.append(stat())
-    _sync(bench.device)
+    common.synchronize(bench.device)
     if barrier:
         worker.context.barrier()
     seconds = time.perf_counter() - start
@@ -170,7 +163,6 @@ def run_benchmark(cfg: RnnBenchConfig) -> dict[str, Any]:
     from phalanx.losses import loss_fn
     from phalanx.pool_training import PoolTrainConfig, PoolTrainer, split_blocks
 
-    cfg.validate()
     started = time.perf_counter()
     data = load_source(DataConfig(source="text", seq_len=cfg.seq_len, val_fraction=0.1))
     layers = cfg.layers(data.num_classes)
@@ -193,7 +185,13 @@ def run_benchmark(cfg: RnnBenchConfig) -> dict[str, Any]:
         pool.run(_teardown)
         trainer.close()
         devices = pool.devices
-    meta = _meta(cfg, devices, params, time.perf_counter() - started)
+    meta = common.machine_meta(
+        devices=devices,
+        params=params,
+        load_average=common.load_average(),
+        wall_s=time.perf_counter() - started,
+        config=asdict(cfg),
+    )
     return {"meta": meta, "contenders": summarize(rounds, cfg)}
 
 
@@ -240,17 +238,6 @@ def summarize(rounds: list[dict[str, dict[str, float]]], cfg: RnnBenchConfig) ->
     return out
 
 
-def _meta(cfg: RnnBenchConfig, devices: list[str], params: int, wall_s: float) -> dict[str, Any]:
-    return {
-        **machine_meta(),
-        "devices": devices,
-        "params": params,
-        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
-        "wall_s": wall_s,
-        "config": asdict(cfg),
-    }
-
-
 # -- output -------------------------------------------------------------------------------------
 def format_table(result: dict[str, Any]) -> str:
     m, c = result["meta"], result["meta"]["config"]
@@ -260,9 +247,8 @@ def format_table(result: dict[str, Any]) -> str:
         f" batch/process {c['batch_size']} x {c['seq_len']} tokens | {c['steps']} steps x "
         f"{c['rounds']} rounds"
     )
-    cols = ["contender", "procs", "tokens/s", "per-round range", "vs 1 process", "vs DDP"]
-    cols.append("exch ms/step")
-    rows = [cols]
+    rows = [["contender", "procs", "tokens/s", "per-round range", "vs 1 process", "vs DDP",
+             "exch ms/step"]]  # fmt: skip
     for name, r in result["contenders"].items():
         tps = r["tokens_per_s"]
         rows.append([
@@ -274,12 +260,20 @@ def format_table(result: dict[str, Any]) -> str:
             f"{r['median_vs_ddp']:.2f}x" if "median_vs_ddp" in r else "-",
             f"{r['median_exchange_s'] * 1e3:.2f}" if r["median_exchange_s"] else "-",
         ])  # fmt: skip
-    widths = [max(len(row[i]) for row in rows) for i in range(len(cols))]
-    lines = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows]
-    return "\n".join([header, *lines])
+    return "\n".join([header, *common.aligned(rows)])
 
 
-def _check_finite(result: dict[str, Any]) -> None:
+def check(result: dict[str, Any]) -> None:
     for name, r in result["contenders"].items():
         if not all(math.isfinite(v) and v > 0 for v in r["tokens_per_s"]):
             raise WorkerError(0, f"{name}: non-finite or zero tokens/s")
+
+
+common.register(
+    "rnn",
+    "LSTM tokens/s: DDP, Engine, WorkerPool",
+    RnnBenchConfig,
+    run_benchmark,
+    check,
+    format_table,
+)

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 import phalanx as px
-from phalanx.bench import machine_meta
+from phalanx import bench as common
 from phalanx.errors import ConfigError
 from phalanx.fields import option
 from phalanx.memory import measure
@@ -39,7 +39,7 @@ from phalanx.memory import measure
 CONTENDERS = ("ddp", "allreduce", "partitioned", "ps")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class StrategyMemoryConfig:
     """Everything one ``phalanx bench strategy-memory`` run needs (sent to the ranks)."""
 
@@ -53,9 +53,7 @@ class StrategyMemoryConfig:
     rounds: int = option(3, "runs per contender, fresh processes each, the order rotating")
 
     def validate(self) -> None:
-        for key, value in asdict(self).items():
-            if key != "contenders" and value < 1:
-                raise ConfigError(f"--{key.replace('_', '-')}: must be >= 1, got {value}")
+        common.at_least(self, 1, *(k for k in asdict(self) if k != "contenders"))
         unknown = sorted(set(self.contenders) - {"ddp", *px.STRATEGIES.names()})
         if unknown or not self.contenders:
             raise ConfigError(
@@ -167,8 +165,7 @@ def run_benchmark(cfg: StrategyMemoryConfig) -> dict[str, Any]:
     started = time.perf_counter()
     runs: dict[str, list[list[dict[str, float]]]] = {k: [] for k in cfg.contenders}
     for r in range(cfg.rounds):
-        shift = r % len(cfg.contenders)
-        for kind in cfg.contenders[shift:] + cfg.contenders[:shift]:
+        for kind in common.rotate(cfg.contenders, r):
             runs[kind].append(run_ranks(_run, cfg.nproc, cfg, kind, timeout=None))
     rows = {kind: _summary(rounds) for kind, rounds in runs.items()}
     if "ddp" in rows:
@@ -176,8 +173,9 @@ def run_benchmark(cfg: StrategyMemoryConfig) -> dict[str, Any]:
             row["vs_ddp"] = [a / b for a, b in zip(row["peak"], rows["ddp"]["peak"])]
             row["total_vs_ddp"] = [a / b for a, b in zip(row["total"], rows["ddp"]["total"])]
     params = runs[cfg.contenders[0]][0][0]["params"]
-    meta = {**machine_meta(), "wall_s": time.perf_counter() - started, "config": asdict(cfg),
-            "param_bytes": params}  # fmt: skip
+    meta = common.machine_meta(
+        wall_s=time.perf_counter() - started, config=asdict(cfg), param_bytes=params
+    )
     return {"meta": meta, "rows": rows, "runs": runs}
 
 
@@ -188,7 +186,7 @@ def _summary(rounds: list[list[dict[str, float]]]) -> dict[str, list[float]]:
     return {k: [statistics.median(run[r][k] for run in rounds) for r in ranks] for k in keys}
 
 
-def _check(result: dict[str, Any]) -> None:
+def check(result: dict[str, Any]) -> None:
     if not all(p > 0 for row in result["rows"].values() for p in row["peak"]):
         raise RuntimeError("a contender's peak could not be read (no /proc here?)")
 
@@ -214,3 +212,13 @@ def format_table(result: dict[str, Any]) -> str:
         lines.append(f"{kind:<12} {cells[0]:>12} {ratios[0]:>14} {cells[1]:>12} {ratios[1]:>14} "
                      f"{cells[2]:>12} {cells[3]:>12} {step_s:>7.2f}")  # fmt: skip
     return "\n".join(lines)
+
+
+common.register(
+    "strategy-memory",
+    "a user's ResNet-18 script: peak RSS per rank, DDP vs each strategy",
+    StrategyMemoryConfig,
+    run_benchmark,
+    check,
+    format_table,
+)

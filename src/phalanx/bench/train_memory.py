@@ -31,14 +31,13 @@ import os
 import re
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from phalanx.bench import machine_meta
+from phalanx import bench as common
 from phalanx.config import load_config
 from phalanx.errors import ConfigError
 from phalanx.fields import option
@@ -72,7 +71,7 @@ HELD_OUT = {
 }
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TrainMemoryBenchConfig:
     """Everything one ``phalanx bench memory`` run uses (recorded in the JSON)."""
 
@@ -82,10 +81,6 @@ class TrainMemoryBenchConfig:
     steps: int = option(6, "training steps per process")
     warmup: int = option(2, "of them, not timed (the first allocates the optimizer state)")
     timeout_s: float = option(900.0, "seconds per process")
-
-    @property
-    def nproc(self) -> int:
-        return 1  # one process at a time
 
     def validate(self) -> None:
         if self.rounds < 1 or self.steps < 1 or self.warmup < 0:
@@ -109,9 +104,8 @@ def run_train(
     config: Path, run_dir: Path, sets: list[str], cfg: TrainMemoryBenchConfig
 ) -> dict[str, Any]:
     """One ``phalanx train`` process; its peaks, step times and plan, or {"error": line}."""
-    command = [sys.executable, "-m", "phalanx", "train", str(config), "--run-dir", str(run_dir)]
-    for item in ["train.progress=false", f"train.steps={cfg.steps}", "checkpoint.every=0", *sets]:
-        command += ["--set", item]
+    sets = ["train.progress=false", f"train.steps={cfg.steps}", "checkpoint.every=0", *sets]
+    command = common.train_command(config, run_dir, sets)
     log = run_dir.parent / f"{run_dir.name}.log"  # (with_suffix would cut "phalanx@0.75")
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "wb") as out:
@@ -119,11 +113,9 @@ def run_train(
         status, usage = _wait(proc, cfg.timeout_s)
     text = log.read_text(errors="replace")
     if status != 0:
-        lines = [line for line in text.splitlines() if line.strip()]
-        return {"error": lines[-1] if lines else f"exit status {status}"}
+        return {"error": common.last_line(text, status)}
     summary = json.loads((run_dir / "summary.json").read_text())
-    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    times = [r["time_s"] for r in records[cfg.warmup :]]
+    times = common.step_times(run_dir)[cfg.warmup :]
     start = summary["memory_start_mb"]
     found = re.search(r"memory plan: predicted peak ([0-9.]+) MiB", text)
     return {
@@ -171,7 +163,7 @@ def run_benchmark(cfg: TrainMemoryBenchConfig) -> dict[str, Any]:
                 (root / f"{name}.toml").write_text(text)
                 configs[name] = root / f"{name}.toml"
         models = {name: _measure_model(cfg, path, root / name) for name, path in configs.items()}
-    meta = {**machine_meta(), "config": asdict(cfg), "wall_s": time.perf_counter() - started}
+    meta = common.machine_meta(config=asdict(cfg), wall_s=time.perf_counter() - started)
     return {"meta": meta, "models": models}
 
 
@@ -181,7 +173,7 @@ def _measure_model(cfg: TrainMemoryBenchConfig, config: Path, root: Path) -> dic
     rounds: list[dict[str, Any]] = []
     unmanaged: float | None = None
     for k in range(cfg.rounds):
-        order = variants[k % len(variants) :] + variants[: k % len(variants)]
+        order = common.rotate(variants, k)
         if unmanaged is None:  # round 0 measures none first: the budgets are fractions of it
             order = ["none", *(v for v in order if v != "none")]
         runs: dict[str, Any] = {}
@@ -298,3 +290,13 @@ def format_report(result: dict[str, Any]) -> str:
         lines += targets(model)
         lines.append("")
     return "\n".join(lines)
+
+
+common.register(
+    "memory",
+    "phalanx train processes: budgets vs none and full recomputation",
+    TrainMemoryBenchConfig,
+    run_benchmark,
+    check,
+    format_report,
+)

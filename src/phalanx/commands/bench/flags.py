@@ -8,13 +8,13 @@ import argparse
 import dataclasses
 import types
 import typing
-from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
-from phalanx.bench import run_and_report
+from phalanx.bench import Bench, Config
 from phalanx.errors import ConfigError
 
 C = TypeVar("C")
+B = TypeVar("B", bound=Config)
 SCALARS = (int, float, str)
 
 
@@ -42,12 +42,15 @@ def _kind(hint: Any) -> tuple[str, type] | None:
 def add_config_flags(p: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = ()) -> None:
     """One flag per field of dataclass ``cls`` (except ``skip`` and fields no flag can carry),
     then ``--json`` and ``--debug``."""
-    defaults, hints = cls(), typing.get_type_hints(cls)
+    hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         kind = _kind(hints[f.name])
         if f.name in skip or kind is None:
             continue
-        default = getattr(defaults, f.name)
+        # from the field, not from cls(): a config checks its defaults' files when built
+        default: Any = (
+            f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+        )
         doc = f.metadata.get("doc", "")
         if kind[0] == "bool":
             # a field that is on by default is turned off by --no-NAME, and the reverse
@@ -93,24 +96,9 @@ def config_from_flags(cls: type[C], args: argparse.Namespace, **given: Any) -> C
     return cls(**values)
 
 
-def add_plain_target(
-    targets: argparse._SubParsersAction,
-    name: str,
-    help: str,
-    cls: type,
-    run: Callable[[Any], dict[str, Any]],
-    check: Callable[[dict[str, Any]], None],
-    report: Callable[[dict[str, Any]], str],
-) -> None:
-    """``phalanx bench NAME`` for a bench whose flags are exactly its config's fields: build
-    the config from them, run, check, print and write ``--json`` (``run_and_report``)."""
-
-    def handler(args: argparse.Namespace) -> int:
-        return run_and_report(config_from_flags(cls, args), run, check, report, args.json)
-
-    p = targets.add_parser(name, help=help)
-    add_config_flags(p, cls)
-    p.set_defaults(handler=handler)
+def config_from_args(bench: Bench[B], args: argparse.Namespace) -> B:
+    """``bench``'s config from its parsed flags, its own flags' values (``from_flags``) too."""
+    return config_from_flags(bench.config, args, **bench.from_flags(args))
 
 
 def _parse(kind: type, text: str, name: str) -> Any:
