@@ -89,16 +89,8 @@ logger = logging.getLogger("phalanx")
 
 
 def hold_until_shutdown(works: Iterable[Any]) -> None:
-    """Keep backend ``Work`` objects until the process groups that ran them are destroyed.
-
-    Why: a Gloo worker thread drops its reference to a collective's Work a moment *after*
-    completing it. When that is the last reference, destroying the Work may need the GIL (its
-    captured thread-local state holds Python objects: inside backward, the autograd engine's
-    ``contextvars`` context). If the interpreter is finalizing by then, CPython ends the
-    thread with ``pthread_exit``, whose unwinding through the C++ thread's ``noexcept`` frame
-    calls ``std::terminate``: "terminate called without an active exception", SIGABRT, after
-    training finished. Strategies hand their last works here so the Python side keeps the last
-    reference; ``shutdown`` releases them after the worker threads are joined
+    """Keep backend ``Work`` objects until the process groups that ran them are destroyed: a
+    Gloo thread dropping the last reference during interpreter finalization aborts the process
     (docs/reliability.md, "Exit")."""
     _HELD_WORKS.extend(works)
 
@@ -128,12 +120,8 @@ def init(
     rank: int | None = None,
     world_size: int | None = None,
 ) -> Context:
-    """Join the process group and bind this process's device.
-
-    Reads RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT as set by ``phalanx train``,
-    ``torchrun`` or any launcher; without them (and without ``init_method``) runs as a world of
-    one. Calling it again returns the existing Context.
-    """
+    """Join the process group (a launcher's RANK, WORLD_SIZE, ... or a world of one) and bind
+    this process's device; calling it again returns the existing Context."""
     global _CONTEXT
     if _CONTEXT is not None:
         return _CONTEXT
@@ -150,29 +138,15 @@ def init(
     group = dist.group.WORLD
     assert group is not None
     _run_shutdown_on_destroy()
-    _CONTEXT = Context(
-        rank=dist.get_rank(),
-        world_size=dist.get_world_size(),
-        local_rank=local_rank,
-        device=device,
-        backend=dist.get_backend(),
-        group=group,
-    )
+    rank, world = dist.get_rank(), dist.get_world_size()
+    _CONTEXT = Context(rank, world, local_rank, device, dist.get_backend(), group)
     atexit.register(shutdown)
     return _CONTEXT
 
 
 def shutdown() -> None:
-    """Close what uses the group (newest first), then destroy the groups (idempotent); runs at
-    interpreter exit, so a script that never calls it still exits cleanly.
-
-      Phase 1 (teardowns): Engines wait for their pending exchanges and stop their threads.
-      Phase 2 (groups): every process group is destroyed and the Context lets go of its group;
-        default arguments that captured a group (torch.distributed.nn.functional does, when it
-        is imported after init) let go too, so the backend's worker threads are joined now,
-        while the interpreter is fully alive, not during its finalization.
-      Phase 3 (held works): released once no group that ran them is left (else kept for the
-        life of the process: a worker thread must never drop the last reference)."""
+    """Teardowns (newest first), then every process group, then the held works (idempotent;
+    at exit too): the backend's threads are joined while the interpreter is fully alive."""
     global _CONTEXT
     while _TEARDOWNS:
         teardown = _TEARDOWNS.pop()
@@ -197,16 +171,9 @@ _ORIGINAL_DESTROY: Callable[..., None] | None = None
 
 
 def _run_shutdown_on_destroy() -> None:
-    """Make a script's own ``dist.destroy_process_group()`` (the DDP tutorial's last line) run
-    ``shutdown()``: the Engines' teardowns first, then the groups.
-
-    Why: without it, a rank that destroys its group while another still reads the model
-    (rank 0 saving) breaks that rank's pending exchange ("Connection closed by peer"), and
-    phalanx's own teardown at exit meets a group torch no longer knows. torch offers no hook
-    on destruction, so the function's code is replaced in place: a reference the script
-    imported before phalanx (``from torch.distributed import destroy_process_group``) is the
-    same function object and calls it too. Where torch's function has another shape, it is
-    left alone (then call ``phalanx.shutdown()`` first, as docs/porting.md says)."""
+    """Make a script's own ``dist.destroy_process_group()`` run ``shutdown()`` (else a pending
+    exchange breaks). torch has no hook, so the function's code is replaced in place: a
+    reference imported earlier is the same object. Another shape is left alone."""
     global _ORIGINAL_DESTROY
     from torch.distributed import distributed_c10d as c10d
 
@@ -264,15 +231,9 @@ def _alive(groups: list[weakref.ref]) -> list[Any]:
 
 
 def _forget_captured_groups(groups: list[weakref.ref]) -> None:
-    """Replace destroyed groups captured as default arguments of module-level functions.
-
-    Why: ``def f(group=dist.group.WORLD)`` evaluated after init keeps the world group for the
-    life of the process (torch.distributed.nn.functional does this when torch._dynamo first
-    imports it, e.g. at the first optimizer step). Its Gloo worker threads then live into
-    interpreter finalization, where one that drops the last reference to a finished collective
-    (its tensors need the GIL) aborts the process. A destroyed group cannot run anything, so
-    ``None`` (the default group) loses nothing. No gc referrer search finds these: a defaults
-    tuple that holds only a group is not tracked by the collector."""
+    """Replace destroyed groups captured as default arguments of module-level functions with
+    None (docs/reliability.md): torch.distributed.nn.functional's would keep Gloo's threads
+    into finalization. gc's referrers miss them (such a tuple is untracked)."""
     gc.collect()  # groups held only by reference cycles (closed Engines) go now
     alive = _alive(groups)
     if not alive:
@@ -323,17 +284,13 @@ def _pick_backend(name: str, device: torch.device) -> str:
 
 
 def _join_group(
-    backend: str,
-    timeout_s: float,
-    init_method: str | None,
-    rank: int | None,
-    world_size: int | None,
+    backend: str, timeout_s: float, init_method: str | None, rank: int | None, world: int | None
 ) -> None:
     timeout = datetime.timedelta(seconds=timeout_s)
     if init_method is not None:
-        assert rank is not None and world_size is not None, "init_method needs rank and world_size"
+        assert rank is not None and world is not None, "init_method needs rank and world_size"
         dist.init_process_group(
-            backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timeout
+            backend, init_method=init_method, rank=rank, world_size=world, timeout=timeout
         )
     elif _restarted_under_agent():
         _join_restarted_group(backend, timeout)
@@ -352,23 +309,11 @@ def _restarted_under_agent() -> bool:
 
 
 def _join_restarted_group(backend: str, timeout: datetime.timedelta) -> None:
-    """Join through the agent's store under a prefix of this attempt. The static rendezvous
-    keeps one store across restarts while ``env://`` adds no per-attempt prefix, so without
-    one a restarted rank can read the addresses its peers published before the restart and
-    fail to connect to ports nobody listens on any more."""
+    """Join through the agent's store under a prefix of this attempt: the store outlives
+    restarts, and without one a rank could read its peers' addresses from before."""
     attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    store = dist.TCPStore(
-        os.environ["MASTER_ADDR"],
-        int(os.environ["MASTER_PORT"]),
-        world_size,
-        is_master=False,
-        timeout=timeout,
-    )
-    dist.init_process_group(
-        backend,
-        store=dist.PrefixStore(f"phalanx/attempt_{attempt}", store),
-        rank=rank,
-        world_size=world_size,
-        timeout=timeout,
-    )
+    address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    shared = dist.TCPStore(address, port, world_size, is_master=False, timeout=timeout)
+    store = dist.PrefixStore(f"phalanx/attempt_{attempt}", shared)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)

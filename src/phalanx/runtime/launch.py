@@ -57,15 +57,8 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def launch(spec: LaunchSpec, python_args: list[str]) -> None:
     """Run ``python -u *python_args`` in spec.nproc workers on this node; wait for all.
-
-    ``python_args`` is e.g. ``["-m", "phalanx", "train", "cfg.toml"]`` or a script and its args.
-
-    Raises WorkerError naming the rank that caused the failure and why (a signal by name);
-    the launcher stops the remaining workers when one fails, so nothing waits for a dead peer.
-    With ``spec.max_restarts`` the group is restarted instead, that many times at most.
-    Raises Interrupted when this process gets SIGINT, SIGTERM or SIGHUP: the workers receive
-    the same signal (and are killed if they outlive the elastic agent's grace period).
-    """
+    WorkerError names the rank that caused a failure (the others are stopped, or the group
+    restarted ``max_restarts`` times); Interrupted when this process is signalled."""
     import os
     import tempfile
 
@@ -116,13 +109,11 @@ def _grace_option(seconds: int) -> dict[str, Any]:
 
 
 def _quiet_elastic_loggers() -> None:
-    """Silence torch elastic's own warnings ("Received 2 death signal, ..."): phalanx prints
-    one line per outcome. Its modules set their loggers' levels themselves, so each needs it."""
+    """Silence torch elastic's own warnings: phalanx prints one line per outcome. Its modules
+    set their loggers' levels themselves, so each needs it."""
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     for name in list(logging.root.manager.loggerDict):
-        if name.startswith("torch.distributed.elastic") or name.startswith(
-            "torch.distributed.launcher"
-        ):
+        if name.startswith(("torch.distributed.elastic", "torch.distributed.launcher")):
             logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
@@ -147,12 +138,9 @@ LATE_KILL_S = 3
 
 
 def _root_cause(failures: dict[int, Any]) -> tuple[int, Any]:
-    """The failure to report, in this order: a rank a signal killed (not the launcher's own
-    stop signal: SIGKILL from the OOM killer, a segfault) unless another rank's own error came
-    well before it; a rank's own error before a lost peer or a stop signal; one that left an
-    error message before a bare exit code (a rank that lost its peer inside the backend often
-    exits without one); then the earliest (timestamps are whole seconds, so they often tie),
-    then the lowest rank."""
+    """The failure to report: a rank a signal killed (not the launcher's stop) unless another's
+    own error came well before; an own error before a lost peer or a stop; a message before a
+    bare exit code; then the earliest (whole seconds: they tie), then the lowest rank."""
     first_own = min((_timestamp(f) for f in failures.values() if _is_own_error(f)), default=None)
 
     def key(item: tuple[int, Any]) -> tuple[bool, bool, bool, int, int]:

@@ -1,25 +1,9 @@
 """WorkerPool (F15): a controller drives one persistent worker process per device through pipes.
 
-    with px.WorkerPool(2) as pool:
-        pool.run(build_model, 128)          # every worker, results in rank order
-        losses = pool.run(train, steps=50)  # state built by one call is used by the next
-
-Each worker is a fresh interpreter (``python -c ...``, started with ``subprocess``), so nothing of
-the controller's ``__main__`` is re-imported: the same code works in a notebook, a script or a
-REPL. Functions, classes and arguments travel by value with cloudpickle. The controller never
-touches CUDA; every worker binds its own device and all of them join one process group (Gloo or
-NCCL, rendezvous through a file in a private temporary directory), so ``phalanx.Engine`` and
-``torch.distributed`` collectives work inside the functions.
-
-Protocol: each worker has an input pipe and an output pipe (its stdout/stderr are separate and
-forwarded to the controller's, prefixed with the rank). A frame is an 8-byte little-endian length
-and a pickle. The worker loops: read a task (function, args, kwargs), run it, write the result or
-the exception (type, message, formatted traceback). A worker that dies closes its output pipe;
-the controller also polls exit codes, so a death is seen within ``POLL_S`` seconds.
-
-Per-worker state: inside a function sent to the pool, ``phalanx.current_worker()`` returns the
-worker's rank, world size, device, phalanx Context and ``state``, a ``SimpleNamespace`` that lives
-as long as the worker: ``current_worker().state.model = model`` in one call, used by the next.
+Each worker is a fresh interpreter (``python -c``), so nothing of the controller's ``__main__``
+is re-imported (notebooks work); functions travel by value with cloudpickle; the controller
+never touches CUDA. A frame is an 8-byte little-endian length and a pickle; a worker that dies
+closes its output pipe, and exit codes are polled every ``POLL_S``. docs/pool.md has the API.
 """
 
 from __future__ import annotations
@@ -41,7 +25,7 @@ import time
 import traceback
 import types
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -360,21 +344,10 @@ def _forward(stream: IO[bytes], rank: int, target: str) -> threading.Thread:
 class WorkerPool:
     """A controller and ``num_workers`` persistent worker processes, one per device (F15).
 
-    Args:
-        num_workers: worker processes (>= 1).
-        backend: "gloo", "nccl" or None (nccl on CUDA devices, else gloo).
-        device: "auto" (cuda:RANK when CUDA is available in the workers, else cpu), "cpu",
-            "cuda" (cuda:RANK), or explicit devices, one per worker: ["cuda:0", "cuda:2"].
-        threads: intra-op threads per CPU worker.
-        timeout_s: collective timeout inside the workers (a dead peer fails after it).
-        start_timeout_s: how long starting the workers (import, rendezvous) may take.
-        error_grace_s: after a worker raised, how long the others may take to finish; workers
-            still running then are presumed stuck in a collective and the pool is closed.
-
-    ``run``/``run_on``/``run_each`` block until the workers answered. An exception in a worker
-    is raised here as TaskError (rank, remote traceback); a dead worker as WorkerDied (rank,
-    exit code), after which the pool is closed. ``close()`` is idempotent and also runs when the
-    pool is garbage-collected and at interpreter exit.
+    ``device``: "auto", "cpu", "cuda" (cuda:RANK) or one per worker; ``error_grace_s``: after a
+    worker raised, how long the others may take before they are presumed stuck and the pool
+    closes. A worker's exception is raised as TaskError, a death as WorkerDied (the pool then
+    closes); ``close()`` is idempotent and also runs at garbage collection and exit.
     """
 
     def __init__(
@@ -500,12 +473,38 @@ class WorkerPool:
             h.busy = True
 
     def _collect(self, ranks: list[int], name: str) -> dict[int, bytes]:
-        """Read one reply per rank; detect deaths; after an error give the others
-        ``error_grace_s`` to answer, then close the pool (they are stuck in a collective)."""
-        pending = {self._state.handles[r].from_worker: self._state.handles[r] for r in ranks}
+        """Read one reply per rank; after an error give the others ``error_grace_s`` to
+        answer, then close the pool (they are stuck in a collective)."""
         replies: dict[int, bytes] = {}
         errors: dict[int, dict[str, Any]] = {}
-        deadline = float("inf")
+        deadline = [float("inf")]
+
+        def stuck(ranks: list[int]) -> BaseException:
+            self.close()
+            return _task_error(errors, stuck_ranks=ranks)
+
+        handles = [self._state.handles[r] for r in ranks]
+        for h, status, payload in self._replies(handles, name, deadline, stuck, errors):
+            if status == "ok":
+                replies[h.rank] = payload
+            else:
+                errors[h.rank] = payload
+                deadline[0] = min(deadline[0], time.monotonic() + self.error_grace_s)
+        if errors:
+            raise _task_error(errors)
+        return replies
+
+    def _replies(
+        self,
+        handles: list[_Handle],
+        name: str,
+        deadline: list[float],
+        late: Callable[[list[int]], BaseException],
+        errors: dict[int, dict[str, Any]] | None = None,
+    ) -> Iterator[tuple[_Handle, str, Any]]:
+        """Each worker's reply as it comes; a death raises WorkerDied, and workers still
+        pending past ``deadline[0]`` raise ``late(their ranks)``."""
+        pending = {h.from_worker: h for h in handles}
         while pending:
             ready, _, _ = select.select(list(pending), [], [], POLL_S)
             for pipe in ready:
@@ -514,22 +513,12 @@ class WorkerPool:
                 if frame is None:
                     raise self._death(h, name, errors)
                 h.busy = False
-                status, payload = pickle.loads(frame)
-                if status == "ok":
-                    replies[h.rank] = payload
-                else:
-                    errors[h.rank] = payload
-                    deadline = min(deadline, time.monotonic() + self.error_grace_s)
+                yield (h, *pickle.loads(frame))
             for h in list(pending.values()):
                 if h.proc.poll() is not None and not _readable(h.from_worker):
                     raise self._death(h, name, errors)
-            if pending and time.monotonic() > deadline:
-                stuck = sorted(h.rank for h in pending.values())
-                self.close()
-                raise _task_error(errors, stuck_ranks=stuck)
-        if errors:
-            raise _task_error(errors)
-        return replies
+            if pending and time.monotonic() > deadline[0]:
+                raise late(sorted(h.rank for h in pending.values()))
 
     def _death(
         self, h: _Handle, name: str, errors: dict[int, dict[str, Any]] | None = None
@@ -550,25 +539,15 @@ class WorkerPool:
 
     def _wait_ready(self, timeout_s: float) -> None:
         """Each worker answers "ready" after joining the group, or its start-up error."""
-        pending = {h.from_worker: h for h in self._state.handles}
-        deadline = time.monotonic() + timeout_s
-        while pending:
-            ready, _, _ = select.select(list(pending), [], [], POLL_S)
-            for pipe in ready:
-                h = pending.pop(pipe)
-                frame = _read_frame(pipe)
-                if frame is None:
-                    raise self._death(h, "start-up")
-                status, payload = pickle.loads(frame)
-                if status == "error":
-                    raise _task_error({h.rank: payload})
-                h.info, h.busy = payload, False
-            for h in pending.values():
-                if h.proc.poll() is not None and not _readable(h.from_worker):
-                    raise self._death(h, "start-up")
-            if pending and time.monotonic() > deadline:
-                late = sorted(h.rank for h in pending.values())
-                raise WorkerError(late[0], f"workers {late} did not start within {timeout_s} s")
+
+        def late(ranks: list[int]) -> BaseException:
+            return WorkerError(ranks[0], f"workers {ranks} did not start within {timeout_s} s")
+
+        deadline = [time.monotonic() + timeout_s]
+        for h, status, payload in self._replies(self._state.handles, "start-up", deadline, late):
+            if status == "error":
+                raise _task_error({h.rank: payload})
+            h.info = payload
 
 
 def _resolve_devices(num_workers: int, device: str | Sequence[str]) -> list[str]:
@@ -616,12 +595,7 @@ def _start_worker(rank: int, device: str, spec: dict[str, Any]) -> _Handle:
     assert proc.stdout is not None and proc.stderr is not None
     forwarders = [_forward(proc.stdout, rank, "stdout"), _forward(proc.stderr, rank, "stderr")]
     return _Handle(
-        rank,
-        device,
-        proc,
-        io.FileIO(task_w, "wb"),
-        io.FileIO(reply_r, "rb"),
-        forwarders,
+        rank, device, proc, io.FileIO(task_w, "wb"), io.FileIO(reply_r, "rb"), forwarders
     )
 
 
@@ -680,6 +654,14 @@ def _unpickle_result(blob: bytes, name: str, rank: int) -> Any:
         raise PoolError(f"can't load the result of {name} from rank {rank}: {_oneline(e)}") from e
 
 
+def unpickled_error(blob: bytes | None) -> BaseException | None:
+    """A worker's pickled exception, or None where there is none or it cannot be loaded."""
+    try:
+        return None if blob is None else pickle.loads(blob)
+    except Exception:
+        return None
+
+
 def _oneline(error: BaseException) -> str:
     return f"{type(error).__name__}: {' '.join(str(error).split())}"
 
@@ -698,12 +680,6 @@ def _task_error(
             f"; ranks {stuck_ranks} did not finish within the grace period (stuck in a collective"
             " waiting for the failed rank?), so the pool was closed"
         )
-    exception = None
-    if e["exception"] is not None:
-        try:
-            exception = pickle.loads(e["exception"])
-        except Exception:
-            exception = None
-    error = TaskError(rank, message, exception, e["traceback"])
+    error = TaskError(rank, message, unpickled_error(e["exception"]), e["traceback"])
     error.__cause__ = RemoteTraceback(e["traceback"])
     return error

@@ -2,22 +2,11 @@
 
     results = run_ranks(fn, 2, arg)   # fn(ctx, arg) in ranks 0 and 1; results in rank order
 
-The one process runner of the benchmarks and the test harness (the WorkerPool, runtime/pool.py,
-is the other: persistent workers driven call by call). Ranks are started by torch's
-``torch.multiprocessing.start_processes`` (forkserver start method with torch and phalanx
-preloaded in the server, so a rank starts without re-importing them; spawn where there is no
-forkserver; each rank gets the caller's environment and directory as they are at the call) and
-rendezvous through a file in a private temporary directory (no ports, so parallel runs don't
-race). Each rank calls ``phalanx.init``, then ``fn(ctx, *args)``, then ``phalanx.shutdown`` (the
-process group is closed cleanly before the result is handed over); results and errors travel
-as files in that directory.
-
-A rank that raises or dies is raised here as ``RankFailed`` naming the rank (its remote
-traceback chained as the cause), and every other rank is stopped at once: a rank waiting in a
-collective for a dead peer never holds the caller up. When several ranks fail, the cause is
-chosen as the launcher does: a rank killed by a signal, else an error that is not merely a lost
-connection to a peer, else the earliest. A run past ``timeout`` stops every rank and raises
-``TimeoutError``. No process outlives the call.
+The process runner of the benchmarks and the tests (the WorkerPool is the persistent one).
+Ranks rendezvous through a file in a private temporary directory (no ports, so parallel runs
+don't race); results and errors travel as files there. A rank that raises or dies is raised as
+``RankFailed`` and every other rank is stopped at once; the cause is chosen as the launcher
+does. No process outlives the call.
 """
 
 from __future__ import annotations
@@ -36,7 +25,7 @@ from typing import Any, cast
 from phalanx.errors import PEER_LOSS, WorkerError
 from phalanx.runtime import context
 from phalanx.runtime.context import RuntimeConfig
-from phalanx.runtime.pool import RemoteTraceback
+from phalanx.runtime.pool import RemoteTraceback, unpickled_error
 
 POLL_S = 0.2  # how often the caller looks for error files (exits are seen at once)
 SETTLE_S = 0.2  # after a first failure: time for a peer's error or signal to show
@@ -44,10 +33,8 @@ STOP_GRACE_S = 30.0  # after every result: time for the ranks to exit on their o
 
 
 class RankFailed(WorkerError):
-    """A rank raised or died; the others were stopped. ``exception`` is the rank's original
-    exception (when it could be unpickled), ``remote_traceback`` its formatted traceback ("" for
-    a rank that died without one), ``exit_code`` its exit status (negative: killed by a
-    signal; None: it was still running when stopped)."""
+    """A rank raised or died; the others were stopped. ``exit_code``: negative for a signal,
+    None when it was still running when stopped."""
 
     def __init__(
         self,
@@ -72,14 +59,9 @@ def run_ranks(
     runtime: RuntimeConfig | None = None,
     env: Mapping[str, str] | None = None,
 ) -> list[Any]:
-    """``fn(ctx, *args)`` in each of ``world_size`` ranks; their return values in rank order.
-
-    ``fn`` and ``args`` must be picklable (``fn`` a module-level function); results travel with
-    ``torch.save``. ``ctx`` is the rank's phalanx Context. ``timeout``: seconds for the whole
-    run (None: no limit; a rank stuck in a collective still fails after ``runtime.timeout_s``).
-    ``runtime``: how each rank joins (default: one thread, a 60 s collective timeout). ``env``:
-    variables set in each rank before ``phalanx.init`` (``LOCAL_RANK`` is the rank).
-    """
+    """``fn(ctx, *args)`` (picklable) in each of ``world_size`` ranks; results in rank order.
+    ``timeout``: seconds for the whole run (None: no limit); ``env``: set in each rank before
+    ``phalanx.init``."""
     import torch.multiprocessing as mp
 
     if world_size < 1:
@@ -91,13 +73,9 @@ def run_ranks(
         # see the forkserver's, from when it started.
         rank_env = {**os.environ, **(env or {})}
         entry_args = (fn, args, world_size, init_method, runtime, rank_env, tmp, os.getcwd())
+        method = _start_method()
         procs = mp.start_processes(
-            _rank_main,
-            entry_args,
-            nprocs=world_size,
-            join=False,
-            daemon=True,
-            start_method=_start_method(),
+            _rank_main, entry_args, world_size, join=False, daemon=True, start_method=method
         ).processes
         finished = False
         try:
@@ -109,10 +87,8 @@ def run_ranks(
 
 
 def _start_method() -> str:
-    """``forkserver`` with torch and phalanx imported once in the server, so a rank starts in
-    milliseconds instead of re-importing torch (about 1.5 s of CPU per rank); the server is a
-    fresh single-threaded process, so forking it is safe (no CUDA, no threads). ``spawn``
-    where forkserver is missing (Windows, macOS default builds)."""
+    """``forkserver`` with torch and phalanx preloaded (a rank starts without 1.5 s of import;
+    the server has no CUDA and no threads, so forking it is safe), else ``spawn``."""
     import multiprocessing
 
     if "forkserver" not in multiprocessing.get_all_start_methods():
@@ -271,19 +247,10 @@ def _failure(procs: list[Any], out_dir: str) -> RankFailed:
     elif others:
         message += f" (ranks {[f.rank for f in others]} failed too)"
     info = cause.info or {}
-    exception = None
-    if info.get("exception") is not None:
-        try:
-            exception = pickle.loads(info["exception"])
-        except Exception:
-            exception = None
+    exception = unpickled_error(info.get("exception"))
     remote = info.get("traceback", "")
     error = RankFailed(
-        cause.rank,
-        message,
-        exception=exception,
-        remote_traceback=remote,
-        exit_code=cause.exit_code,
+        cause.rank, message, exception=exception, remote_traceback=remote, exit_code=cause.exit_code
     )
     if remote:
         error.__cause__ = RemoteTraceback(remote)
