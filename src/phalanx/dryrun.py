@@ -33,9 +33,9 @@ def describe_run(config: RunConfig, world_size: int, run_dir: str) -> str:
     shapes = _shapes(config, model)
     total = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    strategy = build.strategy(config)
-    servers = int(getattr(strategy.config, "servers", 0) or 0)
-    data_ranks = world_size // config.parallel.pipeline - servers
+    replicas = world_size // config.parallel.pipeline
+    data_ranks = build.strategy(config).num_trainers(replicas)
+    servers = replicas - data_ranks
     global_batch = config.data.batch_size * data_ranks
     num_samples = len(training_reader(config.data.path, build.data(config)))
     steps_per_epoch = num_samples // global_batch

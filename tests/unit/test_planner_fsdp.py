@@ -179,13 +179,11 @@ def test_fp16_compression_is_refused_and_left_out_of_plans():
 def test_options_are_the_strategys_config():
     """The planner reads fsdp's options through the strategy's own Config (its keys, its
     one-line errors)."""
-    from phalanx.planner.schedules import gather_scale, reduce_scale
-
     schedule = make_schedule("fsdp", {"prefetch": 2, "reshard_after_forward": False})
     assert schedule.config.prefetch == 2 and not schedule.config.reshard_after_forward
     assert make_schedule("fsdp").config.prefetch == 1  # defaults
-    mixed = make_schedule("fsdp", {"param_dtype": "bfloat16"}).config
-    assert gather_scale(mixed) == 0.5 and reduce_scale(mixed) == 0.5  # reduce: param_dtype's
+    units = make_schedule("fsdp", {"param_dtype": "bfloat16"}).unit_phases(2)
+    assert units.gather[0].scale == 0.5 and units.reduce[0].scale == 0.5  # reduce: param_dtype's
     for options, key in [
         ({"prefetch": -1}, "prefetch"),
         ({"param_dtype": "int8"}, "param_dtype"),

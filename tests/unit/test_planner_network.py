@@ -7,17 +7,12 @@ import math
 
 import pytest
 
+from phalanx.exchange.param_server import ps_rounds
+from phalanx.exchange.schedule import GRAD, Builder, cyclic_rounds, ring_rounds
+from phalanx.exchange.tree import tree_rounds
 from phalanx.planner.cluster import ClusterConfig, LinkConfig
 from phalanx.planner.network import Network
-from phalanx.planner.schedules import (
-    GRAD,
-    _Builder,
-    cyclic_rounds,
-    make_codec,
-    ps_rounds,
-    ring_rounds,
-    tree_rounds,
-)
+from phalanx.planner.schedules import make_codec
 
 ALPHA, BETA = 20e-6, 2e9
 
@@ -89,9 +84,9 @@ def test_ring_is_paced_by_its_slowest_link():
 
 def test_a_shared_nic_serialises_inter_node_messages():
     """Ranks 0 and 1 (node 0) send to 2 and 3 (node 1) at once: one card carries both."""
-    b = _Builder()
+    b = Builder()
     b.round([(0, 2, 1.0, GRAD), (1, 3, 1.0, GRAD)])
-    table, n = b.table(("pair",)), 1e6
+    table, n = b.table("pair"), 1e6
     shared = Network(cluster(2, shared_nic=True), make_codec("none"))
     own = Network(cluster(2, shared_nic=False), make_codec("none"))
     assert seconds(table, 4, n, own) == pytest.approx(ALPHA + n / BETA)
@@ -147,7 +142,7 @@ def test_a_shared_medium_serialises_a_nodes_messages() -> None:
     from phalanx.exchange.link import LinkModel
     from phalanx.planner.cluster import from_link
     from phalanx.planner.network import Network
-    from phalanx.planner.schedules import make_codec, ring_rounds, tree_rounds
+    from phalanx.planner.schedules import make_codec
 
     alpha, beta, n = 1e-4, 1e9, 8e6
     cluster = from_link(

@@ -9,7 +9,9 @@ import pytest
 
 from phalanx.errors import ConfigError
 from phalanx.exchange import schedule as cyclic
-from phalanx.exchange.tree import tree_children, tree_parent
+from phalanx.exchange.param_server import ps_rounds
+from phalanx.exchange.schedule import cyclic_rounds, ring_rounds
+from phalanx.exchange.tree import tree_children, tree_parent, tree_rounds
 from phalanx.planner.schedules import (
     FORWARD,
     FORWARD_PASS,
@@ -17,12 +19,8 @@ from phalanx.planner.schedules import (
     PARAM,
     SCHEDULES,
     STEP,
-    cyclic_rounds,
     make_codec,
     make_schedule,
-    ps_rounds,
-    ring_rounds,
-    tree_rounds,
 )
 
 

@@ -11,8 +11,9 @@ except the last bucket, which arrives as backward ends and runs on the main thre
 
 from __future__ import annotations
 
+import functools
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
@@ -20,13 +21,46 @@ from phalanx.exchange.base import STRATEGIES, Strategy, StrategyParts, stamp_don
 from phalanx.exchange.buckets import Bucket
 from phalanx.exchange.comm import wait
 from phalanx.exchange.compression import Codec
-from phalanx.exchange.ring import GatherExchange, p2p_allreduce, prefers_gather
+from phalanx.exchange.ring import GATHER_MAX_BYTES, GatherExchange, p2p_allreduce, prefers_gather
+from phalanx.exchange.schedule import GRAD, Builder, MessageSchedule, Phase, RoundTable, ring_rounds
 from phalanx.runtime.context import Context, hold_until_shutdown
+
+if TYPE_CHECKING:
+    from phalanx.planner.schedules import WireCodec
+
+
+@functools.lru_cache(maxsize=64)
+def gather_rounds(world: int) -> RoundTable:
+    """Every rank sends its whole message to every other rank in one round (the gather of
+    small compressed buckets at p = 2, exchange/ring.py)."""
+    b = Builder()
+    b.round((s, d, 1.0, GRAD) for s in range(world) for d in range(world) if s != d)
+    return b.table("gather", world)
+
+
+class AllReduceSchedule(MessageSchedule):
+    """The backend's ring allreduce; compressed: phalanx's point-to-point ring, or the
+    one-round gather at p = 2 for messages up to 2 MiB (exchange/ring.py)."""
+
+    def bucket_phases(self, world: int, codec: WireCodec, nbytes: float) -> list[Phase]:
+        if world < 2:
+            return []
+        if codec.compresses and world == 2 and codec.wire_bytes(nbytes) <= GATHER_MAX_BYTES:
+            return [Phase("gather", gather_rounds(world))]
+        # uncompressed: the backend's allreduce; compressed: phalanx's ring
+        return [Phase("allreduce", ring_rounds(world, backend=not codec.compresses))]
+
+    def on_thread(self, codec: WireCodec, last: bool) -> bool:
+        # uncompressed: the backend's own collectives; compressed: the thread, except the
+        # last bucket, which the compute thread exchanges itself (``AllReduce.launch``)
+        return codec.compresses and not last
 
 
 @STRATEGIES.register("allreduce")
 class AllReduce(Strategy):
     """Average gradients per bucket, overlapped with backward (see the module docstring)."""
+
+    Messages = AllReduceSchedule
 
     def __init__(self, ctx: Context, buckets: list[Bucket], parts: StrategyParts) -> None:
         super().__init__(ctx, buckets, parts)

@@ -30,6 +30,7 @@ from phalanx.errors import ConfigError
 from phalanx.exchange.buckets import FIRST_BUCKET_BYTES, Bucket
 from phalanx.exchange.comm import CommThread
 from phalanx.exchange.compression import CODECS, Codec
+from phalanx.exchange.schedule import MessageSchedule
 from phalanx.exchange.sharding import copy_pieces, merged_groups
 from phalanx.fields import ConfigValueError, from_dict, option, require
 from phalanx.optim.state import load_into
@@ -85,10 +86,7 @@ class ExchangeConfig:
 
     def check_world(self, world_size: int) -> None:
         """Start-up check of options that depend on the world size (before any group work)."""
-        config = strategy_config(self.strategy, self.options)
-        check = getattr(config, "check_world", None)
-        if check is not None:
-            check(world_size)
+        strategy_factory(self.strategy, self.options).check_world(world_size)
 
 
 def strategy_config(name: str, options: dict[str, Any]) -> Any:
@@ -178,6 +176,8 @@ class Strategy(ABC):
     # the trainable parameters after it was built.
     shards_parameters: bool = False
     Config: type | None = None  # the options' dataclass, for strategies that take options
+    # its messages per bucket as the planner simulates them, built with its Config
+    Messages: type[MessageSchedule]
 
     def __init__(self, ctx: Context, buckets: list[Bucket], parts: StrategyParts) -> None:
         self.ctx = ctx
@@ -220,6 +220,25 @@ class Strategy(ABC):
         known before any bucket exists: from the options, world, backend and compression."""
         del config, world_size, backend, codec
         return 1
+
+    @classmethod
+    def check_world(cls, config: Any, world_size: int) -> None:
+        """One-line ConfigError if the strategy cannot run on ``world_size`` data ranks: the
+        Engine's start-up check, and the planner's."""
+        del config, world_size
+
+    @classmethod
+    def num_trainers(cls, config: Any, world_size: int) -> int:
+        """How many of ``world_size`` ranks run forward and backward (the rest serve)."""
+        del config
+        return world_size
+
+    @classmethod
+    def refuses(cls, config: Any, codec: Codec) -> str | None:
+        """Why the strategy cannot run with ``codec``'s compression (None: it can): a
+        sentence for the one-line error and the plan's note."""
+        del config, codec
+        return None
 
     @classmethod
     def sums_whole_buckets(cls, config: Any, codec: Codec) -> bool:
@@ -598,6 +617,16 @@ class StrategyFactory:
 
     def bucket_alignment(self, world_size: int, backend: str, codec: Codec) -> int:
         return self.cls.bucket_alignment(self.config, world_size, backend, codec)
+
+    def check_world(self, world_size: int) -> None:
+        self.cls.check_world(self.config, world_size)
+
+    def num_trainers(self, world_size: int) -> int:
+        return self.cls.num_trainers(self.config, world_size)
+
+    def messages(self) -> MessageSchedule:
+        """The strategy's messages per bucket, for the planner."""
+        return self.cls.Messages(self.cls, self.config)
 
     def sums_whole_buckets(self, codec: Codec) -> bool:
         return self.cls.sums_whole_buckets(self.config, codec)

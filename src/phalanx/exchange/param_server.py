@@ -30,7 +30,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -40,10 +40,22 @@ from phalanx.exchange.base import STRATEGIES, StrategyParts, holds_nonfinite, st
 from phalanx.exchange.buckets import Bucket
 from phalanx.exchange.comm import global_rank
 from phalanx.exchange.owners import OwnerUpdateStrategy
+from phalanx.exchange.schedule import (
+    FORWARD_PASS,
+    GRAD,
+    PARAM,
+    Builder,
+    MessageSchedule,
+    Phase,
+    RoundTable,
+)
 from phalanx.exchange.sharding import Shard, ShardedParameters, bounds, used_flags
-from phalanx.exchange.tree import tree_children, tree_parent
+from phalanx.exchange.tree import tree_children, tree_down, tree_parent, tree_up
 from phalanx.fields import option, require
 from phalanx.runtime.context import Context
+
+if TYPE_CHECKING:
+    from phalanx.planner.schedules import WireCodec
 
 logger = logging.getLogger("phalanx")
 
@@ -58,13 +70,6 @@ class ParamServerConfig:
     def __post_init__(self) -> None:
         require(self.servers >= 0, "servers", f"must be >= 0, got {self.servers}")
 
-    def check_world(self, world_size: int) -> None:
-        if self.servers >= world_size:
-            raise ConfigError(
-                f"exchange.options.servers: {self.servers} servers leave no worker in a world of "
-                f"{world_size}; use fewer than {world_size}"
-            )
-
 
 def star_turn(server: int, worker: int, num_servers: int) -> int:
     """When worker ``worker`` and the ``server``-th of ``num_servers`` servers exchange in a
@@ -74,17 +79,74 @@ def star_turn(server: int, worker: int, num_servers: int) -> int:
     return (server - worker) % num_servers
 
 
+def roles(config: ParamServerConfig, world_size: int) -> tuple[list[int], list[int]]:
+    """(servers, workers) of ``world_size`` ranks: the last ``servers`` serve and the others
+    work; with ``servers = 0`` every rank works and serves one partition."""
+    workers = list(range(world_size - config.servers))
+    return (workers if config.servers == 0 else list(range(len(workers), world_size))), workers
+
+
+@functools.lru_cache(maxsize=64)
+def ps_rounds(
+    world: int, owners: tuple[int, ...], workers: tuple[int, ...], reduce: str, pull: bool
+) -> RoundTable:
+    """The push (or pull) of one bucket: star: one round, every worker sending each partition
+    to its server at once (pull: every server to every worker), in ``star_turn`` order; tree:
+    partition by partition in owner order, up (or down) a binary tree rooted at the owner."""
+    b = Builder()
+    share = 1.0 / len(owners)
+    if reduce == "tree":
+        for owner in owners:
+            ranks = [owner] + [w for w in workers if w != owner]
+            if pull:
+                tree_down(ranks, share, PARAM, b)
+            else:
+                tree_up(ranks, share, b)
+    else:
+        pairs = sorted(
+            ((owner, w) for owner in owners for w in workers if w != owner),
+            key=lambda pair: (star_turn(owners.index(pair[0]), pair[1], len(owners)), pair[1]),
+        )
+        kind = PARAM if pull else GRAD
+        b.round(((o, w, share, kind) if pull else (w, o, share, kind)) for o, w in pairs)
+    return b.table("ps", world, owners, workers, reduce, pull)
+
+
+class ParameterServerSchedule(MessageSchedule):
+    """Per bucket: push each partition to its server, the server updates it, pull it back.
+    ``servers = k`` dedicated ranks (the last k; 0: every rank serves one partition);
+    ``reduce``: ``star`` (direct messages, incast at the server) or ``tree``."""
+
+    config: ParamServerConfig
+
+    def bucket_phases(self, world: int, codec: WireCodec, nbytes: float) -> list[Phase]:
+        owners, workers = (tuple(r) for r in roles(self.config, world))
+        reduce = self.config.reduce
+        return [
+            Phase("push", ps_rounds(world, owners, workers, reduce, False)),
+            Phase("update", update_fraction=1.0 / len(owners)),
+            Phase("pull", ps_rounds(world, owners, workers, reduce, True), gates=FORWARD_PASS),
+        ]
+
+    def optimizer_fraction(self, world: int) -> float:
+        return 0.0  # the servers update each bucket as it arrives (the "update" phase)
+
+    def describe(self) -> str:
+        return f"ps (servers={self.config.servers}, {self.config.reduce})"
+
+
 @STRATEGIES.register("ps")
 class ParameterServer(OwnerUpdateStrategy):
     """Push, update at the server, pull, per bucket (see the module docstring)."""
 
     Config = ParamServerConfig
+    Messages = ParameterServerSchedule
     updates_during_exchange = True  # servers update each bucket as it arrives (F8)
 
     def __init__(self, ctx: Context, buckets: list[Bucket], parts: StrategyParts) -> None:
         super().__init__(ctx, buckets, parts)
         self.config = parts.config or ParamServerConfig()
-        self.config.check_world(ctx.world_size)
+        self.check_world(self.config, ctx.world_size)
         owners = self._owners()
         self.ranges = [bounds(b.flat.numel(), len(owners)) for b in buckets]
         self.sharded = ShardedParameters(
@@ -110,9 +172,21 @@ class ParameterServer(OwnerUpdateStrategy):
         self.num_nonfinite_partitions = getattr(previous, "num_nonfinite_partitions", 0)
 
     # -- roles --------------------------------------------------------------------------------
+    @classmethod
+    def check_world(cls, config: ParamServerConfig, world_size: int) -> None:
+        if config.servers >= world_size:
+            raise ConfigError(
+                f"exchange.options.servers: {config.servers} servers leave no worker in a world "
+                f"of {world_size}; use fewer than {world_size}"
+            )
+
+    @classmethod
+    def num_trainers(cls, config: ParamServerConfig, world_size: int) -> int:
+        return len(roles(config, world_size)[1])
+
     @property
     def num_workers(self) -> int:
-        return self.ctx.world_size - self.config.servers
+        return self.num_trainers(self.config, self.ctx.world_size)
 
     @property
     def is_trainer(self) -> bool:
@@ -122,9 +196,7 @@ class ParameterServer(OwnerUpdateStrategy):
         return min(self.ctx.rank, self.num_workers - 1), self.num_workers
 
     def _owners(self) -> list[int]:
-        if self.config.servers == 0:
-            return list(range(self.ctx.world_size))
-        return list(range(self.num_workers, self.ctx.world_size))
+        return roles(self.config, self.ctx.world_size)[0]
 
     def adopt_optimizer(
         self, optimizer: torch.optim.Optimizer, params: list

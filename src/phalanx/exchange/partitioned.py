@@ -26,7 +26,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -38,9 +38,19 @@ from phalanx.exchange.comm import global_rank
 from phalanx.exchange.compression import Codec
 from phalanx.exchange.owners import OwnerUpdateStrategy
 from phalanx.exchange.ring import ring_reduce_scatter
+from phalanx.exchange.schedule import (
+    FORWARD_PASS,
+    MessageSchedule,
+    Phase,
+    cyclic_rounds,
+    ring_rounds,
+)
 from phalanx.exchange.sharding import ShardedParameters, bounds, used_flags
 from phalanx.fields import option
 from phalanx.runtime.context import Context
+
+if TYPE_CHECKING:
+    from phalanx.planner.schedules import WireCodec
 
 Count = Callable[[int, int], None]  # (bytes sent, bytes received) of this rank
 
@@ -187,11 +197,42 @@ class PartitionedConfig:
     )
 
 
+class PartitionedSchedule(MessageSchedule):
+    """Reduce each partition to its owner, the owner updates its shard, then sends it back
+    while the next forward runs. ``cyclic``: the documents' half-duplex schedule with
+    floor(p/2) owners; ``native``: p owners, ring reduce-scatter and all-gather (NCCL)."""
+
+    config: PartitionedConfig
+
+    def bucket_phases(self, world: int, codec: WireCodec, nbytes: float) -> list[Phase]:
+        if world < 2:
+            return []
+        if self.config.schedule == "cyclic":
+            return [Phase("reduce", cyclic_rounds(world, False))]
+        return [Phase("reduce-scatter", ring_rounds(world, reduce=True, gather=False))]
+
+    def optimizer_fraction(self, world: int) -> float:
+        cyclic = self.config.schedule == "cyclic"
+        return 1.0 / (schedule.num_partitions(world) if cyclic else world)
+
+    def return_phases(self, world: int) -> list[Phase]:
+        if world < 2:
+            return []
+        if self.config.schedule == "cyclic":
+            return [Phase("send-back", cyclic_rounds(world, True), gates=FORWARD_PASS)]
+        table = ring_rounds(world, reduce=False, gather=True, grad=False)
+        return [Phase("all-gather", table, gates=FORWARD_PASS)]
+
+    def describe(self) -> str:
+        return f"partitioned ({self.config.schedule})"
+
+
 @STRATEGIES.register("partitioned")
 class Partitioned(OwnerUpdateStrategy):
     """Owner-update exchange over partitions of every bucket (see the module docstring)."""
 
     Config = PartitionedConfig
+    Messages = PartitionedSchedule
     verdict_all_reduces = True
 
     def __init__(self, ctx: Context, buckets: list[Bucket], parts: StrategyParts) -> None:

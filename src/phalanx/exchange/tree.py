@@ -13,8 +13,9 @@ most 1 + (number of its children) times; rank 0 is the busiest (ceil(log2 p) sen
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -23,7 +24,11 @@ from phalanx.exchange.base import STRATEGIES, Strategy, StrategyParts, stamp_don
 from phalanx.exchange.buckets import Bucket
 from phalanx.exchange.comm import global_rank, wait
 from phalanx.exchange.compression import Codec
+from phalanx.exchange.schedule import FORWARD, GRAD, Builder, MessageSchedule, Phase, RoundTable
 from phalanx.runtime.context import Context
+
+if TYPE_CHECKING:
+    from phalanx.planner.schedules import WireCodec
 
 
 def tree_children(rank: int, world_size: int) -> list[int]:
@@ -72,9 +77,61 @@ def tree_allreduce(
     return sent, received
 
 
+# -- the messages, for the planner -----------------------------------------------------------------
+def tree_up(ranks: list[int], share: float, b: Builder) -> None:
+    """Rounds of the reduction to ranks[0] over positions 0..n-1 (``tree_allreduce``'s Phase
+    1): in round s, position i whose lowest set bit is s sends its partial sum to its parent."""
+    depth = math.ceil(math.log2(len(ranks))) if len(ranks) > 1 else 0
+    for s in range(depth):
+        b.round(
+            (ranks[i], ranks[tree_parent(i) or 0], share, GRAD)
+            for i in range(1, len(ranks))
+            if (i & -i) == 1 << s
+        )
+
+
+def tree_down(
+    ranks: list[int], share: float, kind: int, b: Builder, passed_on: int | None = None
+) -> None:
+    """Back down the same tree: each position forwards what it received to its children,
+    farthest first (a binomial broadcast from ranks[0], ceil(log2 n) rounds). ``kind``: the
+    first round's messages; ``passed_on`` (default ``kind``): the later rounds', whose message
+    the sender already holds in wire form (the root's encoding, sent again or forwarded)."""
+    n = len(ranks)
+    depth = math.ceil(math.log2(n)) if n > 1 else 0
+    for t in range(depth):
+        step = 1 << (depth - 1 - t)
+        later = kind if passed_on is None else passed_on
+        b.round(
+            ((ranks[i], ranks[i + step], share, kind if t == 0 else later)
+             for i in range(0, n - step, 2 * step)),  # i + step: i's child
+            summed=False,  # the result: stored, not added
+        )  # fmt: skip
+
+
+@functools.lru_cache(maxsize=64)
+def tree_rounds(world: int) -> RoundTable:
+    """Reduce to rank 0 up a binary tree, then back down (F9). The root encodes the sum once
+    (GRAD: encoded there, decoded at the child); every later message is that encoding passed
+    on (FORWARD: decoded only), as ``tree_allreduce`` sends it."""
+    b = Builder()
+    tree_up(list(range(world)), 1.0, b)
+    tree_down(list(range(world)), 1.0, GRAD, b, passed_on=FORWARD)
+    return b.table("tree", world)
+
+
+class TreeSchedule(MessageSchedule):
+    """Binary-tree reduce to rank 0 and broadcast back down, the whole bucket per message."""
+
+    def bucket_phases(self, world: int, codec: WireCodec, nbytes: float) -> list[Phase]:
+        return [Phase("tree", tree_rounds(world))] if world > 1 else []
+
+
 @STRATEGIES.register("tree")
 class Tree(Strategy):
     """Binary-tree reduce + broadcast per bucket over point-to-point messages."""
+
+    Messages = TreeSchedule
 
     def __init__(self, ctx: Context, buckets: list[Bucket], parts: StrategyParts) -> None:
         super().__init__(ctx, buckets, parts)

@@ -221,7 +221,7 @@ def above_linear(row: PlanRow, profile: StepProfile | None = None) -> str:
         return ""
     schedule = make_schedule(row.setup.strategy, row.setup.options)
     share = schedule.optimizer_fraction(row.devices)
-    if share == 0.0 and row.setup.options.get("servers"):
+    if share == 0.0 and schedule.num_trainers(row.devices) < row.devices:
         return "dedicated servers run the optimizer: the trainers have none to run"
     if share == 0.0:
         return (
