@@ -31,14 +31,8 @@ JOIN_TIMEOUT_S = 30.0  # how long close() waits for a thread still inside user c
 
 # -- the global order ----------------------------------------------------------------------------
 class GlobalOrder:
-    """Which samples rank ``r`` gets at (epoch, step).
-
-    Epoch ``e`` is ``torch.randperm(N)`` with a generator seeded ``seed + e`` (``arange`` without
-    shuffle). Step ``s`` takes the global batch ``order[s*G:(s+1)*G]``, G = batch_size x world,
-    and rank ``r`` its r-th contiguous slice of ``batch_size``: ranks are disjoint and together
-    see what one process with the global batch would (the order of ``ShardedBatches``). With
-    ``drop_last=False`` the last, short global batch is split as evenly as possible.
-    """
+    """Which samples rank ``r`` gets at (epoch, step): its contiguous slice of the step's global
+    batch in epoch ``e``'s permutation (seeded ``seed + e``), as docs/data.md describes."""
 
     def __init__(
         self,
@@ -101,11 +95,8 @@ class ThreadPool:
 
 
 class ProcessPool:
-    """``preprocess`` runs in ``num_workers`` spawned processes (for Python-heavy work that holds
-    the GIL); each worker thread sends a batch and waits for the result. Batches go to a child
-    as pickled numpy arrays; results come back as tensors in shared memory (torch's sharing
-    strategy, as DataLoader workers send theirs), so the parent never passes file descriptors
-    and starts no helper thread. The function must be picklable (defined at module level)."""
+    """``preprocess`` (picklable) runs in ``num_workers`` spawned processes, for work that holds
+    the GIL; batches go as numpy arrays, results come back as tensors in shared memory."""
 
     def __init__(self, preprocess: Preprocess, num_workers: int) -> None:
         try:
@@ -129,11 +120,8 @@ class ProcessPool:
     def close(self) -> None:
         """Cancel queued work, wait for the children; terminate any stuck in user code."""
         procs = list((getattr(self._executor, "_processes", None) or {}).values())
-        closer = threading.Thread(
-            target=self._executor.shutdown,
-            kwargs={"wait": True, "cancel_futures": True},
-            name="phalanx-pool-close",
-        )
+        stop, name = {"wait": True, "cancel_futures": True}, "phalanx-pool-close"
+        closer = threading.Thread(target=self._executor.shutdown, kwargs=stop, name=name)
         closer.start()
         closer.join(JOIN_TIMEOUT_S)
         if closer.is_alive():
@@ -162,28 +150,10 @@ POOLS.register("process")(ProcessPool)
 
 # -- the pipeline ----------------------------------------------------------------------------------
 class Pipeline:
-    """Batches of this rank from ``source``, read, preprocessed and staged ahead of the trainer.
-
-    Phases of one batch (sequence number k = the k-th batch since the pipeline (re)started):
-      Phase 1 (I/O thread): claim a free buffer, which binds it to the next k; map k to
-        (epoch, step) and this rank's sample indices (``GlobalOrder``).
-      Phase 2 (I/O thread): read those samples into host memory: a batch tuple of CPU tensors,
-        one per field (B, ...).
-      Phase 3 (worker thread, one of ``workers``): ``preprocess(batch, rng)`` in the thread or,
-        with ``pool="process"``, in a worker process; ``rng`` is a numpy Generator seeded by
-        (seed, epoch, step, rank), so results do not depend on which worker ran it.
-      Phase 4 (same worker): the device stage (pinned memory + side stream on CUDA), then the
-        buffer is published as ready.
-      Phase 5 (trainer, ``next()``): wait for batch k (the input wait), hand it over to the
-        compute stream, release the buffer of the previous batch (the trainer is done with it).
-    With ``buffers`` = b, the trainer holds one batch while b-1 are prepared (F3: b=2, F10: 3).
-    Errors of any phase are raised by ``next()`` in order, with their original traceback, after
-    every thread stopped. ``close()`` (or leaving a ``with`` block) stops every thread.
-
-    ``next()`` returns a tuple of tensors (x (B, ...), y (B, ...) for a two-field source) on
-    ``device`` (None: the host). The order is ``GlobalOrder``'s; ``state_dict()`` is the
-    position in samples, valid for any world size.
-    """
+    """Batches of this rank from ``source``, read, preprocessed and staged ahead of the trainer
+    (docs/data.md has the phases): an I/O thread reads (Phases 1-2), ``workers`` threads
+    preprocess and stage (3-4), ``next()`` hands over (5). Errors of any phase are raised by
+    ``next()`` in order; ``state_dict()`` is the position in samples, for any world size."""
 
     def __init__(
         self,
@@ -369,12 +339,9 @@ class Pipeline:
             self._buffers.close()
         for _ in range(self.num_workers):
             self._work.put(None)
-        stuck = []
         for thread in self._threads:
             thread.join(JOIN_TIMEOUT_S)
-            if thread.is_alive():
-                stuck.append(thread.name)
-        if stuck:
+        if stuck := [thread.name for thread in self._threads if thread.is_alive()]:
             warnings.warn(f"input pipeline: {', '.join(stuck)} still running", stacklevel=3)
         self._threads, self._buffers, self._held = [], None, None
 

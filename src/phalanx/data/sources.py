@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,20 +45,14 @@ class DataConfig:
     buffers: int = option(3, "input pipeline: rotating batch buffers (F3: 2, F10: 3)")
 
     def __post_init__(self) -> None:
-        require(
-            self.source in SOURCES,
-            "source",
-            f"unknown source {self.source!r}; known: {', '.join(SOURCES.names())}",
-        )
+        known = ", ".join(SOURCES.names())
+        require(self.source in SOURCES, "source", f"unknown source {self.source!r}; known: {known}")
         require(self.batch_size >= 1, "batch_size", f"must be >= 1, got {self.batch_size}")
         require(self.seq_len >= 1, "seq_len", f"must be >= 1, got {self.seq_len}")
         for key in ("io_threads", "workers", "buffers"):
             require(getattr(self, key) >= 1, key, f"must be >= 1, got {getattr(self, key)}")
-        require(
-            0.0 < self.val_fraction < 1.0,
-            "val_fraction",
-            f"must be in (0, 1), got {self.val_fraction}",
-        )
+        fraction = self.val_fraction
+        require(0.0 < fraction < 1.0, "val_fraction", f"must be in (0, 1), got {fraction}")
 
 
 def load_source(config: DataConfig) -> Dataset:
@@ -71,22 +64,11 @@ def split(x: np.ndarray, y: np.ndarray, val_fraction: float, num_classes: int) -
     order = np.random.default_rng(SPLIT_SEED).permutation(len(x))
     num_val = int(round(len(x) * val_fraction))
     val, train = order[:num_val], order[num_val:]
-    return Dataset(
-        x_train=torch.from_numpy(x[train]),
-        y_train=torch.from_numpy(y[train]),
-        x_val=torch.from_numpy(x[val]),
-        y_val=torch.from_numpy(y[val]),
-        num_classes=num_classes,
-    )
+    x_train, y_train, x_val, y_val = (torch.from_numpy(a[i]) for i in (train, val) for a in (x, y))
+    return Dataset(x_train, y_train, x_val, y_val, num_classes)
 
 
-def _register(
-    name: str,
-) -> Callable[[Callable[[DataConfig], Dataset]], Callable[[DataConfig], Dataset]]:
-    return SOURCES.register(name)
-
-
-@_register("digits")
+@SOURCES.register("digits")
 def digits(config: DataConfig) -> Dataset:
     """scikit-learn's bundled handwritten digits: 1797 images (1, 8, 8) in [0, 1], 10 classes."""
     images, target = digits_arrays()
@@ -124,7 +106,7 @@ def encode_text(text: str) -> np.ndarray:
     return np.fromiter((lookup.get(ch, 0) for ch in text), dtype=np.int64, count=len(text))
 
 
-@_register("text")
+@SOURCES.register("text")
 def text(config: DataConfig) -> Dataset:
     """Character-level language modelling on the English help texts that ship with Python
     (``pydoc_data.topics``, ~460 KB; topics in sorted order). The text is cut into
