@@ -14,10 +14,7 @@ import torch
 
 
 class AdaGrad(torch.optim.Optimizer):
-    """``sum_i += g_i^2``; ``p_i -= lr * g_i / sqrt(rho + sum_i)``, elementwise.
-
-    State per parameter: ``sum`` (same shape, dtype and device as the parameter).
-    """
+    """``sum_i += g_i^2``; ``p_i -= lr * g_i / sqrt(rho + sum_i)``; state ``sum`` per parameter."""
 
     def __init__(
         self,

@@ -28,11 +28,8 @@ class OptimizerConfig:
     rho: float = option(1e-8, "AdaGrad: lr_i = lr / sqrt(rho + sum of squared gradients_i)")
 
     def __post_init__(self) -> None:
-        require(
-            self.name in OPTIMIZERS,
-            "name",
-            f"unknown optimizer {self.name!r}; known: {', '.join(OPTIMIZERS.names())}",
-        )
+        known = ", ".join(OPTIMIZERS.names())
+        require(self.name in OPTIMIZERS, "name", f"unknown optimizer {self.name!r}; known: {known}")
         require(0 < self.lr < math.inf, "lr", f"must be finite and > 0, got {self.lr}")
         require(0 <= self.momentum < 1, "momentum", f"must be in [0, 1), got {self.momentum}")
         require(self.rho > 0, "rho", f"must be > 0, got {self.rho}")

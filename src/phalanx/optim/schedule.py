@@ -1,16 +1,13 @@
 """Learning-rate schedules from ``[scheduler]``: torch.optim.lr_scheduler, registered by name.
 
-A schedule spans the run's optimizer steps: ``warmup_steps`` of linear warm-up (``LinearLR``
-from ``warmup_start`` x lr) followed by the named schedule over the remaining steps, chained
-with ``SequentialLR``. The Trainer steps it once per optimizer step and keeps its state in
-checkpoints, so a resumed run continues the same curve. In the Python API any torch scheduler
-attached to ``engine.optimizer`` works the same way (the Engine never replaces that object).
+A schedule spans the run's optimizer steps: ``warmup_steps`` of ``LinearLR`` warm-up, then the
+named schedule, chained with ``SequentialLR``; its state is in checkpoints.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeAlias
 
 import torch
 from torch.optim import lr_scheduler
@@ -18,8 +15,9 @@ from torch.optim import lr_scheduler
 from phalanx.fields import option, require
 from phalanx.registry import Registry
 
-Builder = Callable[["SchedulerConfig", torch.optim.Optimizer, int], lr_scheduler.LRScheduler]
-SCHEDULES: Registry[lr_scheduler.LRScheduler] = Registry("lr schedule")
+Optimizer: TypeAlias = torch.optim.Optimizer
+Scheduler: TypeAlias = lr_scheduler.LRScheduler
+SCHEDULES: Registry[Scheduler] = Registry("lr schedule")
 
 
 @dataclass(kw_only=True)
@@ -35,17 +33,12 @@ class SchedulerConfig:
     max_lr: float = option(0.0, "onecycle: the peak learning rate (0: optimizer.lr)")
 
     def __post_init__(self) -> None:
-        require(
-            self.name == "none" or self.name in SCHEDULES,
-            "name",
-            f"unknown schedule {self.name!r}; known: none, {', '.join(SCHEDULES.names())}",
-        )
+        known = ["none", *SCHEDULES.names()]
+        reason = f"unknown schedule {self.name!r}; known: {', '.join(known)}"
+        require(self.name in known, "name", reason)
         require(self.warmup_steps >= 0, "warmup_steps", f"must be >= 0, got {self.warmup_steps}")
-        require(
-            0 < self.warmup_start <= 1,
-            "warmup_start",
-            f"must be in (0, 1], got {self.warmup_start}",
-        )
+        start = self.warmup_start
+        require(0 < start <= 1, "warmup_start", f"must be in (0, 1], got {start}")
         require(self.min_lr >= 0, "min_lr", f"must be >= 0, got {self.min_lr}")
         require(self.step_size >= 1, "step_size", f"must be >= 1, got {self.step_size}")
         require(0 < self.gamma <= 1, "gamma", f"must be in (0, 1], got {self.gamma}")
@@ -67,38 +60,28 @@ def _base_lr(optimizer: torch.optim.Optimizer) -> float:
 
 
 @SCHEDULES.register("constant")
-def _constant(
-    config: SchedulerConfig, optimizer: torch.optim.Optimizer, steps: int
-) -> lr_scheduler.LRScheduler:
+def _constant(config: SchedulerConfig, optimizer: Optimizer, steps: int) -> Scheduler:
     return lr_scheduler.ConstantLR(optimizer, factor=1.0, total_iters=0)
 
 
 @SCHEDULES.register("cosine")
-def _cosine(
-    config: SchedulerConfig, optimizer: torch.optim.Optimizer, steps: int
-) -> lr_scheduler.LRScheduler:
+def _cosine(config: SchedulerConfig, optimizer: Optimizer, steps: int) -> Scheduler:
     return lr_scheduler.CosineAnnealingLR(optimizer, T_max=steps, eta_min=config.min_lr)
 
 
 @SCHEDULES.register("linear")
-def _linear(
-    config: SchedulerConfig, optimizer: torch.optim.Optimizer, steps: int
-) -> lr_scheduler.LRScheduler:
+def _linear(config: SchedulerConfig, optimizer: Optimizer, steps: int) -> Scheduler:
     end = config.min_lr / _base_lr(optimizer)
     return lr_scheduler.LinearLR(optimizer, start_factor=1.0, end_factor=end, total_iters=steps)
 
 
 @SCHEDULES.register("step")
-def _step(
-    config: SchedulerConfig, optimizer: torch.optim.Optimizer, steps: int
-) -> lr_scheduler.LRScheduler:
+def _step(config: SchedulerConfig, optimizer: Optimizer, steps: int) -> Scheduler:
     return lr_scheduler.StepLR(optimizer, step_size=config.step_size, gamma=config.gamma)
 
 
 @SCHEDULES.register("onecycle")
-def _onecycle(
-    config: SchedulerConfig, optimizer: torch.optim.Optimizer, steps: int
-) -> lr_scheduler.LRScheduler:
+def _onecycle(config: SchedulerConfig, optimizer: Optimizer, steps: int) -> Scheduler:
     peak = config.max_lr or _base_lr(optimizer)
     return lr_scheduler.OneCycleLR(optimizer, max_lr=peak, total_steps=steps)
 

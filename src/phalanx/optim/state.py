@@ -1,18 +1,9 @@
 """The user's optimizer state in torch's own format, whatever the strategy.
 
-A script saves ``optimizer.state_dict()`` and resumes with ``optimizer.load_state_dict(...)``.
-Under ``partitioned`` and ``ps`` the user's optimizer steps this rank's flat shards, so its own
-``state_dict()`` would hold only those: ``Engine.optimizer_state_dict()`` gathers the state an
-optimizer over the whole model would have (a collective), and an optimizer that already holds
-state when the Engine is built (the script loaded it first) has that state split over the
-shards. The formats:
-
-- *torch's*: ``{"state": {n: {...}}, "param_groups": [{..., "params": [n, ...]}]}`` with the
-  parameters numbered 0, 1, ... through the groups in their own order (what
-  ``Optimizer.state_dict`` writes and ``load_state_dict`` reads positionally);
-- *canonical* (``Strategy.optimizer_state_dict``): the same keyed by each parameter's index in
-  the Engine's trainable parameters (the model's order), every group's ``params`` as those
-  indices. Per-parameter tensors have the parameter's shape in both; values are unchanged.
+Under ``partitioned`` and ``ps`` the user's optimizer steps this rank's flat shards, so the
+Engine converts between torch's format (parameters numbered through the groups in their own
+order) and the *canonical* one (``Strategy.optimizer_state_dict``: keyed by each parameter's
+index in the Engine's trainable parameters); per-parameter values are unchanged.
 """
 
 from __future__ import annotations
@@ -90,8 +81,7 @@ def _with_params(group: dict[str, Any], params: list[int]) -> dict[str, Any]:
 
 class DirectStateRefused:
     """Stands in for ``optimizer.state_dict`` / ``load_state_dict`` while a strategy steps the
-    optimizer over this rank's shards: what they would read or write is this rank's part only
-    (silently wrong for a checkpoint), so the call is one line naming the Engine's method."""
+    optimizer over this rank's shards (they would be silently wrong for a checkpoint)."""
 
     def __init__(self, method: str, strategy: str) -> None:
         self.method, self.strategy = method, strategy
