@@ -54,3 +54,12 @@ class PeerLost(PhalanxError, RuntimeError):
             "each rank as many batches, e.g. DistributedSampler(drop_last=True)); if it "
             "failed, its own error is in its log"
         )
+
+    @classmethod
+    def from_backend(cls, error: RuntimeError, step: int) -> PeerLost | None:
+        """The backend's ``error`` as a PeerLost when its words say a peer went away (its
+        first sentence kept, without the source path), else None."""
+        first_line = str(error).splitlines()[0] if str(error) else ""
+        if isinstance(error, PhalanxError) or not any(p in first_line.lower() for p in PEER_LOSS):
+            return None
+        return cls(step, first_line.split("] ", 1)[-1].split(". ", 1)[0][:160])

@@ -130,6 +130,9 @@ class Trainer:
         )  # stepped once per optimizer step; its state goes into checkpoints
         self.step = 0
         self.preempted = False  # a SIGTERM arrived: checkpoint at the next step boundary, stop
+        self._threshold_saved = False  # bucket_mb = "auto": its choice is in the run directory
+        self._pending_save: Any = None  # checkpoint.async_save's save in flight
+        self._async_group: Any = None  # the process group of background saves, once needed
         if resume:
             self._restore()
         elif self.ctx.is_main:
@@ -163,7 +166,7 @@ class Trainer:
             while self.step < self.total_steps and not self.preempted:
                 t0 = time.perf_counter()
                 x, y = self.loader.next()
-                self.engine.trace_input(t0, time.perf_counter())
+                self.engine.trace.input(t0, time.perf_counter())
                 try:
                     self.engine.step(x, y)  # its stats: the global mean loss and any stop vote
                 except RuntimeError as e:  # a layer's sizes wrong in the config: name it
@@ -176,7 +179,7 @@ class Trainer:
                 lr = self.engine.optimizer.param_groups[0]["lr"]  # the rate this step used
                 if self.scheduler is not None:
                     self.scheduler.step()
-                tracer = self.engine.tracer
+                tracer = self.engine.trace.tracer
                 if tracer is not None and tracer.written is not None and is_main:
                     progress.write(f"trace of steps: {tracer.written} (open in ui.perfetto.dev)")
                     tracer.written = None
@@ -190,10 +193,10 @@ class Trainer:
                     progress.write(self._compile_line(elapsed), always=True)
                 record = {"step": self.step, "loss": loss, "time_s": elapsed, **self._stats()}
                 record["lr"] = lr
-                if self._threshold_chosen_now() and is_main:
-                    assert self.engine.threshold is not None  # _threshold_chosen_now checked it
-                    progress.write(f"step {self.step}: {self.engine.threshold.describe()}")
-                    progress.write(f"step {self.step}: {self.engine.threshold_trials}")
+                chosen = self._threshold_chosen_now()
+                if chosen is not None and is_main:
+                    progress.write(f"step {self.step}: {chosen[0]}")
+                    progress.write(f"step {self.step}: {chosen[1]}")
                 if self._due(train.val_every):
                     metrics = self._evaluate()
                     record.update(metrics)
@@ -230,7 +233,7 @@ class Trainer:
             **metrics,
             "samples_per_s": steps_run * global_batch / train_time if train_time else 0.0,
             "train_time_s": train_time,
-            "nonfinite_steps": self.engine.num_nonfinite_steps,
+            "nonfinite_steps": self.engine.guard.num_nonfinite_steps,
             "compile_s": self.engine.compile_s,  # this rank's (0's); None without compile
             **self._memory_summary(),
             **prediction_summary(self.run_dir, step_times),
@@ -272,18 +275,19 @@ class Trainer:
         scores = self.engine.is_trainer
         return evaluate(model, self.data, self.ctx, size, shard=self.shard, scores=scores)
 
-    def _threshold_chosen_now(self) -> bool:
-        """bucket_mb = "auto" just chose its threshold: keep the link fit and the choice."""
-        choice = self.engine.threshold
-        if choice is None or not self.engine.auto_done or getattr(self, "_threshold_saved", False):
-            return False
+    def _threshold_chosen_now(self) -> tuple[str, str] | None:
+        """bucket_mb = "auto" just chose its threshold: keep the link fit and the choice in the
+        run directory; returns (the choice, what the trials measured) once, else None."""
+        auto = self.engine.auto
+        if auto is None or auto.threshold is None or not auto.done or self._threshold_saved:
+            return None
         self._threshold_saved = True
-        if self.ctx.is_main and self.engine.link is not None:
-            self.engine.link.save(self.run_dir)
-            record = {**choice.to_dict(), "measured": self.engine.threshold_trials}
+        if self.ctx.is_main and auto.link is not None:
+            auto.link.save(self.run_dir)
+            record = {**auto.threshold.to_dict(), "measured": auto.trials_text}
             record["kept_bucket_bytes"] = self.engine.buckets.bucket_bytes
             atomic_write_text(self.run_dir / "threshold.json", json.dumps(record, indent=2) + "\n")
-        return True
+        return auto.threshold.describe(), auto.trials_text
 
     def _due(self, every: int) -> bool:
         return self.step == self.total_steps or (every > 0 and self.step % every == 0)
@@ -371,7 +375,7 @@ class Trainer:
         background thread writes it while training goes on (one at a time); the run's last
         checkpoint (and a preemption's) is written before ``_save`` returns."""
         directory, keep = self.run_dir / "checkpoints", self.config.checkpoint.keep
-        pending, self._pending_save = getattr(self, "_pending_save", None), None
+        pending, self._pending_save = self._pending_save, None
         if pending is not None:
             pending.wait()
         last = self.step >= self.total_steps or self.preempted
@@ -386,7 +390,7 @@ class Trainer:
 
     def _save_group(self) -> Any:
         """The process group of background saves (their collectives run on their thread)."""
-        if getattr(self, "_async_group", None) is None:
+        if self._async_group is None:
             timeout = datetime.timedelta(seconds=self.config.runtime.timeout_s)
             self._async_group = dist.new_group(backend="gloo", timeout=timeout)
         return self._async_group

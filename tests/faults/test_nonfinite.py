@@ -71,7 +71,7 @@ def _guarded(ctx: px.Context) -> dict:
         out[(strategy, gradients_only)] = {
             "state": {k: v.clone() for k, v in engine.module.state_dict().items()},
             "skipped": skipped,
-            "count": engine.num_nonfinite_steps,
+            "count": engine.guard.num_nonfinite_steps,
         }
         engine.close()
     # A skip while bucket_mb="auto" profiles backward: the choice still comes, on every rank.
@@ -81,10 +81,10 @@ def _guarded(ctx: px.Context) -> dict:
         engine = px.Engine(_model(), loss_fn, ADAM, exchange=strategy, bucket_mb="auto",
                            context=ctx)  # fmt: skip
         num = 0
-        while not engine.auto_done and num < 80:
+        while not engine.auto.done and num < 80:
             engine.step(x, y)
             num += 1
-        out[f"auto_{strategy}"] = (engine.auto_done, engine.num_nonfinite_steps)
+        out[f"auto_{strategy}"] = (engine.auto.done, engine.guard.num_nonfinite_steps)
         engine.close()
     # Consecutive skips beyond max_nonfinite stop training, naming the step.
     loss_fn = PoisonedLoss(0, {0, 1, 2})

@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from phalanx.export import export_weights
+from phalanx.commands.export import export_weights
 from tests.integration.users import assert_clean, run
 
 # Activation-dominated, as the held-out models: per-token MLP blocks (embedding,

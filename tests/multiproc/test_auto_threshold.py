@@ -29,12 +29,12 @@ def _auto(ctx: px.Context) -> dict:
         train_shards(engine, (batches * 7)[:42])
         reference = one_process(model, ADAM, (batches * 7)[:42]).model
         out[name] = {
-            "threshold": engine.threshold.bucket_bytes if engine.threshold else None,
-            "done": engine.auto_done,
-            "trials": engine.threshold_trials,
+            "threshold": engine.auto.threshold.bucket_bytes if engine.auto.threshold else None,
+            "done": engine.auto.done,
+            "trials": engine.auto.trials_text,
             "bucket_bytes": engine.buckets.bucket_bytes,
-            "alpha_beta": (engine.link.alpha_s, engine.link.beta_bytes_per_s),
-            "describe": engine.threshold.describe() if engine.threshold else "",
+            "alpha_beta": (engine.auto.link.alpha_s, engine.auto.link.beta_bytes_per_s),
+            "describe": engine.auto.threshold.describe() if engine.auto.threshold else "",
             "diff": max_diff(engine.module, reference),
         }
         engine.close()

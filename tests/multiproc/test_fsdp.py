@@ -135,7 +135,7 @@ def _equivalence(ctx: px.Context) -> dict[str, Any]:
     engine = px.Engine(_model(), loss_fn, _adamw, exchange=per_layer)  # resharded after forward
     engine_ref.append(engine)
     _train(engine, batches, ctx)
-    out["skipped"] = (_weights(engine), engine.num_nonfinite_steps)
+    out["skipped"] = (_weights(engine), engine.guard.num_nonfinite_steps)
     engine.close()
     return out
 

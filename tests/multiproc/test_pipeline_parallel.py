@@ -178,7 +178,7 @@ def train_layouts(ctx: Any, pipeline: int, layouts: list) -> list[dict]:
                 "reports_loss": engine.reports_loss,
                 "losses": losses,
                 "printed": str(engine.pipeline.stages),
-                "skipped": engine.num_nonfinite_steps,
+                "skipped": engine.guard.num_nonfinite_steps,
                 "evaluated": evaluated,
             }
         )

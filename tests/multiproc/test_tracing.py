@@ -37,7 +37,7 @@ def train_traced(ctx: Any, directory: str) -> dict[str, Any]:
         for _ in range(4):
             engine.step(torch.randn(8, 32), torch.randint(0, 4, (8,)))
         out[name] = {
-            "written": str(engine.tracer.written) if engine.tracer.written else None,
+            "written": str(engine.trace.tracer.written) if engine.trace.tracer.written else None,
             "bucket_bytes": [b.nbytes for b in engine.buckets.buckets],
         }
         engine.close()
@@ -117,7 +117,7 @@ def train_traced_fsdp(ctx: Any, directory: str) -> str | None:
     )
     for _ in range(4):
         engine.step(torch.randn(8, 32), torch.randint(0, 4, (8,)))
-    written = str(engine.tracer.written) if engine.tracer.written else None
+    written = str(engine.trace.tracer.written) if engine.trace.tracer.written else None
     engine.close()
     return written
 

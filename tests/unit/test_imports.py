@@ -155,7 +155,6 @@ LAZY = {
     "phalanx.build": "assembles a whole run (data, model, Engine): only the verbs that run one",
     "phalanx.trainer": "the training loop: only `phalanx train` in a worker",
     "phalanx.dryrun": "only `phalanx train --dry-run`",
-    "phalanx.export": "only `phalanx export` (safetensors)",
     "phalanx.data.pack": "only `phalanx data pack`",
     "phalanx.losses": "only runs built from a config",
     "phalanx.runtime.launch": "torch's elastic launcher: only launched runs",

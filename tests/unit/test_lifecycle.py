@@ -4,6 +4,7 @@ shutdown closes what is still open, the optimizer object survives bucket rebuild
 from __future__ import annotations
 
 import functools
+import gc
 import os
 import subprocess
 import sys
@@ -51,7 +52,7 @@ def test_shutdown_closes_open_engines_before_the_group() -> None:
     assert len(_comm_threads()) == 3
     px.shutdown()
     assert _comm_threads() == [] and not dist.is_initialized()
-    assert all(engine._closed for engine in engines)
+    assert all(engine._teardown.closed for engine in engines)
 
 
 @pytest.mark.parametrize("strategy", ["allreduce", "partitioned", "ps"])
@@ -64,12 +65,31 @@ def test_optimizer_object_survives_rebuilds_and_scheduler_acts(strategy: str) ->
     optimizer = engine.optimizer
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
     steps = 0
-    while not engine.auto_done or steps < 3:
+    while not engine.auto.done or steps < 3:
         engine.step(*batch())
         scheduler.step()
         steps += 1
         assert engine.optimizer is optimizer
     assert optimizer.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**steps)
+
+
+@pytest.mark.parametrize("strategy", ["allreduce", "partitioned"])
+def test_a_rebuild_leaves_no_holder_with_the_closed_strategy(strategy: str) -> None:
+    """Reversed registers its layers in reverse, so the buckets rebuild after step 1 and a new
+    strategy replaces the first: every part of the Engine reads it through the one slot, and
+    none of them still refers to the strategy the rebuild closed."""
+    engine = px.Engine(Reversed(), nn.functional.cross_entropy, SGD, exchange=strategy)
+    first = engine.strategy
+    for _ in range(2):
+        engine.step(*batch())
+    assert engine.strategy is not first and engine.slot.current is engine.strategy
+    launch = engine.buckets.launch
+    holders = [launch.__self__, engine.trace.slot, engine._teardown.parts[0], engine.state.slot]
+    assert all(holder is engine.slot for holder in holders)
+    parts = [engine, engine.buckets, engine.trace, engine.slot, engine.state, engine._teardown]
+    held = {id(vars(part)) for part in parts} | {id(engine._teardown.parts)}
+    assert not [r for r in gc.get_referrers(first) if id(r) in held]
+    engine.close()
 
 
 def _os_threads() -> set[str]:

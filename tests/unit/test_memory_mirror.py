@@ -150,7 +150,7 @@ def test_engine_with_host_optimizer_on_a_tied_batchnorm_model_with_an_unused_lay
 
     resident = [v for s in engine.optimizer.state.values() for v in s.values()
                 if torch.is_tensor(v) and v.dim() > 0]  # fmt: skip
-    assert (place == "host") == (engine.lazy_optimizer_shards() is not None)
+    assert (place == "host") == (engine.state.lazy_shards() is not None)
     checkpoint.save(tmp_path / "ckpt", 4, {"engine": engine})
     if place == "host":  # nothing was brought back into memory for the save
         assert resident == [] and engine.memory.mirror.num_resident == 0

@@ -266,12 +266,12 @@ def _cell(
     )
     for _ in range(cfg.warmup):
         engine.step(x, y)
-    while not engine.auto_done:
+    while engine.auto is not None and not engine.auto.done:
         engine.step(x, y)
     # Phase 2: time and trace the same consecutive steps.
     directory = tempfile.mkdtemp(prefix="phalanx-plan-bench-")
     trace = TraceConfig(directory=directory, first_step=engine.num_steps + 1, num_steps=cfg.steps)
-    engine.tracer = StepTracer(trace, ctx.rank, ctx.device)
+    engine.trace.tracer = StepTracer(trace, ctx.rank, ctx.device)
     dist.barrier(group=ctx.group)
     times = []
     for _ in range(cfg.steps):

@@ -9,6 +9,8 @@ from typing import Any, NamedTuple
 import torch
 
 from phalanx.errors import ConfigError
+from phalanx.faults import fault_at
+from phalanx.precision import Precision
 
 Batch = tuple[tuple[Any, ...], dict[str, Any]]  # a step's (args, kwargs), on the device
 
@@ -121,3 +123,57 @@ class MicroBatches:
         taken = Accumulated(self.count, self._loss_sum)
         self.count, self._loss_sum = 0, self._zero
         return taken
+
+
+class ForwardPass:
+    """Phase 2's forward of one micro-batch under the precision's autocast: ``loss_fn(
+    module(inputs), targets)``, or the model's own loss from its arguments (``loss_fn`` None).
+    With ``keep_outputs`` (``Engine(return_outputs=True)``) each output, detached, is kept for
+    ``result``."""
+
+    def __init__(
+        self, module: torch.nn.Module, loss_fn: Any, precision: Precision, keep_outputs: bool
+    ) -> None:
+        self.module, self.loss_fn, self.precision = module, loss_fn, precision
+        self.keep_outputs = keep_outputs
+        self._outputs: list[Any] = []  # this step's micro-batches' outputs
+
+    def __call__(self, batch: Batch, step: int) -> torch.Tensor:
+        """The micro-batch's loss (0-dim); ``step``: the step's number, for fault points."""
+        args, kwargs = batch
+        with self.precision.autocast():
+            if self.loss_fn is not None:
+                inputs, targets = args
+                output = self.module(inputs)
+                loss = self.loss_fn(output, targets)
+            else:
+                output = self.module(*args, **kwargs)
+                loss = loss_of(output)
+        if self.keep_outputs:
+            self._outputs.append(detached(output))
+        if fault_at("forward", step) == "nan":
+            loss = loss * float("nan")
+        return loss
+
+    def result(self, loss: torch.Tensor) -> Any:
+        """``step``'s value: the loss, or (loss, outputs) with ``keep_outputs`` (one output, or
+        a list of each micro-batch's)."""
+        if not self.keep_outputs:
+            return loss
+        outputs, self._outputs = self._outputs, []
+        return loss, outputs[0] if len(outputs) == 1 else outputs
+
+
+def accumulation_scales(pending: int, count: int, buckets: Any) -> tuple[float, float]:
+    """Phase 1: (what this step's loss scale is divided by, a factor for the exchanged
+    gradient) so the update's gradient is the mean over its ``count`` micro-batches, of
+    which ``no_sync`` ran ``pending`` at the full scale. Where ``buckets`` (GradientBuckets)
+    hold those, they are scaled now; where none does (fsdp), everything is scaled after the
+    exchange."""
+    if not pending:
+        return max(1, count), 1.0
+    if not buckets.buckets:
+        return 1.0, 1.0 / count
+    for bucket in buckets.buckets:
+        bucket.grads.mul_(1.0 / count)
+    return count, 1.0

@@ -8,10 +8,12 @@ its ``train`` table to the Engine as it is; the Python API's keyword shorthand
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from phalanx.engine.guard import GuardConfig
-from phalanx.fields import option, require
+from phalanx.errors import ConfigError
+from phalanx.exchange.base import STRATEGIES, ExchangeConfig, StrategyFactory, strategy_factory
+from phalanx.fields import option, require, with_options
 
 
 @dataclass(kw_only=True)
@@ -40,3 +42,40 @@ class StepConfig(GuardConfig):
             "accumulate_steps",
             f"must be >= 1, got {self.accumulate_steps}",
         )
+
+
+# The keyword shorthand of Engine(...): each key's Config (the rest of ExchangeConfig's keys
+# and the strategy's options come with ``exchange``).
+STEP_OPTIONS = frozenset(StepConfig.__dataclass_fields__)
+EXCHANGE_OPTIONS = frozenset({"bucket_mb", "compress", "first_bucket_mb"})
+
+
+def resolve_configs(
+    exchange: str | StrategyFactory | ExchangeConfig,
+    step: StepConfig | None,
+    options: dict[str, Any],
+) -> tuple[StrategyFactory, ExchangeConfig, StepConfig]:
+    """The strategy's factory and the two Configs from ``exchange``, ``step`` and the keyword
+    shorthand (each key type-checked and validated by its Config; one line naming a bad one)."""
+    unknown = sorted(set(options) - STEP_OPTIONS - EXCHANGE_OPTIONS)
+    if unknown:
+        allowed = ", ".join(sorted(STEP_OPTIONS | EXCHANGE_OPTIONS))
+        raise ConfigError(f"{unknown[0]}: not an Engine argument; allowed: {allowed}")
+    if options.get("max_grad_norm", 0.0) is None:
+        options = {**options, "max_grad_norm": 0.0}  # None and 0: no clipping
+    step_options = {k: v for k, v in options.items() if k in STEP_OPTIONS}
+    exchange_options = {k: v for k, v in options.items() if k in EXCHANGE_OPTIONS}
+    config = with_options(step if step is not None else StepConfig(), step_options)
+    if isinstance(exchange, str):
+        STRATEGIES.get(exchange)  # one line naming the known strategies
+        exchange = ExchangeConfig(strategy=exchange)
+    if isinstance(exchange, ExchangeConfig):
+        exchange_config = with_options(exchange, exchange_options)
+        factory = strategy_factory(exchange_config.strategy, exchange_config.options)
+        return factory, exchange_config, config
+    if not isinstance(exchange, StrategyFactory):
+        raise ConfigError(
+            "exchange: pass a strategy name, an ExchangeConfig or a phalanx.exchange."
+            f"strategy_factory(name, options); got {type(exchange).__name__}"
+        )
+    return exchange, with_options(ExchangeConfig(), exchange_options), config

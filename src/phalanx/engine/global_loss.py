@@ -92,3 +92,12 @@ class GlobalLoss:
         total, count, votes = self._sums.tolist()
         self.stop_votes = round(votes)
         return total / count if count else float("nan")
+
+
+def rider_slots(sums_whole_buckets: bool, pipeline: Any, model: torch.nn.Module) -> int:
+    """Slots for the global loss in the last bucket: where the strategy sums whole buckets
+    exactly (``sums_whole_buckets``: uncompressed) over the world (no ``pipeline``) in fp32 or
+    fp64 (a bf16 bucket would round the loss)."""
+    trained = [p for p in model.parameters() if p.requires_grad]
+    exact = all(p.dtype in (torch.float32, torch.float64) for p in trained)
+    return SLOTS if sums_whole_buckets and pipeline is None and exact else 0

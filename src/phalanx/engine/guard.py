@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 import torch.distributed as dist
 
-from phalanx.errors import NonFiniteError
+from phalanx.errors import ConfigError, NonFiniteError
 from phalanx.fields import option, require
 from phalanx.precision import Precision
 
@@ -176,3 +176,17 @@ def rescaling_problem(
             "'skip' (max_nonfinite still bounds consecutive skips)"
         )
     return None
+
+
+def check_rescaling(strategy: type, guard: NonfiniteGuard, precision: Precision) -> None:
+    """The Engine's use of ``rescaling_problem``: one line when ``strategy`` (a Strategy class)
+    cannot honour the guard's clipping or fp16's unscaling."""
+    problem = rescaling_problem(
+        strategy.updates_during_exchange,  # type: ignore[attr-defined]
+        strategy.__name__,
+        max_grad_norm=guard.max_grad_norm,
+        precision=precision.name,
+        nonfinite=guard.nonfinite,
+    )
+    if problem is not None:
+        raise ConfigError(f"{problem[0]}: {problem[1]}")

@@ -14,13 +14,14 @@ Phases, as the Engine calls them:
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from phalanx.engine.guard import NonfiniteGuard
-from phalanx.exchange.base import GradientExchange
+from phalanx.engine.slot import StrategySlot
 from phalanx.exchange.buckets import GradientBuckets
 from phalanx.faults import fault_at
 from phalanx.parallel.pipeline import PipelineParallel
@@ -33,20 +34,27 @@ class PipelineDriver:
         self,
         pipeline: PipelineParallel,
         buckets: GradientBuckets,
-        strategy: GradientExchange,
+        slot: StrategySlot,
         guard: NonfiniteGuard,
         precision: Precision,
         world: Context,
     ) -> None:
-        self.pipeline, self.buckets, self.strategy = pipeline, buckets, strategy
+        self.pipeline, self.buckets, self.slot = pipeline, buckets, slot
         self.guard, self.precision, self.world = guard, precision, world
         self._launch = False  # this accumulation step's last backward launches
         self._bad_so_far = False  # the last stage's loss was inf/NaN this step
         self._fault_nan = False  # an injected fault makes this step's loss NaN
-        pipeline.before_backward = self.before_backward
-        pipeline.grads_written = buckets.written
 
     # Phase 2
+    def run(
+        self, inputs: list[Any], scale: float, step: int, trace: Any
+    ) -> tuple[torch.Tensor, bool]:
+        """``forward_backward``, traced as one span of ``trace`` (the Engine's StepTrace)."""
+        started = time.perf_counter()
+        result = self.forward_backward(inputs, scale, step)
+        trace.span("compute", "pipeline schedule", started)
+        return result
+
     def forward_backward(
         self, inputs: list[Any], scale: float, step: int
     ) -> tuple[torch.Tensor, bool]:
@@ -62,7 +70,7 @@ class PipelineDriver:
         for i, (x, y) in enumerate(inputs):
             self._launch = i == len(inputs) - 1 and self._overlaps
             with self.precision.autocast():
-                loss = pipeline.step(x, y, scale)
+                loss = pipeline.step(x, y, scale, listener=self)
             total_loss += loss / len(inputs)
             self._bad_so_far = self._loss_bad_now()
         if self._fault_nan:
@@ -71,11 +79,14 @@ class PipelineDriver:
             self.buckets.poison = self._bad_so_far  # for buckets flushed after this
         return total_loss, self._verdict_before_exchange(total_loss)
 
-    def before_backward(self, last_backward: bool) -> None:
+    def before_backward(self, last_backward: bool) -> None:  # the pipeline's listener
         launch = last_backward and self._launch
         if launch and self.guard.nonfinite is not None:  # every forward of this stage is done
             self.buckets.poison = self._loss_bad_now()
         self.buckets.arm(launch=launch)
+
+    def grads_written(self, params: list[torch.nn.Parameter]) -> None:
+        self.buckets.written(params)
 
     def _loss_bad_now(self) -> bool:
         """On the last stage's rank: whether any micro-batch loss of this step so far (or an
@@ -88,13 +99,13 @@ class PipelineDriver:
     def _overlaps(self) -> bool:
         """Buckets launch inside the schedule's last backward when one set of buckets sees one
         stage's backward passes in order, and no agreement must come first."""
-        agree_first = self.strategy.updates_during_exchange and self.guard.nonfinite is not None
+        agree_first = self.slot.current.updates_during_exchange and self.guard.nonfinite is not None
         return len(self.pipeline.stage_ids) == 1 and not agree_first
 
     def _verdict_before_exchange(self, loss: torch.Tensor) -> bool:
         """Strategies that update while gradients arrive agree on the loss's health before
         anything is exchanged: one flag all-reduced over the world (the last stages know)."""
-        if self.guard.nonfinite is None or not self.strategy.updates_during_exchange:
+        if self.guard.nonfinite is None or not self.slot.current.updates_during_exchange:
             return False
         flag = torch.tensor([float(not bool(torch.isfinite(loss)))], device=self.world.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.world.group)

@@ -15,17 +15,12 @@ class Teardown:
     exit) when the user dropped the Engine first: every rank then completes the last step's
     exchange before it leaves, whatever the script did after its last ``step()``."""
 
-    def __init__(self, strategy: Any, buckets: Any, pipeline: Any, memory: Any) -> None:
-        """``strategy`` (phalanx.exchange), ``buckets`` (GradientBuckets), ``pipeline`` and
+    def __init__(self, slot: Any, buckets: Any, pipeline: Any, memory: Any) -> None:
+        """``slot`` (its current strategy), ``buckets`` (GradientBuckets), ``pipeline`` and
         ``memory`` (None where the Engine has none): what ``__call__`` closes, in this order."""
-        self.parts: tuple | None = (strategy, buckets, pipeline, memory)
+        self.parts: tuple | None = (slot, buckets, pipeline, memory)
         self.thread = threading.get_ident()  # the thread that built the Engine
         self.held: list[Any] = []  # the Engine's own last backend works (hold_until_shutdown)
-
-    def replace_strategy(self, strategy: Any) -> None:
-        """A bucket rebuild built a new strategy (the Engine closed the old one)."""
-        if self.parts is not None:
-            self.parts = (strategy, *self.parts[1:])
 
     def hold(self, works: list[Any]) -> None:
         """Keep the Engine's last backend works (until replaced, or released at shutdown)."""
@@ -34,12 +29,12 @@ class Teardown:
     def __call__(self) -> None:
         if self.parts is None:
             return
-        strategy, buckets, pipeline, memory = self.parts
+        slot, buckets, pipeline, memory = self.parts
         self.parts = None
         hold_until_shutdown(self.held)
         self.held = []
         try:
-            strategy.close()
+            slot.current.close()
         finally:
             buckets.remove_hooks()
             if pipeline is not None:

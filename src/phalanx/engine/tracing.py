@@ -153,11 +153,11 @@ class StepTrace(StepHook):
     strategy's (parameter waits, the communication thread's work) at its end.
 
     ``tracer``: None when not tracing (settable: a bench may trace an Engine it built);
-    ``strategy`` and ``buckets``: the Engine's (phalanx.exchange); ``world``: the Context of
+    ``slot`` (the current strategy) and ``buckets``: the Engine's; ``world``: the Context of
     every process, over whose group the last traced step gathers every rank's events."""
 
-    def __init__(self, tracer: StepTracer | None, strategy: Any, buckets: Any, world: Any) -> None:
-        self.tracer, self.strategy, self.buckets, self.world = tracer, strategy, buckets, world
+    def __init__(self, tracer: StepTracer | None, slot: Any, buckets: Any, world: Any) -> None:
+        self.tracer, self.slot, self.buckets, self.world = tracer, slot, buckets, world
         self.tracing = False  # whether the current step is traced
         self.backward_started = 0.0  # perf_counter at the last backward's start
         self._exchange_waited = 0.0  # perf_counter when Phase 4 started waiting
@@ -193,11 +193,11 @@ class StepTrace(StepHook):
 
     # Phase 5
     def end(self, step: StepEnd) -> None:
-        spans = self.strategy.take_thread_spans()  # taken every step: the list stays short
+        spans = self.slot.current.take_thread_spans()  # taken every step: the list stays short
         if not self.tracing:
             return
         assert self.tracer is not None
-        for b, start, end in self.strategy.param_waits:  # inside forward's span
+        for b, start, end in self.slot.current.param_waits:  # inside forward's span
             self.tracer.span("wait", f"parameters b{b}", start, end, bucket=b)
         for lane, name, b, nbytes, start, end in spans:  # the communication thread's work
             self.tracer.span(lane, name, start, end, bucket=b, bytes=nbytes)
@@ -206,9 +206,9 @@ class StepTrace(StepHook):
 
     def _meta(self) -> dict[str, Any]:
         return {
-            "strategy": type(self.strategy).__name__,
+            "strategy": type(self.slot.current).__name__,
             "world_size": self.world.world_size,
             "bucket_bytes": [b.nbytes for b in self.buckets.buckets],
-            "compress": self.strategy.codec.name,
+            "compress": self.slot.current.codec.name,
             "device": str(self.world.device),
         }

@@ -25,7 +25,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -135,6 +135,28 @@ def _crosses(stage: int, rank_of: Callable[[int], int] | None) -> bool:
     return rank_of is None or rank_of(stage + 1) != rank_of(stage)
 
 
+class BackwardListener(Protocol):
+    """What hears of a stage's backward passes during ``PipelineParallel.step``."""
+
+    def before_backward(self, last_backward: bool) -> None:
+        """Before a stage's backward pass (``last_backward``: its last this step)."""
+
+    def grads_written(self, params: list[nn.Parameter]) -> None:
+        """Zero-bubble schedules' weight-gradient pass writes ``.grad`` itself, past autograd's
+        accumulation and so past post-accumulate-grad hooks: these parameters were written."""
+
+
+class _Deaf:
+    def before_backward(self, last_backward: bool) -> None:
+        pass
+
+    def grads_written(self, params: list[nn.Parameter]) -> None:
+        pass
+
+
+_NO_LISTENER: BackwardListener = _Deaf()
+
+
 class PipelineParallel:
     """This rank's part of a P-stage pipeline replicated D times (see the module docstring).
 
@@ -198,10 +220,7 @@ class PipelineParallel:
         self._losses: list[torch.Tensor] = []
         self._loss_fn = loss_fn
         self._agreement_sends: tuple[torch.Tensor | None, list[Any]] = (None, [])
-        self.before_backward: Callable[[bool], None] = lambda last: None
-        # Zero-bubble schedules' weight-gradient pass writes ``.grad`` itself, past autograd's
-        # accumulation and so past post-accumulate-grad hooks: it reports those parameters here.
-        self.grads_written: Callable[[list[nn.Parameter]], None] = lambda params: None
+        self._listener: BackwardListener = _NO_LISTENER  # the current ``step``'s
         # Benchmarks: time spent computing (forward and backward of this rank's stages) per
         # step, which makes the bubble measurable; off in training (on CUDA it synchronizes).
         self.measure_busy = False
@@ -263,9 +282,16 @@ class PipelineParallel:
         return sum(t.bytes_forward + t.bytes_backward for t in self.transfers)
 
     # -- Phase 4: one step --------------------------------------------------------------------
-    def step(self, inputs: Any, targets: torch.Tensor, scale: float) -> torch.Tensor:
+    def step(
+        self,
+        inputs: Any,
+        targets: torch.Tensor,
+        scale: float,
+        listener: BackwardListener | None = None,
+    ) -> torch.Tensor:
         """Forward and backward of one replica batch, split into micro-batches; gradients
         accumulate in the parameters' ``.grad`` multiplied by ``scale / micro-batches``.
+        ``listener`` hears of each stage backward pass (the Engine's pipeline driver).
         Returns the mean loss over the micro-batches on the rank holding the last stage
         (zero elsewhere)."""
         if self._schedule is None:
@@ -274,7 +300,11 @@ class PipelineParallel:
         self._losses = []
         args = (_standard_strides(inputs),) if self.holds_first else ()
         target = targets if self.holds_last else None
-        self._schedule.step(*args, target=target, losses=[] if self.holds_last else None)
+        self._listener = listener or _NO_LISTENER
+        try:
+            self._schedule.step(*args, target=target, losses=[] if self.holds_last else None)
+        finally:
+            self._listener = _NO_LISTENER
         if not self._losses:
             return torch.zeros((), device=self.world.device)
         return torch.stack(self._losses).mean()
@@ -449,7 +479,7 @@ def _notifying_stage_class() -> type:
         def backward_maybe_with_nosync(
             self, backward_type: Any, bwd_kwargs: dict, last_backward: bool = False
         ) -> Any:
-            self._owner.before_backward(last_backward)
+            self._owner._listener.before_backward(last_backward)
             self._owner._start_busy()
             # torch's weight-gradient pass assigns or adds to .grad itself, past the hooks.
             params = list(self.submod.parameters()) if backward_type == "weight" else []
@@ -465,7 +495,7 @@ def _notifying_stage_class() -> type:
                 self._owner._stop_busy(kind=str(backward_type))
             if params:
                 written = [p for p, v in zip(params, before) if _grad_version(p) != v]
-                self._owner.grads_written(written)
+                self._owner._listener.grads_written(written)
             return result
 
     return _NotifyingStage
