@@ -70,8 +70,6 @@ def write_items(value: Slices, fqn: str) -> list[WriteItem]:
 
 
 # -- values DCP's flattening would garble, kept whole -------------------------------------------
-
-
 class Whole:
     """A value DCP writes and reads as one pickled value instead of flattening it."""
 
@@ -93,9 +91,8 @@ def holds_tensors(value: Any) -> bool:
 
 
 def _garbled(value: Any) -> bool:
-    """Whether DCP's flattening would change ``value``: it turns keys into strings, so a
-    mapping with other keys (MultiStepLR's Counter of milestones) loads with its keys
-    changed (then saves with each twice: ``duplicated flatten key``)."""
+    """Whether DCP's flattening would change ``value``: it turns keys into strings (MultiStepLR's
+    Counter of milestones would load changed, then save each key twice)."""
     if isinstance(value, Mapping):
         return any(not isinstance(k, str) or _garbled(v) for k, v in value.items())
     return isinstance(value, list) and any(_garbled(v) for v in value)
@@ -146,10 +143,8 @@ def check_loadable(fqn: str, value: Any) -> None:
 
 
 def lowest_rank_writes(plans: list[Any]) -> list[Any]:
-    """Each item several ranks would write (a tensor or value every rank holds) left to the
-    lowest of them, rank 0 where it holds it: the checkpoint is rank 0's, as DDP's rank-0
-    ``torch.save``. DCP's own choice balances bytes across ranks and may take any rank's
-    copy, and copies need not be equal: BatchNorm's statistics follow each rank's batch."""
+    """Each item several ranks would write left to the lowest of them: DCP's own choice may
+    take any rank's copy, and copies differ (BatchNorm's statistics follow each rank's batch)."""
     seen: set[MetadataIndex] = set()
     out = []
     for plan in plans:
@@ -159,8 +154,6 @@ def lowest_rank_writes(plans: list[Any]) -> list[Any]:
 
 
 # -- the checkpoint's structure, and room to load it into -------------------------------------
-
-
 def structure(metadata: Any) -> dict[str, Any]:
     """The nested structure DCP's ``metadata`` describes, its leaves DCP's storage metadata
     (TensorStorageMetadata: shape, dtype and chunks; BytesStorageMetadata)."""
@@ -232,12 +225,8 @@ def _key(node: Any, part: Any) -> Any:
 
 
 # -- planners -----------------------------------------------------------------------------------
-
-
 class SavePlanner(DefaultSavePlanner):
-    """DCP's default save planner that also writes ``Slices`` (each piece a chunk), writes what
-    several ranks hold from the lowest of them (rank 0's), keeps values its flattening would
-    garble whole, and refuses values ``weights_only=True`` loading would refuse."""
+    """DCP's default save planner with the additions the module docstring lists."""
 
     def set_up_planner(
         self, state_dict: Any, storage_meta: Any = None, is_coordinator: bool = False
@@ -272,10 +261,8 @@ class SavePlanner(DefaultSavePlanner):
 
 
 class LoadPlanner(DefaultLoadPlanner):
-    """DCP's default load planner that also reads into ``Slices`` (only the boxes this rank
-    asks for: DCP reads the overlapping stored chunks), unpickles non-tensor values with
-    ``weights_only=True``, reads values the checkpoint holds whole, and fills ``None``
-    placeholders with what the checkpoint holds there."""
+    """DCP's default load planner that also reads into ``Slices`` (only this rank's boxes),
+    unpickles with ``weights_only=True`` and fills ``None`` placeholders."""
 
     def set_up_planner(
         self, state_dict: Any, metadata: Any = None, is_coordinator: bool = False

@@ -1,35 +1,11 @@
 """Checkpoints that survive crashes and corruption, in ``RUN_DIR/checkpoints``, written with
 torch.distributed.checkpoint (DCP).
 
-A checkpoint is a directory and two records:
-
-- ``step-NNNNNNN/``: what ``dcp.save`` writes. The ranks write their shard files
-  (``__RANK_N.distcp``) in parallel; rank 0 adds DCP's ``.metadata``. What several ranks hold
-  (the model's tensors, BatchNorm statistics, non-tensor values) the lowest of them writes:
-  rank 0's copy, as DDP's rank-0 ``torch.save`` (copies need not be equal: each rank's
-  statistics follow its own batch). The state is keyed by name
-  (``trainer.engine.model.fc.weight``, ``trainer.engine.optimizer.state.fc.weight.exp_avg``),
-  and optimizer state a sharded strategy splits between owner ranks is stored as chunks of
-  the full per-parameter tensor (``Slices``), so each owner writes only its own share and a
-  run resumes on any world size with any strategy: DCP reads each rank exactly the pieces it
-  needs. Any PyTorch loads it: ``dcp.load`` or ``format_utils.dcp_to_torch_save``.
-- ``step-NNNNNNN.json``: its integrity record (a "sidecar"), ``{dir, step, files}`` with the
-  SHA-256 and size of every file in the directory.
-- ``latest.json``: a copy of the newest checkpoint's record, which points at it.
-
-Order of a save: every rank writes into ``.step-NNNNNNN.tmp/``; when all have finished (DCP's
-last collective), rank 0 renames the directory into place, then writes the sidecar, then
-latest.json (each file atomically: temporary file, fsync, rename, directory fsync). A crash at
-any point leaves complete checkpoints plus perhaps a temporary directory or a directory
-without a sidecar; neither is ever loaded, and the next save deletes both. ``save_async``
-does the writing on a background thread (``[checkpoint] async_save``).
-
-``restore`` (every rank): rank 0 picks the checkpoint, trying latest.json's first, then the
-others newest first, each checked against its record (every file's size and SHA-256, then
-DCP's metadata); past a damaged one it logs one warning naming it and the one it resumed from;
-with none good, CheckpointError names the directory. Rank 0 broadcasts the choice, so every
-rank loads the same one. Single-file ``step-NNNNNNN.pt`` checkpoints of earlier versions
-(``torch.save`` payload, sidecar ``{file, step, sha256, bytes}``) still load.
+A checkpoint is ``step-NNNNNNN/`` (what ``dcp.save`` writes; state keyed by name, sharded
+optimizer state as ``Slices`` so a run resumes on any world size), its integrity record
+``step-NNNNNNN.json`` (every file's SHA-256 and size) and ``latest.json`` (a copy of the newest
+record). docs/reliability.md has the save order that makes a crash harmless and how ``restore``
+falls back past damaged checkpoints; single-file ``step-NNNNNNN.pt`` checkpoints still load.
 """
 
 from __future__ import annotations
@@ -98,9 +74,6 @@ class CheckpointConfig:
         require(self.keep >= 1, "keep", f"must be >= 1, got {self.keep}")
 
 
-# -- loading room -------------------------------------------------------------------------------
-
-
 def template(stored: Any) -> Any:
     """Room to load the stored structure ``stored`` (from ``restore``) into: empty tensors for
     tensors, None for other values (DCP replaces them)."""
@@ -108,8 +81,6 @@ def template(stored: Any) -> Any:
 
 
 # -- saving ---------------------------------------------------------------------------------------
-
-
 def _step_name(step: int, suffix: str = "") -> str:
     return f"step-{step:07d}{suffix}"
 
@@ -129,9 +100,7 @@ def _check_state_argument(state: Any) -> None:
 
 
 def _is_stateful(value: Any) -> bool:
-    return callable(getattr(value, "state_dict", None)) and callable(
-        getattr(value, "load_state_dict", None)
-    )
+    return all(callable(getattr(value, m, None)) for m in ("state_dict", "load_state_dict"))
 
 
 def _distributed(group: Any) -> tuple[bool, Any, int]:
@@ -175,12 +144,8 @@ def _complete(directory: Path, step: int, files: dict[str, dict[str, Any]], keep
     name = _step_name(step)
     tmp, final, sidecar = directory / f".{name}.tmp", directory / name, directory / f"{name}.json"
     files = {**files, METADATA: _digest(tmp / METADATA)}
-    record = {
-        "dir": name,
-        "step": step,
-        "files": dict(sorted(files.items())),
-        "bytes": sum(entry["bytes"] for entry in files.values()),
-    }
+    total = sum(entry["bytes"] for entry in files.values())
+    record = {"dir": name, "step": step, "files": dict(sorted(files.items())), "bytes": total}
     if final.exists():  # a stale checkpoint of this step (an earlier run): its record goes first
         sidecar.unlink(missing_ok=True)
         shutil.rmtree(final)
@@ -236,11 +201,9 @@ def _write(states: dict[str, Any], writer: Any, distributed: bool, group: Any) -
 def save(
     directory: Path, step: int, state: Mapping[str, Any], keep: int = 2, group: Any = None
 ) -> Path:
-    """Write ``state`` (e.g. ``{"trainer": trainer}``: Stateful objects are asked for their
-    ``state_dict()``) as the checkpoint of ``step``; returns its directory. Every rank of
-    ``group`` (default: the world; none: one process) calls it and writes its own part; it
-    returns when the checkpoint is complete. A value loading would refuse (unpickled with
-    ``weights_only=True``) is refused first, in one line naming its key."""
+    """Write ``state`` (Stateful objects give their ``state_dict()``) as the checkpoint of
+    ``step``; every rank of ``group`` calls it and writes its part; returns its directory once
+    complete. A value loading would refuse (``weights_only``) is refused first, in one line."""
     _check_keep(keep)
     return _save(Path(directory), step, _states(state), keep, group, barrier=True)
 
@@ -286,10 +249,8 @@ class PendingSave:
 def save_async(
     directory: Path, step: int, state: Mapping[str, Any], keep: int = 2, group: Any = None
 ) -> PendingSave:
-    """``save`` on a background thread: the state is copied to host memory now (the caller
-    may change it as soon as this returns), then written while the caller goes on. ``group``
-    must be a process group used by nothing else meanwhile (its collectives run on the
-    thread), e.g. ``dist.new_group(backend="gloo")``; wait for one save before the next."""
+    """``save`` on a background thread, of a host copy taken now; ``group`` must be used by
+    nothing else meanwhile (its collectives run on the thread); one save at a time."""
     _check_keep(keep)
     snapshot = _snapshot(_states(state))
     return PendingSave(lambda: _save(Path(directory), step, snapshot, keep, group, barrier=False))
@@ -316,8 +277,6 @@ def _snapshot(value: Any) -> Any:
 
 
 # -- which checkpoints exist, and pruning -----------------------------------------------------
-
-
 def _step_entries(directory: Path) -> dict[int, dict[str, Path]]:
     """``{step: {"dir" | ".pt" | ".json": path}}`` for the step entries present."""
     found: dict[int, dict[str, Path]] = {}
@@ -359,8 +318,6 @@ def _remove(path: Path) -> None:
 
 
 # -- choosing and loading -----------------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class _Candidate:
     """A checkpoint ``choose`` may try: its step and the file holding its integrity record."""
@@ -525,21 +482,15 @@ def _choose(directory: Path, warn: bool) -> tuple[Found, Any]:
 
 
 def choose(directory: Path, warn: bool = True) -> Found:
-    """The newest good checkpoint in ``directory``, verified (every file's size and SHA-256)
-    but not loaded. Falling back past damaged ones (with one warning, unless ``warn`` is False)
-    lets a run resume after a crash or bit rot instead of stopping; CheckpointError only when
-    there is no good checkpoint at all."""
+    """The newest good checkpoint in ``directory``, verified but not loaded, past damaged ones
+    (one warning unless ``warn`` is False); CheckpointError when there is none."""
     return _choose(Path(directory), warn)[0]
 
 
 def _orphans_note(directory: Path) -> str:
     """Why a directory with checkpoint payloads has no checkpoint: they were never completed."""
-    orphans = sorted(
-        path.name
-        for kinds in _step_entries(directory).values()
-        for kind, path in kinds.items()
-        if kind in ("dir", ".pt")
-    )
+    entries = _step_entries(directory).values()
+    orphans = sorted(p.name for kinds in entries for k, p in kinds.items() if k in ("dir", ".pt"))
     if not orphans:
         return ""
     return f" ({', '.join(orphans)}: no integrity record, an interrupted write)"
@@ -589,11 +540,9 @@ def restore(
     warn: bool = True,
     legacy: Callable[[dict[str, Any]], None] | None = None,
 ) -> Found:
-    """Load the newest good checkpoint into ``state`` (Stateful objects load in place, other
-    values are replaced; None anywhere is a placeholder for whatever the checkpoint holds
-    there), on every rank of ``group``: rank 0 chooses (warning once if it falls back) and
-    tells the others, then each rank reads what it needs. A legacy ``.pt`` checkpoint's
-    payload goes to ``legacy``. CheckpointError (one line) when none is good."""
+    """Load the newest good checkpoint into ``state`` (Stateful objects in place, other values
+    replaced; None: whatever is there) on every rank of ``group``: rank 0 chooses and tells
+    the others. A legacy ``.pt`` payload goes to ``legacy``."""
     _check_state_argument(state)
     directory = Path(directory)
     distributed, group, rank = _distributed(group)
@@ -621,19 +570,11 @@ def restore(
         prepared = {
             k: _Prepared(v, stored.get(k)) if _is_stateful(v) else v for k, v in state.items()
         }
-        d = _d()
-        with _quiet_single_process(distributed):
-            d.dcp.load(
-                prepared,
-                storage_reader=d.dcp.FileSystemReader(str(found.path)),
-                planner=d.LoadPlanner(),
-                **_dcp_kwargs(d.dcp.load, distributed, group),
-            )
+        _dcp_load(prepared, found.path, distributed, group)
     except CheckpointError:
         raise
     except BaseException as e:
-        _reraise_unless_load_error(e)
-        raise CheckpointError(f"cannot load {found.path}: {_one_line(e)}") from e
+        raise _load_error(found.path, e) from e
     for key, value in prepared.items():
         if not isinstance(value, _Prepared):
             state[key] = value
@@ -645,11 +586,20 @@ def _verify_pt_unchecked(path: Path) -> Any:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
-def _reraise_unless_load_error(error: BaseException) -> None:
-    """Errors that mean "this checkpoint cannot be loaded" (DCP's CheckpointException is a
-    BaseException); anything else (KeyboardInterrupt, SystemExit) goes on as it is."""
+def _dcp_load(state: Any, path: Path, distributed: bool, group: Any) -> None:
+    d = _d()
+    reader = d.dcp.FileSystemReader(str(path))
+    with _quiet_single_process(distributed):
+        kwargs = _dcp_kwargs(d.dcp.load, distributed, group)
+        d.dcp.load(state, storage_reader=reader, planner=d.LoadPlanner(), **kwargs)
+
+
+def _load_error(path: Path, error: BaseException) -> CheckpointError:
+    """The one-line error for a checkpoint that cannot be loaded (DCP's CheckpointException
+    is a BaseException); anything else (KeyboardInterrupt, SystemExit) is re-raised as it is."""
     if not isinstance(error, (Exception, _d().CheckpointException)):
         raise error
+    return CheckpointError(f"cannot load {path}: {_one_line(error)}")
 
 
 def _first_failure(error: BaseException) -> tuple[int, BaseException] | None:
@@ -671,9 +621,7 @@ def _one_line(error: BaseException) -> str:
 
 def load(directory: Path, warn: bool = True, only: Sequence[str] | None = None) -> dict[str, Any]:
     """The newest good checkpoint's whole state as nested dicts of CPU tensors, in this process
-    (no process group needed), e.g. ``load(d)["trainer"]["step"]``; ``only``: the dotted
-    prefixes to read (``"trainer.engine.model"``). Sharded optimizer state comes back whole.
-    A legacy ``.pt`` checkpoint's payload comes back as it was saved."""
+    (e.g. ``load(d)["trainer"]["step"]``); ``only``: dotted prefixes to read."""
     found, payload = _choose(Path(directory), warn)
     if found.legacy:
         return payload
@@ -685,22 +633,13 @@ def load(directory: Path, warn: bool = True, only: Sequence[str] | None = None) 
         if only is None or any(key == p or key.startswith(p + ".") for p in only):
             d.set_element(state, mappings.get(key, (key,)), template(stored))
     try:
-        with _quiet_single_process(False):
-            d.dcp.load(
-                state,
-                storage_reader=d.dcp.FileSystemReader(str(found.path)),
-                planner=d.LoadPlanner(),
-                **_dcp_kwargs(d.dcp.load, False, None),
-            )
+        _dcp_load(state, found.path, False, None)
     except BaseException as e:
-        _reraise_unless_load_error(e)
-        raise CheckpointError(f"cannot load {found.path}: {_one_line(e)}") from e
+        raise _load_error(found.path, e) from e
     return state
 
 
 # -- optimizer state in per-parameter form --------------------------------------------------------
-
-
 def optimizer_to_dcp(
     state: dict[int, dict[str, Any]],
     groups: list[dict[str, Any]],
@@ -710,10 +649,7 @@ def optimizer_to_dcp(
     """A strategy's ``optimizer_shards`` keyed by parameter name for DCP: per-element state as
     the parameter's shape (a plain tensor where this rank holds all of it, else ``Slices``),
     the hyperparameter groups as one value (parameters by name)."""
-    out: dict[str, Any] = {}
-    for i, entry in state.items():
-        p = params[i]
-        out[names[i]] = {key: _to_dcp(value, p) for key, value in entry.items()}
+    out = {names[i]: {k: _to_dcp(v, params[i]) for k, v in e.items()} for i, e in state.items()}
     hyper = tuple({**g, "params": [names[i] for i in g["params"]]} for g in groups)
     return {"state": out, "param_groups": hyper}
 
@@ -732,9 +668,8 @@ def optimizer_template(
     params: list[torch.nn.Parameter],
     names: list[str],
 ) -> dict[str, Any]:
-    """Room for the optimizer state a rank needs from a checkpoint's ``stored`` structure:
-    the flat ``ranges`` of each parameter it keeps state for (per-element state), and the
-    other per-parameter values of those parameters."""
+    """Room for the optimizer state a rank needs from a checkpoint's ``stored`` structure: the
+    flat ``ranges`` of each parameter it keeps state for, and its other values."""
     stored = stored if isinstance(stored, Mapping) else {}
     on_disk = stored.get("state", {})
     out: dict[str, Any] = {}
@@ -754,10 +689,7 @@ def optimizer_template(
             else:
                 room[key] = torch.empty(md.size, dtype=md.properties.dtype)
         out[names[i]] = room
-    result: dict[str, Any] = {"state": out}
-    if "param_groups" in stored:
-        result["param_groups"] = None
-    return result
+    return {"state": out, **({"param_groups": None} if "param_groups" in stored else {})}
 
 
 def optimizer_from_dcp(
