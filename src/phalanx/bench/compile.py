@@ -34,12 +34,12 @@ VARIANTS = ("off", "on")
 class CompileBenchConfig:
     """One ``phalanx bench compile`` run (recorded in the JSON)."""
 
-    config: str = option("configs/gpt_pipeline.toml", "run config (TOML), trained off and on")
     nproc: int = option(2, "processes per run (the GPT config: its 2 pipeline stages)")
+    sets: tuple[str, ...] = option((), "more --set items for both variants (SECTION.KEY=VALUE)")
     rounds: int = option(2, "rounds (both variants once per round, the order alternating)")
     steps: int = option(40, "training steps per process")
+    config: str = option("configs/gpt_pipeline.toml", "run config (TOML), trained off and on")
     warmup: int = option(5, "of them, not timed (the first compiles)")
-    sets: tuple[str, ...] = option((), "more --set items for both variants (SECTION.KEY=VALUE)")
     timeout_s: float = option(900.0, "seconds per process")
 
     def validate(self) -> None:

@@ -83,17 +83,17 @@ class DataBenchConfig:
 
     workers: int = option(2, "CPU workers of both sides")
     batch_size: int = option(64, "throughput batch")
+    contenders: tuple[str, ...] = option(THROUGHPUT, "throughput contenders")
     image_size: int = option(64, "image side")
     crop: int = option(56, "crop side")
     rounds: int = option(5, "alternating throughput rounds")
     batches: int = option(60, "batches per block")
     warmup: int = option(5, "untimed batches/steps per block")
+    train: bool = option(True, "the training comparison (--no-train: throughput only)")
     train_rounds: int = option(3, "training rounds")
     train_steps: int = option(60, "steps per block")
     train_batch_size: int = option(32, "training batch")
     settle_s: float = option(0.2, "seconds to settle between blocks")
-    contenders: tuple[str, ...] = option(THROUGHPUT, "throughput contenders")
-    train: bool = option(True, "the training comparison (--no-train: throughput only)")
     seed: int = option(0, "data seed")
 
     def validate(self) -> None:

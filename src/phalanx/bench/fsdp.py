@@ -51,12 +51,12 @@ class FsdpBenchConfig:
 
     nproc: int = option(2, "processes")
     model: str = option("gpt", f"the user script: {', '.join(SCRIPTS)}")
-    contenders: tuple[str, ...] = option(DEFAULT_KINDS, f"which of {', '.join(KINDS)}")
     vocab: int = option(2048, "vocabulary (gpt, lora)")
     width: int = option(256, "model width (gpt, lora, mlp)")
     num_layers: int = option(4, "transformer layers (gpt, lora)")
     seq_len: int = option(64, "tokens per sequence (gpt, lora)")
     batch_size: int = option(8, "sequences, images or vectors per process per step")
+    contenders: tuple[str, ...] = option(DEFAULT_KINDS, f"which of {', '.join(KINDS)}")
     image_size: int = option(64, "image height and width (resnet)")
     steps: int = option(10, "steps per round and contender")
     rounds: int = option(7, "alternating rounds")

@@ -113,24 +113,22 @@ class MemoryBenchConfig:
 
     batch_size: int = option(96, "images per step")
     channels: int = option(16, "channels of the blocks")
+    budgets: tuple[float, ...] = (0.75, 0.5, 0.3)  # --budgets (budgets_from_flags)
     image_size: int = option(32, "image side")
     blocks: int = option(8, "residual blocks")
-    budgets: tuple[float, ...] = (0.75, 0.5, 0.3)  # --budgets (budgets_from_flags)
     rounds: int = option(3, "rounds")
     steps: int = option(3, "timed steps per variant")
+    spill_dir: str = option("", "spill file directory (default: the temp directory)")
     warmup: int = option(2, "untimed steps first (the first grows the reused heap)")
     peak_steps: int = option(1, "steps the peak covers")
     seed: int = option(0, "weight and data seed")
     threads: int = option(1, "intra-op threads per process")
-    spill_dir: str = option("", "spill file directory (default: the temp directory)")
     device: str = option("cpu", "where the model trains and the peak is measured: cpu or cuda")
     fresh_processes: bool = True  # False: every variant in this process (tests; peaks rougher)
     timeout_s: float = option(600.0, "seconds per measuring process")
 
     def validate(self) -> None:
-        common.at_least(
-            self,
-            1,
+        numbers = (
             "batch_size",
             "channels",
             "image_size",
@@ -139,6 +137,7 @@ class MemoryBenchConfig:
             "steps",
             "peak_steps",
         )
+        common.at_least(self, 1, *numbers)
         common.at_least(self, 0, "warmup", "threads")
         if not self.budgets:
             raise ConfigError("--budgets: give at least one fraction, e.g. 0.75,0.5,0.3")

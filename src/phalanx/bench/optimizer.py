@@ -75,15 +75,15 @@ class OptimizerBenchConfig:
 
     width: int = option(1536, "features per layer")
     layers: int = option(12, "square Linear layers")
+    spill_dir: str = option("", "directory of the spill file (default: the temp directory)")
     batch_size: int = option(32, "samples per step")
     chunk_mb: float = option(16.0, "state per streamed chunk, MiB")
     rounds: int = option(3, "fresh-process rounds per variant")
     steps: int = option(4, "timed steps per process")
+    device: str = option("cpu", "where the model trains and the peak is measured: cpu or cuda")
     warmup: int = option(1, "untimed steps first")
     peak_steps: int = option(2, "steps the peak covers")
     threads: int = option(1, "intra-op threads per process")
-    spill_dir: str = option("", "directory of the spill file (default: the temp directory)")
-    device: str = option("cpu", "where the model trains and the peak is measured: cpu or cuda")
     timeout_s: float = option(600.0, "seconds per measuring process")
 
     def validate(self) -> None:

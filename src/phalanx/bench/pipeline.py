@@ -55,15 +55,15 @@ class PipelineBenchConfig:
         ("gpipe", "1f1b", "interleaved", "interleaved_zb", "zbv", "dualpipev"),
         "pipeline schedules",
     )
-    microbatches: tuple[int, ...] = option((2, 4, 8), "micro-batch counts M")
     batch_size: int = option(32, "sequences per step")
     seq_len: int = option(64, "tokens per sequence")
     dim: int = option(128, "model width")
     num_blocks: int = option(4, "transformer blocks")
+    seed: int = option(0, "weight seed")
+    microbatches: tuple[int, ...] = option((2, 4, 8), "micro-batch counts M")
     warmup: int = option(2, "untimed steps first")
     rounds: int = option(10, "timed blocks per side")
     steps: int = option(4, "consecutive steps per block")
-    seed: int = option(0, "weight seed")
     threads: int = option(1, "intra-op threads per process")
 
     def validate(self) -> None:

@@ -44,8 +44,8 @@ class StrategyMemoryConfig:
     """Everything one ``phalanx bench strategy-memory`` run needs (sent to the ranks)."""
 
     nproc: int = option(2, "processes")
-    contenders: tuple[str, ...] = option(CONTENDERS, "ddp and phalanx strategies to run")
     width: int = option(64, "channels of the first stage (64: ResNet-18)")
+    contenders: tuple[str, ...] = option(CONTENDERS, "ddp and phalanx strategies to run")
     classes: int = option(10, "classes of the head")
     image_size: int = option(64, "image height and width")
     batch_size: int = option(32, "images per process per step")
