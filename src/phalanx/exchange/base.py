@@ -31,13 +31,20 @@ from phalanx.exchange.buckets import FIRST_BUCKET_BYTES, Bucket
 from phalanx.exchange.comm import CommThread
 from phalanx.exchange.compression import CODECS, Codec
 from phalanx.exchange.schedule import MessageSchedule
-from phalanx.exchange.sharding import copy_pieces, merged_groups
+from phalanx.exchange.sharding import (
+    Groups,
+    Optimizer,
+    Params,
+    ShardState,
+    copy_pieces,
+    merged_groups,
+)
 from phalanx.fields import ConfigValueError, from_dict, option, require
 from phalanx.optim.state import load_into
 from phalanx.registry import Registry
 from phalanx.runtime.context import Context
 
-OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
+OptimizerFactory = Callable[[Iterable[torch.nn.Parameter]], Optimizer]
 
 
 @dataclass(kw_only=True)
@@ -314,29 +321,20 @@ class Strategy(ABC):
         """Hook into the model if the strategy needs to (e.g. wait for parameters in forward)."""
         del module
 
-    def adopt_optimizer(
-        self, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter]
-    ) -> torch.optim.Optimizer:
+    def adopt_optimizer(self, optimizer: Optimizer, params: Params) -> Optimizer:
         """The optimizer the Engine steps, from the user's over the model's parameters
         (``params``); sharded strategies point its groups at their shards."""
         del params
         return optimizer
 
-    def carry_optimizer_state(
-        self, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter]
-    ) -> Any:
+    def carry_optimizer_state(self, optimizer: Optimizer, params: Params) -> Any:
         """Before a bucket rebuild: what ``rebind_optimizer`` needs to move the optimizer's
         state to the new layout (None here: the optimizer steps the parameters themselves,
         which a rebuild does not replace)."""
         del optimizer, params
         return None
 
-    def rebind_optimizer(
-        self,
-        optimizer: torch.optim.Optimizer,
-        params: list[torch.nn.Parameter],
-        carried: Any,
-    ) -> None:
+    def rebind_optimizer(self, optimizer: Optimizer, params: Params, carried: Any) -> None:
         """On a strategy built for a new layout (the old one carried ``carried``): point the
         *same* optimizer object at the layout's parameters with its state moved (a scheduler
         attached to it keeps acting)."""
@@ -378,7 +376,7 @@ class Strategy(ABC):
     def finish(self) -> None:
         """Phase 4: wait for every launched exchange of this step."""
 
-    def update(self, optimizer: torch.optim.Optimizer) -> None:
+    def update(self, optimizer: Optimizer) -> None:
         """Phase 5: apply the update on every rank (buckets hold mean gradients)."""
         self.detach_unused_grads()
         optimizer.step()
@@ -401,9 +399,7 @@ class Strategy(ABC):
         return None
 
     # -- state --------------------------------------------------------------------------------
-    def optimizer_state_dict(
-        self, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter]
-    ) -> dict[str, Any]:
+    def optimizer_state_dict(self, optimizer: Optimizer, params: Params) -> dict[str, Any]:
         """Optimizer state in the per-parameter format of an optimizer over ``params``
         (collective for sharded strategies; every rank gets the same dict)."""
         del params
@@ -411,24 +407,22 @@ class Strategy(ABC):
 
     def load_optimizer_state_dict(
         self,
-        optimizer: torch.optim.Optimizer,
-        params: list[torch.nn.Parameter],
+        optimizer: Optimizer,
+        params: Params,
         state: dict[str, Any],
     ) -> None:
         del params
         optimizer.load_state_dict(state)
 
     # -- checkpoints (torch.distributed.checkpoint): each rank its own part -----------------------
-    def optimizer_shards(
-        self, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter]
-    ) -> tuple[dict[int, dict[str, Any]], list[dict[str, Any]]]:
+    def optimizer_shards(self, optimizer: Optimizer, params: Params) -> tuple[ShardState, Groups]:
         """This rank's part of the per-parameter optimizer state, gathering nothing:
         ``({index in params: {key: value}}, groups)``. A value with one element per parameter
         element is a list of ``(flat start, 1-D tensor)`` pieces, those this rank keeps (here:
         all of it); others (a step count) are as they are. ``groups``: each parameter group's
         hyperparameters, ``"params"`` as indices in ``params``."""
         index = {id(p): i for i, p in enumerate(params)}
-        state: dict[int, dict[str, Any]] = {}
+        state: ShardState = {}
         for p, entry in optimizer.state.items():
             if id(p) in index:
                 state[index[id(p)]] = {
@@ -444,22 +438,22 @@ class Strategy(ABC):
         ]
         return state, groups
 
-    def owned_ranges(self, params: list[torch.nn.Parameter]) -> dict[int, list[tuple[int, int]]]:
+    def owned_ranges(self, params: Params) -> dict[int, list[tuple[int, int]]]:
         """The flat element ranges of each parameter whose optimizer state this rank keeps."""
         return {i: [(0, p.numel())] for i, p in enumerate(params)}
 
     def load_optimizer_shards(
         self,
-        optimizer: torch.optim.Optimizer,
-        params: list[torch.nn.Parameter],
-        state: dict[int, dict[str, Any]],
-        groups: list[dict[str, Any]],
+        optimizer: Optimizer,
+        params: Params,
+        state: ShardState,
+        groups: Groups,
     ) -> None:
         """Load state in ``optimizer_shards``' form whose pieces cover ``owned_ranges``
         (hyperparameters: group k from saved group k, or the first where there are fewer)."""
         index = {id(p): i for i, p in enumerate(params)}
         order = [p for g in optimizer.param_groups for p in g["params"]]
-        loaded: dict[int, dict[str, Any]] = {}
+        loaded: ShardState = {}
         for n, p in enumerate(order):
             entry = state.get(index.get(id(p), -1))
             if not entry:
@@ -488,7 +482,7 @@ class Strategy(ABC):
             )
         return full.view(p.shape)
 
-    def optimizer_bytes(self, optimizer: torch.optim.Optimizer) -> int:
+    def optimizer_bytes(self, optimizer: Optimizer) -> int:
         """Bytes of optimizer state held by this rank."""
         return sum(
             t.numel() * t.element_size()
@@ -535,7 +529,7 @@ class GradientExchange(Protocol):
 
     def scale_gradients(self, factor: float) -> None: ...
 
-    def update(self, optimizer: torch.optim.Optimizer) -> None: ...
+    def update(self, optimizer: Optimizer) -> None: ...
 
     def register_module(self, module: torch.nn.Module) -> None: ...
 
@@ -558,46 +552,36 @@ class OptimizerSharding(Protocol):
 
     optimizer_follows_layout: bool
 
-    def adopt_optimizer(
-        self, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter]
-    ) -> torch.optim.Optimizer: ...
+    def adopt_optimizer(self, optimizer: Optimizer, params: Params) -> Optimizer: ...
 
-    def carry_optimizer_state(
-        self, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter]
-    ) -> Any: ...
+    def carry_optimizer_state(self, optimizer: Optimizer, params: Params) -> Any: ...
 
-    def rebind_optimizer(
-        self, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], carried: Any
-    ) -> None: ...
+    def rebind_optimizer(self, optimizer: Optimizer, params: Params, carried: Any) -> None: ...
 
-    def optimizer_state_dict(
-        self, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter]
-    ) -> dict[str, Any]: ...
+    def optimizer_state_dict(self, optimizer: Optimizer, params: Params) -> dict[str, Any]: ...
 
     def load_optimizer_state_dict(
         self,
-        optimizer: torch.optim.Optimizer,
-        params: list[torch.nn.Parameter],
+        optimizer: Optimizer,
+        params: Params,
         state: dict[str, Any],
     ) -> None: ...
 
     def optimizer_shards(
-        self, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter]
-    ) -> tuple[dict[int, dict[str, Any]], list[dict[str, Any]]]: ...
+        self, optimizer: Optimizer, params: Params
+    ) -> tuple[ShardState, Groups]: ...
 
-    def owned_ranges(
-        self, params: list[torch.nn.Parameter]
-    ) -> dict[int, list[tuple[int, int]]]: ...
+    def owned_ranges(self, params: Params) -> dict[int, list[tuple[int, int]]]: ...
 
     def load_optimizer_shards(
         self,
-        optimizer: torch.optim.Optimizer,
-        params: list[torch.nn.Parameter],
-        state: dict[int, dict[str, Any]],
-        groups: list[dict[str, Any]],
+        optimizer: Optimizer,
+        params: Params,
+        state: ShardState,
+        groups: Groups,
     ) -> None: ...
 
-    def optimizer_bytes(self, optimizer: torch.optim.Optimizer) -> int: ...
+    def optimizer_bytes(self, optimizer: Optimizer) -> int: ...
 
 
 STRATEGIES: Registry[Strategy] = Registry("exchange strategy")

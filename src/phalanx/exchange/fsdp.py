@@ -47,6 +47,7 @@ from phalanx.exchange.comm import global_rank
 from phalanx.exchange.compression import Codec
 from phalanx.exchange.ring import RingLink, pieces
 from phalanx.exchange.schedule import MessageSchedule, Phase, UnitPhases, ring_rounds
+from phalanx.exchange.sharding import Optimizer, Params
 from phalanx.fields import option, require
 from phalanx.optim import state as optimizer_state
 from phalanx.runtime.context import Context
@@ -250,13 +251,11 @@ class FullyShardedStrategy(Strategy):
         for unit in [*self.units, *self.roots]:
             unit.reshard()
 
-    def update(self, optimizer: torch.optim.Optimizer) -> None:
+    def update(self, optimizer: Optimizer) -> None:
         optimizer.step()  # parameters no rank used kept grad = None: the optimizer skips them
 
     # -- the model's parameters ------------------------------------------------------------------
-    def adopt_optimizer(
-        self, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter]
-    ) -> torch.optim.Optimizer:
+    def adopt_optimizer(self, optimizer: Optimizer, params: Params) -> Optimizer:
         """The user's optimizer, its groups pointed at the sharded parameters (the same object
         and hyperparameters; an LR scheduler attached to it keeps acting). State it already
         holds (a script that loaded it before building the Engine) is cut to this rank's rows.
@@ -309,16 +308,14 @@ class FullyShardedStrategy(Strategy):
         del what
         return _sharded_value(pieces, p)
 
-    def owned_ranges(self, params: list[torch.nn.Parameter]) -> dict[int, list[tuple[int, int]]]:
+    def owned_ranges(self, params: Params) -> dict[int, list[tuple[int, int]]]:
         ranges = {}
         for i, p in enumerate(params):
             start = _flat_start(p)
             ranges[i] = [(start, start + _local(p).numel())] if _local(p).numel() else []
         return ranges
 
-    def optimizer_state_dict(
-        self, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter]
-    ) -> dict[str, Any]:
+    def optimizer_state_dict(self, optimizer: Optimizer, params: Params) -> dict[str, Any]:
         """Torch's format for the user's optimizer (its groups, their numbering), every
         per-element value whole: gathered from every rank's rows onto the CPU (a collective,
         the same dict on every rank)."""
@@ -333,8 +330,8 @@ class FullyShardedStrategy(Strategy):
 
     def load_optimizer_state_dict(
         self,
-        optimizer: torch.optim.Optimizer,
-        params: list[torch.nn.Parameter],
+        optimizer: Optimizer,
+        params: Params,
         state: dict[str, Any],
     ) -> None:
         """Load torch's format (``optimizer_state_dict``, or one process's optimizer's):
@@ -359,7 +356,7 @@ class FullyShardedStrategy(Strategy):
         }
         optimizer_state.load_into(optimizer, {**state, "state": rows})
 
-    def optimizer_bytes(self, optimizer: torch.optim.Optimizer) -> int:
+    def optimizer_bytes(self, optimizer: Optimizer) -> int:
         return sum(
             _local(t).numel() * t.element_size()
             for s in optimizer.state.values()

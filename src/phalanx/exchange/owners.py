@@ -17,7 +17,7 @@ from phalanx.compile import forward_waiters
 from phalanx.exchange.base import Strategy, StrategyParts
 from phalanx.exchange.buckets import Bucket
 from phalanx.exchange.comm import wait
-from phalanx.exchange.sharding import ShardedParameters, hyperparameters
+from phalanx.exchange.sharding import Optimizer, ShardedParameters, hyperparameters
 from phalanx.memory import measure
 from phalanx.runtime.context import Context
 
@@ -82,7 +82,7 @@ class OwnerUpdateStrategy(Strategy):
             self._wait_params(b)
 
     # -- the optimizer across bucket rebuilds ---------------------------------------------------
-    def carry_optimizer_state(self, optimizer: torch.optim.Optimizer, params: list) -> Any:
+    def carry_optimizer_state(self, optimizer: Optimizer, params: list) -> Any:
         """This rank's shards' state per parameter (views, no copy, no message) and the
         groups' hyperparameters: the new layout's ``rebind_optimizer`` moves what changes
         owner. The update spent the gradient buffers (no rank holds a mean gradient here):
@@ -94,9 +94,7 @@ class OwnerUpdateStrategy(Strategy):
         measure.trim()
         return carried
 
-    def adopt_optimizer(
-        self, optimizer: torch.optim.Optimizer, params: list
-    ) -> torch.optim.Optimizer:
+    def adopt_optimizer(self, optimizer: Optimizer, params: list) -> Optimizer:
         """Point the user's optimizer (built over the model's parameters) at this rank's
         shards, group by group: each shard keeps the hyperparameters of the group its
         elements came from. The object stays the user's (schedulers attached to it act)."""
@@ -105,12 +103,7 @@ class OwnerUpdateStrategy(Strategy):
         measure.trim()  # the parameters' own storages, freed when this layout's buffers took over
         return optimizer
 
-    def rebind_optimizer(
-        self,
-        optimizer: torch.optim.Optimizer,
-        params: list,
-        carried: Any,
-    ) -> None:
+    def rebind_optimizer(self, optimizer: Optimizer, params: list, carried: Any) -> None:
         """Point the optimizer's groups at this layout's shard Parameters, then load the
         carried state into them (collective; hyperparameters a scheduler changed travel in
         ``carried``)."""
@@ -118,23 +111,21 @@ class OwnerUpdateStrategy(Strategy):
         self.sharded.load_carried(optimizer, params, carried, self.ctx.group)
         measure.trim()  # the previous layout's parameter buffers and optimizer state
 
-    def _point_at_shards(self, optimizer: torch.optim.Optimizer) -> None:
+    def _point_at_shards(self, optimizer: Optimizer) -> None:
         per_group = self.sharded.group_params(len(optimizer.param_groups))
         for group, shards in zip(optimizer.param_groups, per_group):
             group["params"] = shards
         optimizer.state.clear()
 
     # -- accounting and state -----------------------------------------------------------------
-    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer, params: list) -> dict:
+    def optimizer_state_dict(self, optimizer: Optimizer, params: list) -> dict:
         self.sync()
         return self.sharded.canonical_state(optimizer, params, self.ctx.group)
 
-    def load_optimizer_state_dict(
-        self, optimizer: torch.optim.Optimizer, params: list, state: dict
-    ) -> None:
+    def load_optimizer_state_dict(self, optimizer: Optimizer, params: list, state: dict) -> None:
         self.sharded.load_canonical_state(optimizer, params, state)
 
-    def optimizer_shards(self, optimizer: torch.optim.Optimizer, params: list) -> tuple:
+    def optimizer_shards(self, optimizer: Optimizer, params: list) -> tuple:
         """Only this rank's shards' state (checkpoints: no rank gathers the others')."""
         self.sync()
         state = self.sharded.local_state(optimizer, params, self.ctx.group)
@@ -144,7 +135,7 @@ class OwnerUpdateStrategy(Strategy):
         return self.sharded.owned_ranges(params)
 
     def load_optimizer_shards(
-        self, optimizer: torch.optim.Optimizer, params: list, state: dict, groups: list
+        self, optimizer: Optimizer, params: list, state: dict, groups: list
     ) -> None:
         self.sync()
         self.sharded.load_local_state(optimizer, params, state, groups)

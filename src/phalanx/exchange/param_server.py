@@ -49,7 +49,7 @@ from phalanx.exchange.schedule import (
     Phase,
     RoundTable,
 )
-from phalanx.exchange.sharding import Shard, ShardedParameters, bounds, used_flags
+from phalanx.exchange.sharding import Optimizer, Shard, ShardedParameters, bounds, used_flags
 from phalanx.exchange.tree import tree_children, tree_down, tree_parent, tree_up
 from phalanx.fields import option, require
 from phalanx.runtime.context import Context
@@ -164,7 +164,7 @@ class ParameterServer(OwnerUpdateStrategy):
             self._shards_of.setdefault((shard.bucket, m), []).append(shard)
         # The optimizer the servers step (the user's, pointed at the shards by
         # adopt_optimizer / rebind_optimizer)
-        self.optimizer: torch.optim.Optimizer | None = None
+        self.optimizer: Optimizer | None = None
         self._pushed: list[tuple[threading.Event, Any]] = []
         self._updated: list[tuple[threading.Event, Any]] = []
         # partition updates the servers skipped (inf/NaN), over the run
@@ -198,15 +198,11 @@ class ParameterServer(OwnerUpdateStrategy):
     def _owners(self) -> list[int]:
         return roles(self.config, self.ctx.world_size)[0]
 
-    def adopt_optimizer(
-        self, optimizer: torch.optim.Optimizer, params: list
-    ) -> torch.optim.Optimizer:
+    def adopt_optimizer(self, optimizer: Optimizer, params: list) -> Optimizer:
         self.optimizer = super().adopt_optimizer(optimizer, params)  # the servers step it
         return self.optimizer
 
-    def rebind_optimizer(
-        self, optimizer: torch.optim.Optimizer, params: list, carried: Any
-    ) -> None:
+    def rebind_optimizer(self, optimizer: Optimizer, params: list, carried: Any) -> None:
         super().rebind_optimizer(optimizer, params, carried)
         self.optimizer = optimizer
 
@@ -442,7 +438,7 @@ class ParameterServer(OwnerUpdateStrategy):
         _wait_events(self._pushed)
         self._pushed = []
 
-    def update(self, optimizer: torch.optim.Optimizer) -> None:
+    def update(self, optimizer: Optimizer) -> None:
         """Wait until the servers stepped every bucket (so the step used this step's learning
         rate, whatever a scheduler does next); pulls finish in the background and each
         layer's forward waits for its own."""

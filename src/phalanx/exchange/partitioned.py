@@ -45,7 +45,7 @@ from phalanx.exchange.schedule import (
     cyclic_rounds,
     ring_rounds,
 )
-from phalanx.exchange.sharding import ShardedParameters, bounds, used_flags
+from phalanx.exchange.sharding import Optimizer, ShardedParameters, bounds, used_flags
 from phalanx.fields import option
 from phalanx.runtime.context import Context
 
@@ -360,7 +360,7 @@ class Partitioned(OwnerUpdateStrategy):
         return out
 
     # -- phase 5: update and send back --------------------------------------------------------
-    def update(self, optimizer: torch.optim.Optimizer) -> None:
+    def update(self, optimizer: Optimizer) -> None:
         if self._used is None:  # no verdict this step (the Engine has no guard): agree here
             usage = self._owned_usage()
             dist.all_reduce(usage, group=self.ctx.group)

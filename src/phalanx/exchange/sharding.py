@@ -25,6 +25,11 @@ from phalanx.exchange.buckets import Bucket
 from phalanx.exchange.comm import global_rank
 from phalanx.optim.state import load_into
 
+Optimizer = torch.optim.Optimizer
+Params = list[torch.nn.Parameter]  # the model's trainable parameters, in the Engine's order
+ShardState = dict[int, dict[str, Any]]  # {index in params: {state key: value or pieces}}
+Groups = list[dict[str, Any]]  # the optimizer's groups' hyperparameters
+
 
 def bounds(length: int, num_parts: int) -> list[tuple[int, int]]:
     """Split [0, length) into num_parts contiguous near-equal ranges (earlier ones longer)."""
@@ -64,9 +69,9 @@ class Carried:
     ``held_state`` (views), every rank's owned ranges per parameter (``piece_owners``) and
     the groups' hyperparameters (a scheduler may have changed them)."""
 
-    state: dict[int, dict[str, Any]]
+    state: ShardState
     owners: dict[int, list[Piece]]
-    groups: list[dict[str, Any]]
+    groups: Groups
 
 
 class _Moves:
@@ -166,15 +171,15 @@ class ShardedParameters:
                 runs.append((lo, hi, group, slot))
         return runs
 
-    def group_params(self, num_groups: int) -> list[list[torch.nn.Parameter]]:
+    def group_params(self, num_groups: int) -> list[Params]:
         """This rank's shard Parameters per optimizer group; a group with nothing here gets
         one empty placeholder, so every group keeps its place (and steps nothing)."""
-        out: list[list[torch.nn.Parameter]] = [[] for _ in range(num_groups)]
+        out: list[Params] = [[] for _ in range(num_groups)]
         for shard in self.shards:
             out[shard.group].append(shard.param)
         return [params or [torch.nn.Parameter(torch.empty(0))] for params in out]
 
-    def groups_of(self, params: list[torch.nn.Parameter], num_groups: int) -> list[list[int]]:
+    def groups_of(self, params: Params, num_groups: int) -> list[list[int]]:
         """Per optimizer group: the indices in ``params`` of the parameters it holds (the
         canonical format's ``param_groups``, as an optimizer over ``params`` would have)."""
         if self.group_of is None:
@@ -192,7 +197,7 @@ class ShardedParameters:
             with torch.no_grad():
                 target.copy_(shard.param, non_blocking=True)
 
-    def shard_params(self) -> list[torch.nn.Parameter]:
+    def shard_params(self) -> Params:
         """This rank's shard Parameters; a rank that owns nothing gets one empty placeholder,
         so any torch optimizer can be built (and steps nothing)."""
         return [s.param for s in self.shards] or [torch.nn.Parameter(torch.empty(0))]
@@ -215,9 +220,7 @@ class ShardedParameters:
             shard.param.grad = source[lo : lo + shard.end - shard.start]
 
     # -- canonical optimizer state ------------------------------------------------------------
-    def canonical_state(
-        self, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], group: Any
-    ) -> dict[str, Any]:
+    def canonical_state(self, optimizer: Optimizer, params: Params, group: Any) -> dict[str, Any]:
         """Gather every owner's shard state into per-parameter state keyed by index in
         ``params`` (collective: every rank calls it and gets the same result)."""
         local = {}
@@ -229,7 +232,7 @@ class ShardedParameters:
         dist.all_gather_object(gathered, local, group=group)
         pieces = {key: value for part in gathered for key, value in part.items()}
         index = {id(p): i for i, p in enumerate(params)}
-        state: dict[int, dict[str, Any]] = {}
+        state: ShardState = {}
         for b, bucket in enumerate(self.buckets):
             for p, offset in zip(bucket.params, bucket.offsets):
                 entry = _assemble(pieces, b, offset, p)
@@ -239,8 +242,8 @@ class ShardedParameters:
 
     def load_canonical_state(
         self,
-        optimizer: torch.optim.Optimizer,
-        params: list[torch.nn.Parameter],
+        optimizer: Optimizer,
+        params: Params,
         canonical: dict[str, Any],
     ) -> None:
         """Load per-parameter state into this rank's shards."""
@@ -256,7 +259,7 @@ class ShardedParameters:
         load_into(optimizer, {"state": shard_state, "param_groups": groups})
 
     # -- this rank's part, for checkpoints that every rank writes ------------------------------
-    def _overlaps(self, params: list[torch.nn.Parameter]) -> Any:
+    def _overlaps(self, params: Params) -> Any:
         """(shard, parameter index, flat start and end within the parameter, the parameter's
         offset in the bucket) for each of this rank's shards (each within one parameter)."""
         index = {id(p): i for i, p in enumerate(params)}
@@ -265,19 +268,17 @@ class ShardedParameters:
             p, offset = bucket.params[shard.slot], bucket.offsets[shard.slot]
             yield shard, index[id(p)], shard.start - offset, shard.end - offset, offset
 
-    def owned_ranges(self, params: list[torch.nn.Parameter]) -> dict[int, list[tuple[int, int]]]:
+    def owned_ranges(self, params: Params) -> dict[int, list[tuple[int, int]]]:
         ranges: dict[int, list[tuple[int, int]]] = {}
         for _, i, lo, hi, _ in self._overlaps(params):
             ranges.setdefault(i, []).append((lo, hi))
         return ranges
 
-    def held_state(
-        self, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter]
-    ) -> dict[int, dict[str, Any]]:
+    def held_state(self, optimizer: Optimizer, params: Params) -> ShardState:
         """This rank's shards' state per parameter (index in ``params``; a parameter never
         stepped has none): per-element values as ``(flat start within the parameter, 1-D
         view)`` pieces, no copy, no message; other values (a step count) as they are."""
-        out: dict[int, dict[str, Any]] = {}
+        out: ShardState = {}
         for shard, i, lo, hi, offset in self._overlaps(params):
             for key, value in optimizer.state.get(shard.param, {}).items():
                 entry = out.setdefault(i, {})
@@ -288,9 +289,7 @@ class ShardedParameters:
                     entry.setdefault(key, value)
         return out
 
-    def local_state(
-        self, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], group: Any
-    ) -> dict[int, dict[str, Any]]:
+    def local_state(self, optimizer: Optimizer, params: Params, group: Any) -> ShardState:
         """``held_state`` covering every parameter some rank keeps state for: the ranks agree
         (one small message) on each parameter's per-element keys, so a shard without state
         (a ps partition whose updates were all skipped) contributes zeros; a parameter no rank
@@ -304,7 +303,7 @@ class ShardedParameters:
                     pieces.append((lo, torch.zeros(hi - lo, dtype=kind)))
         return out
 
-    def piece_owners(self, params: list[torch.nn.Parameter]) -> dict[int, list[Piece]]:
+    def piece_owners(self, params: Params) -> dict[int, list[Piece]]:
         """Per parameter (index in ``params``), every rank's shards of it as ``(lo, hi, rank)``
         flat ranges within the parameter: from the layout alone, no message."""
         position = {id(p): i for i, p in enumerate(params)}
@@ -317,15 +316,15 @@ class ShardedParameters:
                     out.setdefault(i, []).append((lo - offset, hi - offset, owner))
         return out
 
-    def carry(self, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter]) -> Carried:
+    def carry(self, optimizer: Optimizer, params: Params) -> Carried:
         """What this rank's shards hold, for another layout's ``load_carried`` (no copy)."""
         groups = hyperparameters(self, optimizer, params)
         return Carried(self.held_state(optimizer, params), self.piece_owners(params), groups)
 
     def load_carried(
         self,
-        optimizer: torch.optim.Optimizer,
-        params: list[torch.nn.Parameter],
+        optimizer: Optimizer,
+        params: Params,
         carried: Carried,
         group: Any,
     ) -> None:
@@ -357,15 +356,15 @@ class ShardedParameters:
         load_into(optimizer, {"state": state, "param_groups": groups})
 
     def _fresh_state(
-        self, params: list[torch.nn.Parameter], kinds: dict[int, dict[str, Any]], held: dict
-    ) -> tuple[dict[int, dict[str, Any]], dict[int, list[tuple[int, dict[str, Any]]]]]:
+        self, params: Params, kinds: ShardState, held: dict
+    ) -> tuple[ShardState, dict[int, list[tuple[int, dict[str, Any]]]]]:
         """State for this rank's shards of parameters that have state (``kinds``), to be
         filled: ``({id(shard param): entry}, {parameter index: [(flat start within it,
         entry)]})``. Per-parameter values (a step count) are in already, and a per-element
         value this rank held for exactly the same range is taken over as it is (the layouts of
         one world often keep an owner's ranges: no second copy of its state)."""
         position = {id(p): i for i, p in enumerate(params)}
-        fresh: dict[int, dict[str, Any]] = {}
+        fresh: ShardState = {}
         targets: dict[int, list[tuple[int, dict[str, Any]]]] = {}
         for shard in self.shards:
             bucket = self.buckets[shard.bucket]
@@ -389,14 +388,14 @@ class ShardedParameters:
 
     def load_local_state(
         self,
-        optimizer: torch.optim.Optimizer,
-        params: list[torch.nn.Parameter],
-        state: dict[int, dict[str, Any]],
-        groups: list[dict[str, Any]],
+        optimizer: Optimizer,
+        params: Params,
+        state: ShardState,
+        groups: Groups,
     ) -> None:
         """Load per-parameter pieces covering this rank's shards (``owned_ranges``), and
         refresh host master copies from the (just loaded) parameter buffers."""
-        shard_state: dict[int, dict[str, Any]] = {}
+        shard_state: ShardState = {}
         number = optimizer_positions(optimizer)
         for shard, i, lo, hi, offset in self._overlaps(params):
             entry = shard_state.setdefault(number[id(shard.param)], {})
@@ -435,9 +434,7 @@ def used_flags(summed: torch.Tensor) -> list[bool]:
     return (summed < 0.5).logical_not().tolist()
 
 
-def hyperparameters(
-    sharded: ShardedParameters, optimizer: torch.optim.Optimizer, params: list
-) -> list[dict[str, Any]]:
+def hyperparameters(sharded: ShardedParameters, optimizer: Optimizer, params: list) -> Groups:
     """The optimizer's groups in the canonical format: each group's hyperparameters, and as
     ``params`` the indices in ``params`` of the model parameters the user put in it."""
     members = sharded.groups_of(params, len(optimizer.param_groups))
@@ -447,13 +444,13 @@ def hyperparameters(
     ]
 
 
-def optimizer_positions(optimizer: torch.optim.Optimizer) -> dict[int, int]:
+def optimizer_positions(optimizer: Optimizer) -> dict[int, int]:
     """id(tensor) -> its index in the optimizer's state dict (groups in order)."""
     order = [p for g in optimizer.param_groups for p in g["params"]]
     return {id(p): n for n, p in enumerate(order)}
 
 
-def merged_groups(optimizer: torch.optim.Optimizer, saved: list[dict]) -> list[dict[str, Any]]:
+def merged_groups(optimizer: Optimizer, saved: list[dict]) -> Groups:
     """``param_groups`` for ``load_state_dict``: group k's hyperparameters from saved group k
     (or the first, when fewer were saved) over the current ones; ``params`` numbered in order."""
     groups, start = [], 0
@@ -493,7 +490,7 @@ def _owns_storage(t: torch.Tensor, device: torch.device) -> bool:
     return whole and t.device == device
 
 
-def _kinds(held: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
+def _kinds(held: ShardState) -> ShardState:
     """Per parameter and key of ``held_state``: the dtype of per-element pieces, or the value
     itself (a step count)."""
     return {
@@ -502,13 +499,13 @@ def _kinds(held: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
     }
 
 
-def _agree(kinds: dict[int, dict[str, Any]], group: Any) -> dict[int, dict[str, Any]]:
+def _agree(kinds: ShardState, group: Any) -> ShardState:
     """Every rank's ``_kinds`` merged (one small message; the first rank's value wins)."""
     if dist.get_world_size(group) == 1:
         return kinds
     everyone: list[dict] = [None] * dist.get_world_size(group)  # type: ignore[list-item]
     dist.all_gather_object(everyone, kinds, group=group)
-    merged: dict[int, dict[str, Any]] = {}
+    merged: ShardState = {}
     for part in everyone:
         for i, entry in part.items():
             for key, kind in entry.items():

@@ -168,49 +168,54 @@ def _sgd_s_per_byte(memory_bytes_per_s: float) -> float:
     return 5.0 / memory_bytes_per_s
 
 
-CLUSTERS: dict[str, ClusterConfig] = {
-    "parallel_cnn_titanx_fdr": ClusterConfig(
-        name="parallel-CNN paper: 4 x Titan X per node, 56 Gb/s FDR InfiniBand",
-        nodes=4,
-        devices_per_node=4,
-        intra=LinkConfig(alpha_s=10e-6, beta_bytes_per_s=8e9),
-        inter=LinkConfig(alpha_s=25e-6, beta_bytes_per_s=6e9),
+Link = tuple[float, float]  # (alpha seconds, beta bytes per second)
+
+
+def _cluster(name: str, nodes: int, per_node: int, intra: Link, inter: Link, codec_s: float,
+             description: str) -> ClusterConfig:  # fmt: skip
+    """``per_node`` devices on each of ``nodes`` nodes, one network card each."""
+    return ClusterConfig(
+        name=name,
+        nodes=nodes,
+        devices_per_node=per_node,
+        intra=LinkConfig(alpha_s=intra[0], beta_bytes_per_s=intra[1]),
+        inter=LinkConfig(alpha_s=inter[0], beta_bytes_per_s=inter[1]),
         shared_nic=True,
-        codec_s_per_byte=1.5e-11,
-        description="seed 001: GTX Titan X (Maxwell, 12 GB), 4 per server (2 x Xeon E5-2630), "
+        codec_s_per_byte=codec_s,
+        description=description,
+    )
+
+
+# fmt: off
+CLUSTERS: dict[str, ClusterConfig] = {
+    "parallel_cnn_titanx_fdr": _cluster(
+        "parallel-CNN paper: 4 x Titan X per node, 56 Gb/s FDR InfiniBand",
+        4, 4, (10e-6, 8e9), (25e-6, 6e9), 1.5e-11,
+        "seed 001: GTX Titan X (Maxwell, 12 GB), 4 per server (2 x Xeon E5-2630), "
         "InfiniBand switch up to 56 Gb/s. Assumed: PCIe 3.0 within a node at 8 GB/s effective "
         "(peer to peer or through host memory); FDR 4x carries 6.8 GB/s of data, 6 GB/s "
         "effective with GeForce cards staging through host memory (no GPUDirect RDMA), hence "
         "the 25 us latency; one network card per node.",
     ),
-    "horovod_p100_25gbe": ClusterConfig(
-        name="Horovod benchmark: 4 x P100 per node, 25 GbE RoCE",
-        nodes=128,
-        devices_per_node=4,
-        intra=LinkConfig(alpha_s=5e-6, beta_bytes_per_s=10e9),
-        inter=LinkConfig(alpha_s=10e-6, beta_bytes_per_s=2.8e9),
-        shared_nic=True,
-        codec_s_per_byte=7e-12,
-        description="Sergeev & Del Balso 2018 / horovod docs/benchmarks.rst: 128 servers with 4 "
+    "horovod_p100_25gbe": _cluster(
+        "Horovod benchmark: 4 x P100 per node, 25 GbE RoCE",
+        128, 4, (5e-6, 10e9), (10e-6, 2.8e9), 7e-12,
+        "Sergeev & Del Balso 2018 / horovod docs/benchmarks.rst: 128 servers with 4 "
         "Pascal GPUs each, RoCE-capable 25 Gbit/s network, NCCL 2 ring allreduce. Assumed: "
         "PCIe within a node at 10 GB/s; 25 GbE = 3.125 GB/s on the wire, 2.8 GB/s effective "
         "with RoCE; 10 us per ring step between nodes; one network card per node.",
     ),
-    "ddp_v100_100g": ClusterConfig(
-        name="PyTorch DDP paper: 8 x V100 (NVLink) per node, 100 Gb/s",
-        nodes=32,
-        devices_per_node=8,
-        intra=LinkConfig(alpha_s=5e-6, beta_bytes_per_s=100e9),
-        inter=LinkConfig(alpha_s=10e-6, beta_bytes_per_s=10e9),
-        shared_nic=True,
-        codec_s_per_byte=5.5e-12,
-        description="Li et al., VLDB 2020: servers of 8 V100 GPUs joined by NVLink, Mellanox "
+    "ddp_v100_100g": _cluster(
+        "PyTorch DDP paper: 8 x V100 (NVLink) per node, 100 Gb/s",
+        32, 8, (5e-6, 100e9), (10e-6, 10e9), 5.5e-12,
+        "Li et al., VLDB 2020: servers of 8 V100 GPUs joined by NVLink, Mellanox "
         "ConnectX-4 100 Gb/s NICs (as we recall the paper; its text was not available here); "
         "256 GPUs on a shared cluster whose network is not described. Assumed: NCCL's NVLink "
         "rings move 100 GB/s per direction; 100 Gb/s = 12.5 GB/s, 10 GB/s effective; one "
         "network card per server.",
     ),
 }
+# fmt: on
 
 
 # -- the published setups ---------------------------------------------------------------------
@@ -258,6 +263,27 @@ class Published:
             layer_names=[n for n, _, _ in layers],
             source=f"{self.title}: {self.samples_per_s:g} samples/s at batch {self.batch_size}",
         )
+
+
+def _horovod(
+    architecture: str, model: str, samples_per_s: float, source: str, efficiency: float,
+    **rest: Any,
+) -> Published:  # fmt: skip
+    """A point of Horovod's benchmark (its docs/benchmarks.rst): 512 P100 at batch 64, its
+    tensor fusion (5 ms cycle, 64 MB) over NCCL's ring allreduce."""
+    return Published(
+        key=f"horovod_{architecture}",
+        title=f"{model}, 512 P100, 25 GbE RoCE (Horovod)",
+        cluster="horovod_p100_25gbe",
+        architecture=architecture,
+        samples_per_s=samples_per_s,
+        batch_size=64,
+        memory_bytes_per_s=732e9,
+        throughput_source=source,
+        setup={"strategy": "allreduce", "bucket_bytes": 64 * MIB, "fusion_cycle_s": 0.005},
+        reported=(Reported(512, "efficiency", efficiency, "horovod docs/benchmarks.rst"),),
+        **rest,
+    )
 
 
 PUBLISHED: tuple[Published, ...] = (
@@ -320,18 +346,13 @@ PUBLISHED: tuple[Published, ...] = (
         discrepancy="A prediction, not a validation: what the paper's cluster would give "
         "with phalanx's tree (the sum returns down the tree during backward, no fetch).",
     ),
-    Published(
-        key="horovod_inception_v3",
-        title="Inception V3, 512 P100, 25 GbE RoCE (Horovod)",
-        cluster="horovod_p100_25gbe",
-        architecture="inception_v3",
-        samples_per_s=142.0,
-        batch_size=64,
-        memory_bytes_per_s=732e9,
-        throughput_source="tf_cnn_benchmarks on a P100, batch 64, synthetic data: 142 "
-        "images/s (TensorFlow's published benchmarks, DGX-1, May 2017)",
-        setup={"strategy": "allreduce", "bucket_bytes": 64 * MIB, "fusion_cycle_s": 0.005},
-        reported=(Reported(512, "efficiency", 0.90, "horovod docs/benchmarks.rst"),),
+    _horovod(
+        "inception_v3",
+        "Inception V3",
+        142.0,
+        "tf_cnn_benchmarks on a P100, batch 64, synthetic data: 142 images/s (TensorFlow's "
+        "published benchmarks, DGX-1, May 2017)",
+        efficiency=0.90,
         tolerance=0.10,
         assumptions=(
             "142 images/s per P100 at batch 64 (TensorFlow's benchmark of the same script)",
@@ -345,19 +366,14 @@ PUBLISHED: tuple[Published, ...] = (
         "coordinator negotiates every cycle over MPI with all 512 ranks, TensorFlow's "
         "per-op overheads, and the slowest of 512 GPUs setting each step's pace.",
     ),
-    Published(
-        key="horovod_resnet101",
-        title="ResNet-101, 512 P100, 25 GbE RoCE (Horovod)",
-        cluster="horovod_p100_25gbe",
-        architecture="resnet101",
-        samples_per_s=129.0,
-        batch_size=64,
-        memory_bytes_per_s=732e9,
-        throughput_source="not published for ResNet-101 on a P100; interpolated between "
-        "TensorFlow's ResNet-50 (219 images/s) and ResNet-152 (91.8) by time per image: "
-        "ResNet-101's 33 bottleneck blocks sit midway between 16 and 50",
-        setup={"strategy": "allreduce", "bucket_bytes": 64 * MIB, "fusion_cycle_s": 0.005},
-        reported=(Reported(512, "efficiency", 0.90, "horovod docs/benchmarks.rst"),),
+    _horovod(
+        "resnet101",
+        "ResNet-101",
+        129.0,
+        "not published for ResNet-101 on a P100; interpolated between TensorFlow's ResNet-50 "
+        "(219 images/s) and ResNet-152 (91.8) by time per image: ResNet-101's 33 bottleneck "
+        "blocks sit midway between 16 and 50",
+        efficiency=0.90,
         tolerance=0.10,
         assumptions=(
             "129 images/s per P100 at batch 64 (interpolated, see the source)",
@@ -368,18 +384,13 @@ PUBLISHED: tuple[Published, ...] = (
         discrepancy="As for Inception V3: the coordinator's negotiation, framework "
         "overheads and stragglers are not modelled.",
     ),
-    Published(
-        key="horovod_vgg16",
-        title="VGG-16, 512 P100, 25 GbE RoCE (Horovod)",
-        cluster="horovod_p100_25gbe",
-        architecture="vgg16",
-        samples_per_s=154.0,
-        batch_size=64,
-        memory_bytes_per_s=732e9,
-        throughput_source="tf_cnn_benchmarks on a P100, batch 64, synthetic data: 154 "
-        "images/s (TensorFlow's published benchmarks)",
-        setup={"strategy": "allreduce", "bucket_bytes": 64 * MIB, "fusion_cycle_s": 0.005},
-        reported=(Reported(512, "efficiency", 0.68, "horovod docs/benchmarks.rst"),),
+    _horovod(
+        "vgg16",
+        "VGG-16",
+        154.0,
+        "tf_cnn_benchmarks on a P100, batch 64, synthetic data: 154 images/s (TensorFlow's "
+        "published benchmarks)",
+        efficiency=0.68,
         tolerance=0.15,
         assumptions=(
             "154 images/s per P100 at batch 64",
@@ -411,7 +422,7 @@ PUBLISHED: tuple[Published, ...] = (
                 "abstract: 'near-linear scalability using 256 GPUs' (taken as at least 90%)",
                 at_least=True,
             ),
-        ),  # fmt: skip
+        ),
         tolerance=0.05,
         assumptions=(
             "330 images/s per V100 at batch 32, float32, backward = 2 x forward",
