@@ -85,9 +85,7 @@ class ExchangeConfig:
             f"unknown compression {self.compress!r}; allowed: {', '.join(CODECS.names())}",
         )
         require(
-            self.first_bucket_mb > 0,
-            "first_bucket_mb",
-            f"must be > 0, got {self.first_bucket_mb}",
+            self.first_bucket_mb > 0, "first_bucket_mb", f"must be > 0, got {self.first_bucket_mb}"
         )
         strategy_config(self.strategy, self.options)
 
@@ -406,10 +404,7 @@ class Strategy(ABC):
         return optimizer.state_dict()
 
     def load_optimizer_state_dict(
-        self,
-        optimizer: Optimizer,
-        params: Params,
-        state: dict[str, Any],
+        self, optimizer: Optimizer, params: Params, state: dict[str, Any]
     ) -> None:
         del params
         optimizer.load_state_dict(state)
@@ -443,11 +438,7 @@ class Strategy(ABC):
         return {i: [(0, p.numel())] for i, p in enumerate(params)}
 
     def load_optimizer_shards(
-        self,
-        optimizer: Optimizer,
-        params: Params,
-        state: ShardState,
-        groups: Groups,
+        self, optimizer: Optimizer, params: Params, state: ShardState, groups: Groups
     ) -> None:
         """Load state in ``optimizer_shards``' form whose pieces cover ``owned_ranges``
         (hyperparameters: group k from saved group k, or the first where there are fewer)."""
@@ -561,10 +552,7 @@ class OptimizerSharding(Protocol):
     def optimizer_state_dict(self, optimizer: Optimizer, params: Params) -> dict[str, Any]: ...
 
     def load_optimizer_state_dict(
-        self,
-        optimizer: Optimizer,
-        params: Params,
-        state: dict[str, Any],
+        self, optimizer: Optimizer, params: Params, state: dict[str, Any]
     ) -> None: ...
 
     def optimizer_shards(
@@ -574,11 +562,7 @@ class OptimizerSharding(Protocol):
     def owned_ranges(self, params: Params) -> dict[int, list[tuple[int, int]]]: ...
 
     def load_optimizer_shards(
-        self,
-        optimizer: Optimizer,
-        params: Params,
-        state: ShardState,
-        groups: Groups,
+        self, optimizer: Optimizer, params: Params, state: ShardState, groups: Groups
     ) -> None: ...
 
     def optimizer_bytes(self, optimizer: Optimizer) -> int: ...

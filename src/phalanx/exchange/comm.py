@@ -112,9 +112,7 @@ PROBE_MATRIX = 160  # the probe's work: matrix products of this size (~0.1 ms on
 
 
 def measure_handoff_s(
-    repeats: int = HANDOFF_REPEATS,
-    work_s: float = HANDOFF_WORK_S,
-    pause_s: float = HANDOFF_PAUSE_S,
+    repeats: int = HANDOFF_REPEATS, work_s: float = HANDOFF_WORK_S, pause_s: float = HANDOFF_PAUSE_S
 ) -> tuple[float, ...]:
     """Latencies of the two hand-overs of a strategy's job between this process's compute
     thread and a sleeping ``CommThread``, as at the end of backward (seconds): how long after

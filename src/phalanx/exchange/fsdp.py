@@ -329,10 +329,7 @@ class FullyShardedStrategy(Strategy):
         return {"state": whole, "param_groups": state["param_groups"]}
 
     def load_optimizer_state_dict(
-        self,
-        optimizer: Optimizer,
-        params: Params,
-        state: dict[str, Any],
+        self, optimizer: Optimizer, params: Params, state: dict[str, Any]
     ) -> None:
         """Load torch's format (``optimizer_state_dict``, or one process's optimizer's):
         this rank keeps its rows of every per-element value; no message."""

@@ -203,10 +203,7 @@ class ShardedParameters:
         return [s.param for s in self.shards] or [torch.nn.Parameter(torch.empty(0))]
 
     def attach_grads(
-        self,
-        grads_of: dict[int, torch.Tensor],
-        offset_of: dict[int, int],
-        used: list[list[bool]],
+        self, grads_of: dict[int, torch.Tensor], offset_of: dict[int, int], used: list[list[bool]]
     ) -> None:
         """Point each shard's ``.grad`` at its reduced gradients: ``grads_of[b]`` holds bucket b's
         range starting at flat index ``offset_of[b]``; a shard of a parameter no rank used
@@ -241,10 +238,7 @@ class ShardedParameters:
         return {"state": state, "param_groups": hyperparameters(self, optimizer, params)}
 
     def load_canonical_state(
-        self,
-        optimizer: Optimizer,
-        params: Params,
-        canonical: dict[str, Any],
+        self, optimizer: Optimizer, params: Params, canonical: dict[str, Any]
     ) -> None:
         """Load per-parameter state into this rank's shards."""
         index = {id(p): i for i, p in enumerate(params)}
@@ -322,11 +316,7 @@ class ShardedParameters:
         return Carried(self.held_state(optimizer, params), self.piece_owners(params), groups)
 
     def load_carried(
-        self,
-        optimizer: Optimizer,
-        params: Params,
-        carried: Carried,
-        group: Any,
+        self, optimizer: Optimizer, params: Params, carried: Carried, group: Any
     ) -> None:
         """Load what every rank's shards of another layout held (``carry``) into this layout's
         shards (collective). A range whose owner changed travels point to point from the old
@@ -387,11 +377,7 @@ class ShardedParameters:
         return fresh, targets
 
     def load_local_state(
-        self,
-        optimizer: Optimizer,
-        params: Params,
-        state: ShardState,
-        groups: Groups,
+        self, optimizer: Optimizer, params: Params, state: ShardState, groups: Groups
     ) -> None:
         """Load per-parameter pieces covering this rank's shards (``owned_ranges``), and
         refresh host master copies from the (just loaded) parameter buffers."""

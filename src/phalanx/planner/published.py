@@ -266,8 +266,7 @@ class Published:
 
 
 def _horovod(
-    architecture: str, model: str, samples_per_s: float, source: str, efficiency: float,
-    **rest: Any,
+    architecture: str, model: str, samples_per_s: float, source: str, efficiency: float, **rest: Any
 ) -> Published:  # fmt: skip
     """A point of Horovod's benchmark (its docs/benchmarks.rst): 512 P100 at batch 64, its
     tensor fusion (5 ms cycle, 64 MB) over NCCL's ring allreduce."""

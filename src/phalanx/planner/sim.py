@@ -577,12 +577,7 @@ class _Timeline:
             self.stolen = 0.0
 
     def step_fused(
-        self,
-        step: int,
-        exchange: Any,
-        cap: int,
-        cycle_s: float,
-        optimizer_fraction: float,
+        self, step: int, exchange: Any, cap: int, cycle_s: float, optimizer_fraction: float
     ) -> list[int]:
         """One step with Horovod's fusion: Phases 1, 2 and 4 as in ``step``; in Phase 3 the
         communication loop wakes at the first cycle tick after it is free and a gradient is
