@@ -49,12 +49,8 @@ class PoolTrainConfig:
 
 @dataclass
 class BlockBatches:
-    """Batches of one worker's block: x (N_block, ...) and y (N_block, ...) on the CPU.
-
-    Step s of epoch e takes positions [s*b, (s+1)*b) of ``block_order(e)``; every worker uses
-    the same order on its own block, so the global batch of a step is the concatenation, in
-    rank order, of the same positions in every block.
-    """
+    """Batches of one worker's block (CPU): every worker takes the same positions of
+    ``block_order(epoch)`` in its own block, so a step's global batch is their concatenation."""
 
     x: torch.Tensor
     y: torch.Tensor
@@ -97,10 +93,8 @@ def split_blocks(
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Contiguous equal blocks (the remainder of ``len // num_blocks`` is dropped)."""
     size = len(inputs) // num_blocks
-    return [
-        (inputs[r * size : (r + 1) * size], targets[r * size : (r + 1) * size])
-        for r in range(num_blocks)
-    ]
+    blocks = [slice(r * size, (r + 1) * size) for r in range(num_blocks)]
+    return [(inputs[block], targets[block]) for block in blocks]
 
 
 # -- functions that run in the workers ----------------------------------------------------------
@@ -113,12 +107,13 @@ def _init_replica(
 ) -> int:
     worker = current_worker()
     torch.manual_seed(config.seed)
+    exchange, bucket_mb = config.exchange, config.bucket_mb
     engine = Engine(
         make_model(),
         loss_fn,
         optimizer,
-        exchange=config.exchange,
-        bucket_mb=config.bucket_mb,
+        exchange=exchange,
+        bucket_mb=bucket_mb,
         context=worker.context,
     )
     setattr(worker.state, name, Replica(engine=engine, config=config))
@@ -175,21 +170,11 @@ def _drop(name: str) -> None:
 
 # -- the controller side ------------------------------------------------------------------------
 class PoolTrainer:
-    """Synchronous data-parallel training driven from the controller (F15).
-
-    Phases:
-      Phase 1 (construction): the model-initialisation function goes to every worker; each
-        builds the model with the same seed and wraps it in a phalanx Engine (which broadcasts
-        rank 0's parameters, so every replica starts equal).
-      Phase 2 (``scatter``): the data is split evenly into one contiguous block per worker and
-        each worker receives only its block.
-      Phase 3 (``train``): every worker runs the steps on its block; the Engine averages the
-        gradients layer by layer (fusion buckets launched during backward) and every worker
-        applies the same update. One call to the pool covers all the steps.
-      Phase 4 (``train`` returns, ``state_dict``): the per-step losses, averaged over workers
-        in the controller (equal batches: the mean of means is the global mean), and the
-        final model.
-    """
+    """Synchronous data-parallel training driven from the controller (F15): every worker
+    builds the model with the same seed in an Engine (Phase 1), gets one contiguous block of
+    the data (Phase 2, ``scatter``) and trains on it (Phase 3, ``train``: one pool call for all
+    steps); the controller averages the per-step losses (Phase 4: equal batches, so the mean of
+    means is the global mean)."""
 
     _count = 0
 

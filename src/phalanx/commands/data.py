@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from phalanx.data.records import RecordStore
+from phalanx.data.records import Field, RecordStore
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -49,7 +49,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         return 0
     print(f"record store {summary['path']}: {summary['num_records']} records, {_shape(summary)}")
     for f in summary["fields"]:
-        shape = "(" + ", ".join("*" if d == -1 else str(d) for d in f["shape"]) + ")"
+        shape = Field(f["name"], f["dtype"], tuple(f["shape"])).shape_text()
         print(f"  field {f['name']:<8} {np.dtype(f['dtype']).name:<8} {shape}")
     if summary["meta"]:
         print("  meta: " + ", ".join(f"{k}={v}" for k, v in summary["meta"].items()))

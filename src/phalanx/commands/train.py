@@ -144,9 +144,8 @@ def _host_memory_first(data: dict) -> None:
 
 
 def _check_rescaling(config: Any) -> None:
-    """Clipping and fp16 need a strategy that sees the whole gradient (one-line error before
-    any worker starts; the Engine applies the same rule)."""
-
+    """Clipping and fp16 need a strategy that sees the whole gradient (the Engine's rule,
+    checked before any worker starts)."""
     name = config.exchange.strategy
     problem = rescaling_problem(
         cast("type[Strategy]", STRATEGIES.get(name)).updates_during_exchange,  # a class
@@ -161,7 +160,6 @@ def _check_rescaling(config: Any) -> None:
 
 def _restarted_with_checkpoint(run_dir: Path) -> bool:
     """An elastic restart (--max-restarts) resumes from the newest good checkpoint, if any."""
-
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     return restarts > 0 and checkpoint.latest_step(run_dir / "checkpoints") is not None
 
@@ -207,16 +205,8 @@ def _preempted(run_dir: Path) -> dict | None:
 def _train_launched(args: argparse.Namespace, run_dir: Path) -> int:
     from phalanx.runtime.launch import LaunchSpec, launch
 
-    spec = LaunchSpec(
-        nproc=args.nproc,
-        nnodes=args.nnodes,
-        node_rank=args.node_rank,
-        master_addr=args.master_addr,
-        master_port=args.master_port,
-        max_restarts=args.max_restarts,
-        stop_grace_s=args.stop_grace,
-        debug=args.debug,
-    )
+    keys = ("nproc", "nnodes", "node_rank", "master_addr", "master_port", "max_restarts", "debug")
+    spec = LaunchSpec(**{k: getattr(args, k) for k in keys}, stop_grace_s=args.stop_grace)
     worker_args = ["train"] + ([args.config] if args.config else [])
     for item in args.set:
         worker_args += ["--set", item]
@@ -256,9 +246,8 @@ def _default_run_dir(args: argparse.Namespace) -> str:
 
 
 def _claim(run_dir: Path) -> Path:
-    """Create the default ``run_dir``, or the first free of ``-2``, ``-3``, ... where a run
-    started in the same second has it: a sweep that starts several runs at once would
-    otherwise write them all into one directory."""
+    """Create the default ``run_dir``, or the first free of ``-2``, ``-3``, ...: a sweep that
+    starts several runs in one second would otherwise share one directory."""
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     for n in itertools.count(1):
         candidate = run_dir if n == 1 else run_dir.with_name(f"{run_dir.name}-{n}")

@@ -22,17 +22,11 @@ class ModelConfig:
     layers: list[dict] = option(factory=list, doc="layer tables: type + constructor arguments")
 
     def __post_init__(self) -> None:
-        require(
-            bool(self.name) != bool(self.layers),
-            "name",
-            "give exactly one of model.name or model.layers",
-        )
+        one = bool(self.name) != bool(self.layers)
+        require(one, "name", "give exactly one of model.name or model.layers")
         if self.name:
-            require(
-                self.name in MODELS,
-                "name",
-                f"unknown model {self.name!r}; known: {', '.join(MODELS.names())}",
-            )
+            reason = f"unknown model {self.name!r}; known: {', '.join(MODELS.names())}"
+            require(self.name in MODELS, "name", reason)
             _check_arguments(MODELS.get(self.name), self.options, "options")
         require(not (self.layers and self.options), "options", "only used with model.name")
         for i, spec in enumerate(self.layers):

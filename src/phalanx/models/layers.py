@@ -41,16 +41,9 @@ class LSTMLayer(nn.LSTM):
         bidirectional: bool = False,
         proj_size: int = 0,
     ) -> None:
-        super().__init__(
-            input_size,
-            hidden_size,
-            num_layers=num_layers,
-            bias=bias,
-            batch_first=batch_first,
-            dropout=dropout,
-            bidirectional=bidirectional,
-            proj_size=proj_size,
-        )
+        # the explicit signature is what a config's arguments are checked against
+        args = (num_layers, bias, batch_first, dropout, bidirectional, proj_size)
+        super().__init__(input_size, hidden_size, *args)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         output, _ = super().forward(x)
@@ -84,11 +77,8 @@ for _name, _cls in {
 def _check_layer(spec: dict, key: str) -> None:
     layer_type = spec.get("type")
     require(isinstance(layer_type, str), f"{key}.type", "missing layer type")
-    require(
-        layer_type in LAYERS,
-        f"{key}.type",
-        f"unknown layer type {layer_type!r}; known: {', '.join(LAYERS.names())}",
-    )
+    reason = f"unknown layer type {layer_type!r}; known: {', '.join(LAYERS.names())}"
+    require(layer_type in LAYERS, f"{key}.type", reason)
     _check_arguments(LAYERS.get(cast(str, layer_type)), layer_arguments(spec), key)
 
 
@@ -141,11 +131,9 @@ def build_layers(layers: list[dict]) -> nn.Sequential:
 def run_layers(
     model: nn.Module, layers: list[dict], inputs: torch.Tensor
 ) -> tuple[Any, ConfigError | None]:
-    """``inputs`` (one batch, on the model's device) through ``model`` (``build_layers(layers)``)
-    one layer at a time, in eval mode and without gradients (no statistics updated, no random
-    numbers drawn; each submodule's mode restored): (the output, None), or (None, the one-line
-    error naming the first layer that raises, its input's shape and the fix). A model that is
-    not that Sequential is run whole."""
+    """``inputs`` through ``model`` (``build_layers(layers)``; another model whole) one layer at
+    a time, in eval mode without gradients: (the output, None), or (None, the one-line error
+    naming the first layer that raises, its input's shape and the fix)."""
     if not isinstance(model, nn.Sequential) or len(model) != len(layers):
         with evaluating(model), torch.no_grad():
             return model(inputs), None
