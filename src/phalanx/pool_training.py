@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from phalanx.data.loader import epoch_order
 from phalanx.engine import Engine
 from phalanx.exchange.base import OptimizerFactory
 from phalanx.fields import option, require
@@ -83,9 +84,7 @@ class Replica:
 
 def block_order(size: int, config: PoolTrainConfig, epoch: int) -> torch.Tensor:
     """The sample order of every block in ``epoch``: a permutation seeded by seed + epoch."""
-    if not config.shuffle:
-        return torch.arange(size)
-    return torch.randperm(size, generator=torch.Generator().manual_seed(config.seed + epoch))
+    return epoch_order(size, config.seed, epoch, config.shuffle)
 
 
 def split_blocks(

@@ -1,15 +1,10 @@
 """Rotating batch buffers (F3, F10): producers fill free buffers, the trainer takes ready ones.
 
-``num_buffers`` slots cycle through four states::
-
     free --claim()--> filling --publish()--> ready --take(seq)--> held --release()--> free
 
-``claim`` gives a slot the next sequence number, so buffers are assigned to batches strictly in
-order; producers may finish out of order, and ``take(seq)`` waits for exactly batch ``seq``.
-Because the lowest unfinished sequence number always holds a buffer, the rotation cannot
-deadlock whatever the numbers of producers and buffers. The trainer holds one buffer while it
-computes on that batch (the read buffer) while the others are written (F3's write buffer; with
-3 buffers, F10's preloading): the handover is the wait in ``take``, F3's barrier.
+``claim`` numbers buffers in order and ``take(seq)`` waits for exactly batch ``seq``, so the
+lowest unfinished batch always holds a buffer: the rotation cannot deadlock whatever the
+numbers of producers and buffers. The wait in ``take`` is F3's barrier.
 """
 
 from __future__ import annotations

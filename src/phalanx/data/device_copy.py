@@ -1,16 +1,7 @@
-"""The device stage of the input pipeline: a ready host batch to the training device (F10).
-
-``stage`` runs in a pipeline worker thread right after preprocessing; ``hand_over`` runs in the
-trainer's thread when it takes the batch.
-
-CUDA: each batch buffer owns page-locked (pinned) staging tensors. ``stage`` copies the batch
-into them and issues a ``non_blocking`` host-to-device copy on a side stream, then records an
-event; ``hand_over`` makes the trainer's current stream wait on that event (no host sync) and
-marks the tensors as used by it, so the copy of batch n+1 overlaps the compute of batch n.
-A staging buffer is refilled only after its previous copy's event completed.
-
-CPU (or ``device=None``): the same two calls; the copy is synchronous and a CPU batch is
-handed over as it is.
+"""The device stage of the input pipeline (F10): ``stage`` in a worker thread after
+preprocessing, ``hand_over`` in the trainer's thread. On CUDA a batch goes through its buffer's
+pinned tensors on a side stream, and the trainer's stream waits on its event (no host sync), so
+batch n+1's copy overlaps batch n's compute; on the CPU both are synchronous.
 """
 
 from __future__ import annotations

@@ -30,14 +30,16 @@ def position_from_state(state: dict[str, int], global_batch: int) -> Position:
     return Position(int(state["epoch"]), -(-samples // global_batch))
 
 
-class ShardedBatches:
-    """Each step draws one global batch (batch_size x world_size samples) from the epoch's
-    permutation; rank r takes the r-th contiguous slice, so ranks are disjoint and together
-    see exactly what one process with the global batch would see. Incomplete global batches at
-    the end of an epoch are dropped.
+def epoch_order(size: int, seed: int, epoch: int, shuffle: bool = True) -> torch.Tensor:
+    """The sample order of ``epoch``: ``torch.randperm`` seeded ``seed + epoch`` (or ``arange``)."""
+    if not shuffle:
+        return torch.arange(size)
+    return torch.randperm(size, generator=torch.Generator().manual_seed(seed + epoch))
 
-    Yields x (batch_size, ...) and y (batch_size,) on the CPU.
-    """
+
+class ShardedBatches:
+    """Rank r's contiguous slice of each step's global batch from the epoch's permutation
+    (``GlobalOrder``'s order, short batches dropped): x and y on the CPU."""
 
     def __init__(
         self,
@@ -64,10 +66,7 @@ class ShardedBatches:
         self._order = self._permutation(0)
 
     def _permutation(self, epoch: int) -> torch.Tensor:
-        if not self.shuffle:
-            return torch.arange(len(self.x))
-        generator = torch.Generator().manual_seed(self.seed + epoch)
-        return torch.randperm(len(self.x), generator=generator)
+        return epoch_order(len(self.x), self.seed, epoch, self.shuffle)
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The next batch of this rank; advances the position (and the epoch at its end)."""

@@ -1,13 +1,6 @@
-"""Packing data into a record store: built-in sources and directories of .npy/.npz files.
-
-- A built-in source (``phalanx.data.SOURCES``: ``digits``, ``text``, ...): one split's samples,
-  fields ``x`` and ``y`` (images with labels; token sequences with next tokens).
-- A directory of ``.npz`` files: each file holds arrays with a common first dim N (N records);
-  the keys are the fields (``x`` and ``y`` first, then the others sorted). Files may differ in
-  the other dims, which then become variable.
-- A directory of ``.npy`` files: one record per file, one field ``x`` (e.g. token sequences of
-  different lengths).
-Files are taken in sorted name order, so packing is reproducible.
+"""Packing data into a record store: a built-in source's split (fields ``x``, ``y``), or a
+directory of ``.npz`` files (N records each) or ``.npy`` files (one record each), as
+docs/data.md describes; files in sorted name order, so packing is reproducible.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from phalanx.data.buffers import BatchBuffers, PipelineClosed, Slot
 from phalanx.data.device_copy import make_device_stage
-from phalanx.data.loader import Position, position_from_state, position_state
+from phalanx.data.loader import Position, epoch_order, position_from_state, position_state
 from phalanx.data.readers import Batch, Collate, as_batch, as_reader
 from phalanx.errors import DataError
 from phalanx.fields import require
@@ -57,11 +57,7 @@ class GlobalOrder:
         with self._lock:
             order = self._cache.get(epoch)
             if order is None:
-                if self.shuffle:
-                    generator = torch.Generator().manual_seed(self.seed + epoch)
-                    order = torch.randperm(self.num_samples, generator=generator).numpy()
-                else:
-                    order = np.arange(self.num_samples, dtype=np.int64)
+                order = epoch_order(self.num_samples, self.seed, epoch, self.shuffle).numpy()
                 self._cache = {e: o for e, o in self._cache.items() if e >= epoch - 1}
                 self._cache[epoch] = order
             return order

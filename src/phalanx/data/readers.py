@@ -1,13 +1,6 @@
-"""What a Pipeline reads from: adapters from the sources users have to one ``Reader`` protocol.
-
-A Reader has ``len(reader)`` samples and ``read(indices) -> Batch``: a tuple of CPU tensors,
-one per field, each (len(indices), ...). ``as_reader`` accepts:
-  - a record store: its directory (str or Path) or an open ``RecordStore``;
-  - a built-in source name (``phalanx.data.SOURCES``) or a ``phalanx.data.Dataset``: its
-    training split (x_train, y_train);
-  - a tuple of arrays or tensors with equal first dims (in-memory arrays, e.g. ``(x, y)``);
-  - any map-style dataset: ``__len__`` + ``__getitem__`` returning a sample (a tuple of
-    arrays, tensors or numbers, or one array), e.g. a ``torch.utils.data.Dataset``.
+"""What a Pipeline reads from: adapters from the sources users have (a record store, a built-in
+source or Dataset, a tuple of arrays, any map-style dataset; docs/data.md) to one ``Reader``
+protocol: ``len(reader)`` samples, ``read(indices)`` -> a tuple of CPU tensors, one per field.
 """
 
 from __future__ import annotations
