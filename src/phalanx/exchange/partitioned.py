@@ -204,6 +204,9 @@ class PartitionedSchedule(MessageSchedule):
 
     config: PartitionedConfig
 
+    def describe(self) -> str:
+        return f"partitioned ({self.config.schedule})"
+
     def bucket_phases(self, world: int, codec: WireCodec, nbytes: float) -> list[Phase]:
         if world < 2:
             return []
@@ -222,9 +225,6 @@ class PartitionedSchedule(MessageSchedule):
             return [Phase("send-back", cyclic_rounds(world, True), gates=FORWARD_PASS)]
         table = ring_rounds(world, reduce=False, gather=True, grad=False)
         return [Phase("all-gather", table, gates=FORWARD_PASS)]
-
-    def describe(self) -> str:
-        return f"partitioned ({self.config.schedule})"
 
 
 @STRATEGIES.register("partitioned")

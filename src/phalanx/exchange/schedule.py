@@ -21,7 +21,7 @@ import functools
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
@@ -73,8 +73,7 @@ KIND_NAMES = ("grad", "forward", "param")
 STEP, FORWARD_PASS = "step", "forward"  # what waits for a phase
 
 
-@dataclass(frozen=True)
-class Message:
+class Message(NamedTuple):
     """``nbytes`` (uncompressed) travel from rank ``src`` to rank ``dst``."""
 
     src: int

@@ -12,7 +12,7 @@ phalanx.planner.published`` prints the comparison table of docs/planner.md.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from phalanx.planner.cluster import ClusterConfig, LinkConfig
@@ -265,75 +265,73 @@ class Published:
         )
 
 
-def _horovod(
-    architecture: str, model: str, samples_per_s: float, source: str, efficiency: float, **rest: Any
-) -> Published:  # fmt: skip
-    """A point of Horovod's benchmark (its docs/benchmarks.rst): 512 P100 at batch 64, its
-    tensor fusion (5 ms cycle, 64 MB) over NCCL's ring allreduce."""
-    return Published(
-        key=f"horovod_{architecture}",
-        title=f"{model}, 512 P100, 25 GbE RoCE (Horovod)",
-        cluster="horovod_p100_25gbe",
-        architecture=architecture,
-        samples_per_s=samples_per_s,
-        batch_size=64,
-        memory_bytes_per_s=732e9,
-        throughput_source=source,
-        setup={"strategy": "allreduce", "bucket_bytes": 64 * MIB, "fusion_cycle_s": 0.005},
-        reported=(Reported(512, "efficiency", efficiency, "horovod docs/benchmarks.rst"),),
-        **rest,
-    )
+# per benchmark series: (the title's tail, cluster, memory bandwidth, exchange)
+_SERIES = {
+    # Horovod's docs/benchmarks.rst: its tensor fusion (5 ms cycle, 64 MB), NCCL's ring
+    "horovod": ("512 P100, 25 GbE RoCE (Horovod)", "horovod_p100_25gbe", 732e9,
+                {"strategy": "allreduce", "bucket_bytes": 64 * MIB, "fusion_cycle_s": 0.005}),
+    # the PyTorch DDP paper (Li et al., VLDB 2020): DDP's 25 MB buckets over NCCL
+    "ddp": ("256 V100, DDP with NCCL (PyTorch DDP paper)", "ddp_v100_100g", 900e9,
+            {"strategy": "allreduce", "bucket_bytes": 25 * MIB}),
+}  # fmt: skip
 
 
-PUBLISHED: tuple[Published, ...] = (
-    Published(
-        key="googlenet_titanx",
-        title="GoogLeNet, Titan X, 56 Gb/s InfiniBand (parallel-CNN paper)",
-        cluster="parallel_cnn_titanx_fdr",
-        architecture="googlenet",
-        samples_per_s=128 / 0.470,
-        batch_size=128,
-        backward_per_forward=340 / 130,
-        memory_bytes_per_s=336e9,
-        throughput_source="the paper's Table 1 (its per-iteration times) is not in the text we "
-        "have; we take GoogLeNet at batch 128 on a Titan X from soumith/convnet-benchmarks: "
-        "470 ms per step with cuDNN R4 (forward 130, backward 340)",
-        setup={"strategy": "tree_ps", "bucket_bytes": 1},
-        reported=(
-            Reported(4, "speedup", 3.9, "seed 001, Fig. 5 and text"),
-            Reported(16, "speedup", 13.5, "seed 001, Fig. 5 and text"),
-        ),
-        tolerance=0.10,
-        assumptions=(
-            "per-GPU step 470 ms at batch 128 (convnet-benchmarks, cuDNN R4 on Titan X), "
-            "backward/forward = 340/130",
-            "13.4 M parameters (GoogLeNet with its two auxiliary classifiers, as trained in "
-            "the GoogLeNet paper and Caffe's bvlc_googlenet), float32 gradients",
-            "the paper's scheme as it describes it (Fig. 1, sections 2.1-2.2): each layer's "
-            "gradients summed up a binary tree to the parameter server (on rank 0's node) "
-            "while backward runs, the server updates the layer, and every replica fetches "
-            "the parameters from the server before its next iteration (schedule tree_ps)",
-            "gradients exchanged layer by layer as backward produces them (bucket = one "
-            "layer), as the paper overlaps them",
-            "links: see the cluster (8 GB/s PCIe, 6 GB/s FDR with 25 us latency, one NIC)",
-            "input fully hidden by the paper's multi-buffer preloading; SGD memory-bound",
-        ),
-        discrepancy="The tree reduction hides behind the 340 ms backward; what costs is the "
-        "fetch: 15 copies of 53 MB leave the server, 12 of them through its node's one "
-        "network card (about 0.11 s at 16 GPUs, 0.02 s over PCIe at 4). The model is "
-        "slightly pessimistic at both points: how much of the fetch the paper overlaps, "
-        "and its own per-iteration times (Table 1, missing from our copy), are unknown; "
-        "the paper also names GPUs' differing compute times, which the model leaves out.",
+def _point(series: str, architecture: str, model: str, samples_per_s: float, batch: int,
+           source: str, **rest: Any) -> Published:  # fmt: skip
+    """A setup of one of the ``_SERIES`` benchmarks."""
+    title, cluster, memory, setup = _SERIES[series]
+    return Published(key=f"{series}_{architecture}", title=f"{model}, {title}", cluster=cluster,
+                     architecture=architecture, samples_per_s=samples_per_s, batch_size=batch,
+                     memory_bytes_per_s=memory, throughput_source=source, setup=setup,
+                     **rest)  # fmt: skip
+
+
+_GOOGLENET = Published(
+    key="googlenet_titanx",
+    title="GoogLeNet, Titan X, 56 Gb/s InfiniBand (parallel-CNN paper)",
+    cluster="parallel_cnn_titanx_fdr",
+    architecture="googlenet",
+    samples_per_s=128 / 0.470,
+    batch_size=128,
+    backward_per_forward=340 / 130,
+    memory_bytes_per_s=336e9,
+    throughput_source="the paper's Table 1 (its per-iteration times) is not in the text we "
+    "have; we take GoogLeNet at batch 128 on a Titan X from soumith/convnet-benchmarks: "
+    "470 ms per step with cuDNN R4 (forward 130, backward 340)",
+    setup={"strategy": "tree_ps", "bucket_bytes": 1},
+    reported=(
+        Reported(4, "speedup", 3.9, "seed 001, Fig. 5 and text"),
+        Reported(16, "speedup", 13.5, "seed 001, Fig. 5 and text"),
     ),
-    Published(
+    tolerance=0.10,
+    assumptions=(
+        "per-GPU step 470 ms at batch 128 (convnet-benchmarks, cuDNN R4 on Titan X), "
+        "backward/forward = 340/130",
+        "13.4 M parameters (GoogLeNet with its two auxiliary classifiers, as trained in "
+        "the GoogLeNet paper and Caffe's bvlc_googlenet), float32 gradients",
+        "the paper's scheme as it describes it (Fig. 1, sections 2.1-2.2): each layer's "
+        "gradients summed up a binary tree to the parameter server (on rank 0's node) "
+        "while backward runs, the server updates the layer, and every replica fetches "
+        "the parameters from the server before its next iteration (schedule tree_ps)",
+        "gradients exchanged layer by layer as backward produces them (bucket = one "
+        "layer), as the paper overlaps them",
+        "links: see the cluster (8 GB/s PCIe, 6 GB/s FDR with 25 us latency, one NIC)",
+        "input fully hidden by the paper's multi-buffer preloading; SGD memory-bound",
+    ),
+    discrepancy="The tree reduction hides behind the 340 ms backward; what costs is the "
+    "fetch: 15 copies of 53 MB leave the server, 12 of them through its node's one "
+    "network card (about 0.11 s at 16 GPUs, 0.02 s over PCIe at 4). The model is "
+    "slightly pessimistic at both points: how much of the fetch the paper overlaps, "
+    "and its own per-iteration times (Table 1, missing from our copy), are unknown; "
+    "the paper also names GPUs' differing compute times, which the model leaves out.",
+)
+# fmt: off
+PUBLISHED: tuple[Published, ...] = (
+    _GOOGLENET,
+    replace(
+        _GOOGLENET,
         key="googlenet_titanx_tree",
         title="GoogLeNet, Titan X, 56 Gb/s InfiniBand: phalanx's tree instead",
-        cluster="parallel_cnn_titanx_fdr",
-        architecture="googlenet",
-        samples_per_s=128 / 0.470,
-        batch_size=128,
-        backward_per_forward=340 / 130,
-        memory_bytes_per_s=336e9,
         throughput_source="as above",
         setup={"strategy": "tree", "bucket_bytes": 1},
         reported=(),
@@ -345,13 +343,11 @@ PUBLISHED: tuple[Published, ...] = (
         discrepancy="A prediction, not a validation: what the paper's cluster would give "
         "with phalanx's tree (the sum returns down the tree during backward, no fetch).",
     ),
-    _horovod(
-        "inception_v3",
-        "Inception V3",
-        142.0,
+    _point(
+        "horovod", "inception_v3", "Inception V3", 142.0, 64,
         "tf_cnn_benchmarks on a P100, batch 64, synthetic data: 142 images/s (TensorFlow's "
         "published benchmarks, DGX-1, May 2017)",
-        efficiency=0.90,
+        reported=(Reported(512, "efficiency", 0.90, "horovod docs/benchmarks.rst"),),
         tolerance=0.10,
         assumptions=(
             "142 images/s per P100 at batch 64 (TensorFlow's benchmark of the same script)",
@@ -365,14 +361,12 @@ PUBLISHED: tuple[Published, ...] = (
         "coordinator negotiates every cycle over MPI with all 512 ranks, TensorFlow's "
         "per-op overheads, and the slowest of 512 GPUs setting each step's pace.",
     ),
-    _horovod(
-        "resnet101",
-        "ResNet-101",
-        129.0,
+    _point(
+        "horovod", "resnet101", "ResNet-101", 129.0, 64,
         "not published for ResNet-101 on a P100; interpolated between TensorFlow's ResNet-50 "
         "(219 images/s) and ResNet-152 (91.8) by time per image: ResNet-101's 33 bottleneck "
         "blocks sit midway between 16 and 50",
-        efficiency=0.90,
+        reported=(Reported(512, "efficiency", 0.90, "horovod docs/benchmarks.rst"),),
         tolerance=0.10,
         assumptions=(
             "129 images/s per P100 at batch 64 (interpolated, see the source)",
@@ -383,13 +377,11 @@ PUBLISHED: tuple[Published, ...] = (
         discrepancy="As for Inception V3: the coordinator's negotiation, framework "
         "overheads and stragglers are not modelled.",
     ),
-    _horovod(
-        "vgg16",
-        "VGG-16",
-        154.0,
+    _point(
+        "horovod", "vgg16", "VGG-16", 154.0, 64,
         "tf_cnn_benchmarks on a P100, batch 64, synthetic data: 154 images/s (TensorFlow's "
         "published benchmarks)",
-        efficiency=0.68,
+        reported=(Reported(512, "efficiency", 0.68, "horovod docs/benchmarks.rst"),),
         tolerance=0.15,
         assumptions=(
             "154 images/s per P100 at batch 64",
@@ -402,26 +394,12 @@ PUBLISHED: tuple[Published, ...] = (
         "directly on the assumed effective RoCE bandwidth (and on how much of the fc "
         "layers' exchange overlaps the convolutions' backward).",
     ),
-    Published(
-        key="ddp_resnet50",
-        title="ResNet-50, 256 V100, DDP with NCCL (PyTorch DDP paper)",
-        cluster="ddp_v100_100g",
-        architecture="resnet50",
-        samples_per_s=330.0,
-        batch_size=32,
-        memory_bytes_per_s=900e9,
-        throughput_source="assumed: ResNet-50 in float32 at batch 32 on a V100 in PyTorch, "
-        "about 330 images/s (the paper's own per-iteration latencies were not available)",
-        setup={"strategy": "allreduce", "bucket_bytes": 25 * MIB},
-        reported=(
-            Reported(
-                256,
-                "efficiency",
-                0.90,
-                "abstract: 'near-linear scalability using 256 GPUs' (taken as at least 90%)",
-                at_least=True,
-            ),
-        ),
+    _point(
+        "ddp", "resnet50", "ResNet-50", 330.0, 32,
+        "assumed: ResNet-50 in float32 at batch 32 on a V100 in PyTorch, about 330 images/s "
+        "(the paper's own per-iteration latencies were not available)",
+        reported=(Reported(256, "efficiency", 0.90, "abstract: 'near-linear scalability using "
+                           "256 GPUs' (taken as at least 90%)", at_least=True),),
         tolerance=0.05,
         assumptions=(
             "330 images/s per V100 at batch 32, float32, backward = 2 x forward",
@@ -433,17 +411,9 @@ PUBLISHED: tuple[Published, ...] = (
         "available offline, so only the abstract's claim is checked; a quantitative "
         "comparison needs Fig. 9/10's numbers.",
     ),
-    Published(
-        key="ddp_bert_large",
-        title="BERT-large, 256 V100, DDP with NCCL (PyTorch DDP paper)",
-        cluster="ddp_v100_100g",
-        architecture="bert_large",
-        samples_per_s=50.0,
-        batch_size=16,
-        memory_bytes_per_s=900e9,
-        throughput_source="assumed: BERT-large, sequence 128, float32, batch 16: about 50 "
-        "sequences/s on a V100",
-        setup={"strategy": "allreduce", "bucket_bytes": 25 * MIB},
+    _point(
+        "ddp", "bert_large", "BERT-large", 50.0, 16,
+        "assumed: BERT-large, sequence 128, float32, batch 16: about 50 sequences/s on a V100",
         reported=(),
         tolerance=0.0,
         assumptions=(
@@ -454,6 +424,7 @@ PUBLISHED: tuple[Published, ...] = (
         discrepancy="No reported number to compare with (prediction only).",
     ),
 )
+# fmt: on
 
 
 # -- validation -------------------------------------------------------------------------------

@@ -40,7 +40,7 @@ node in, the predicted step out.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -299,12 +299,7 @@ class Simulator:
                 return_durations,
                 schedule.optimizer_fraction(world),
             )
-        moved = [
-            network.bytes(p.table, world, b.nbytes * p.scale)
-            for b, ps in zip(buckets, phases)
-            for p in ps + returns
-            if p.table is not None
-        ]
+        moved = _moved(network, world, buckets, [ps + returns for ps in phases])
         return self._result(world, setup, schedule, timeline, moved, [b.nbytes for b in buckets])
 
     def _run_units(
@@ -333,12 +328,7 @@ class Simulator:
             timeline.step_units(
                 step, gather, regather, reduce, units.prefetch, schedule.optimizer_fraction(world)
             )
-        moved = [
-            network.bytes(p.table, world, b.nbytes * p.scale)
-            for b in plans
-            for p in units.phases
-            if p.table is not None
-        ]
+        moved = _moved(network, world, plans, [units.phases] * len(plans))
         return self._result(world, setup, schedule, timeline, moved, [b.nbytes for b in plans])
 
     def _result(
@@ -471,6 +461,18 @@ class Simulator:
         ]
 
 
+def _moved(
+    network: Network, world: int, buckets: list[BucketPlan], phases: list[list[Phase]]
+) -> list[Any]:
+    """The bytes each bucket's message phases move (``Network.bytes``), one entry a phase."""
+    return [
+        network.bytes(p.table, world, b.nbytes * p.scale)
+        for b, bucket_phases in zip(buckets, phases)
+        for p in bucket_phases
+        if p.table is not None
+    ]
+
+
 def _progress(start: float, work: float, busy: list[tuple[float, float]], rate: float) -> float:
     """When ``work`` seconds of communication started at ``start`` end, running at ``rate`` of
     its speed inside the compute stream's ``busy`` intervals (sorted, disjoint) and at full
@@ -537,16 +539,9 @@ class _Timeline:
         self, lane: str, name: str, start: float, end: float, step: int, **args: Any
     ) -> None:
         if end > start:
-            self.events.append(
-                TraceEvent(
-                    lane=lane,
-                    name=name,
-                    start_s=start,
-                    duration_s=end - start,
-                    step=step,
-                    args=args,
-                )
-            )
+            event = TraceEvent(lane=lane, name=name, start_s=start, duration_s=end - start)
+            event.step, event.args = step, args
+            self.events.append(event)
 
     def _phase_event(
         self, bucket: Any, phase: str, start: float, duration: float, step: int
@@ -897,23 +892,13 @@ class _Timeline:
         """The last step's events, with the earlier step's that overlap it clipped to its start;
         times relative to its start."""
         origin = self.step_starts[-1]
-        out = []
-        for e in self.events:
-            end = e.start_s + e.duration_s
-            if end <= origin:
-                continue
-            start = max(e.start_s, origin)
-            out.append(
-                TraceEvent(
-                    lane=e.lane,
-                    name=e.name,
-                    start_s=start - origin,
-                    duration_s=end - start,
-                    step=e.step,
-                    args=e.args,
-                )
+        return [
+            replace(
+                e, start_s=max(e.start_s, origin) - origin, duration_s=end - max(e.start_s, origin)
             )
-        return out
+            for e in self.events
+            if (end := e.start_s + e.duration_s) > origin
+        ]
 
 
 # -- the entry point for measured runs -----------------------------------------------------

@@ -63,15 +63,7 @@ class TraceEvent:
     args: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "lane": self.lane,
-            "name": self.name,
-            "start_s": self.start_s,
-            "duration_s": self.duration_s,
-            "rank": self.rank,
-            "step": self.step,
-            "args": self.args,
-        }
+        return dict(vars(self))  # the fields in order: lane, name, ..., args
 
 
 def track_of(event: TraceEvent) -> tuple[int, str]:
