@@ -673,28 +673,19 @@ def format_profile(profile: MemoryProfile) -> str:
         )
         return f"{name:<7}{kind[:17]:<18}{fwd * 1e3:>9.3f}{bwd * 1e3:>9.3f}{cells}".rstrip()
 
-    for layer in profile.layers:
-        lines.append(
-            row(
-                layer.name, layer.type, layer.forward_s, layer.backward_s, layer.saved_bytes,
-                layer.param_bytes + layer.buffer_bytes, layer.grad_bytes, layer.optimizer_bytes,
-                layer.output_bytes,
-            )
-        )  # fmt: skip
-    lines.append(
-        row("loss", "", profile.loss_forward_s, profile.loss_backward_s,
-            profile.loss_saved_bytes, None, None, None, None)
-    )  # fmt: skip
+    lines += [
+        row(x.name, x.type, x.forward_s, x.backward_s, x.saved_bytes,
+            x.param_bytes + x.buffer_bytes, x.grad_bytes, x.optimizer_bytes, x.output_bytes)
+        for x in profile.layers
+    ]  # fmt: skip
+    lines.append(row("loss", "", profile.loss_forward_s, profile.loss_backward_s,
+                     profile.loss_saved_bytes, None, None, None, None))  # fmt: skip
     layers = profile.layers
     forward_s = sum(x.forward_s for x in layers) + profile.loss_forward_s
     backward_s = sum(x.backward_s for x in layers) + profile.loss_backward_s
-    lines.append(
-        row(
-            "total", "", forward_s, backward_s, sum(s.nbytes for s in profile.saved),
-            profile.param_bytes, sum(x.grad_bytes for x in layers),
-            sum(x.optimizer_bytes for x in layers), None,
-        )
-    )  # fmt: skip
+    lines.append(row("total", "", forward_s, backward_s, sum(s.nbytes for s in profile.saved),
+                     profile.param_bytes, sum(x.grad_bytes for x in layers),
+                     sum(x.optimizer_bytes for x in layers), None))  # fmt: skip
     lines.append(
         f"step {(forward_s + backward_s + profile.optimizer_s) * 1e3:.3f} ms: forward "
         f"{forward_s * 1e3:.3f}, backward {backward_s * 1e3:.3f}, optimizer "
@@ -764,14 +755,13 @@ def plot_profile(profile: MemoryProfile, output: Path) -> None:
 
 def _short_label(event: MemoryEvent) -> str:
     if event.phase in ("start", "optimizer"):
-        return "start" if event.phase == "start" else "opt"
+        return event.phase.replace("optimizer", "opt")
     prefix = "F" if event.phase == "forward" else "B"
     return f"{prefix} loss" if event.layer is None else f"{prefix}{event.layer}"
 
 
 def require_matplotlib() -> Any:
     """matplotlib.pyplot (Agg backend), or a one-line error naming the ``viz`` extra."""
-
     try:
         import matplotlib
 
