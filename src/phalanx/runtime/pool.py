@@ -153,9 +153,8 @@ def _worker_main(spec_json: str) -> None:
     except BaseException as e:  # reported to the controller, which names the rank
         _write_frame(outbox, pickle.dumps(("error", _error_reply(e, "start-up:"))))
         raise SystemExit(1) from None
-    _write_frame(
-        outbox, pickle.dumps(("ready", {"pid": os.getpid(), "device": str(worker.device)}))
-    )
+    ready = {"pid": os.getpid(), "device": str(worker.device)}
+    _write_frame(outbox, pickle.dumps(("ready", ready)))
     try:
         _serve(inbox, outbox)
     finally:
@@ -165,14 +164,10 @@ def _worker_main(spec_json: str) -> None:
 def _join(spec: dict[str, Any]) -> PoolWorker:
     """Bind the device and join the process group (phalanx.init), so the Engine works here."""
     global _WORKER
-
     kind = spec["device"].split(":")[0]
-    config = RuntimeConfig(
-        backend=spec["backend"], device=kind, threads=spec["threads"], timeout_s=spec["timeout_s"]
-    )
-    ctx = init(
-        config, init_method=spec["init_method"], rank=spec["rank"], world_size=spec["world_size"]
-    )
+    config = RuntimeConfig(device=kind, **{k: spec[k] for k in ("backend", "threads", "timeout_s")})
+    joining = {k: spec[k] for k in ("init_method", "rank", "world_size")}
+    ctx = init(config, **joining)
     _WORKER = PoolWorker(ctx.rank, ctx.world_size, ctx.device, ctx)
     return _WORKER
 
@@ -581,13 +576,10 @@ def _start_worker(rank: int, device: str, spec: dict[str, Any]) -> _Handle:
     env = _worker_env(rank, device, spec["threads"])
     code = "from phalanx.runtime.pool import _worker_main; import sys; _worker_main(sys.argv[1])"
     try:
+        command = [sys.executable, "-u", "-c", code, json.dumps(worker_spec)]
+        pipe, null = subprocess.PIPE, subprocess.DEVNULL
         proc = subprocess.Popen(
-            [sys.executable, "-u", "-c", code, json.dumps(worker_spec)],
-            pass_fds=(task_r, reply_w),
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
+            command, pass_fds=(task_r, reply_w), env=env, stdin=null, stdout=pipe, stderr=pipe
         )
     finally:  # the worker holds these ends now; closing ours makes its death an EOF here
         os.close(task_r)
@@ -601,11 +593,8 @@ def _start_worker(rank: int, device: str, spec: dict[str, Any]) -> _Handle:
 
 def _worker_env(rank: int, device: str, threads: int) -> dict[str, str]:
     """The controller's environment minus launcher variables, plus the worker's own."""
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    }
+    launcher = ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    env = {k: v for k, v in os.environ.items() if k not in launcher}
     package_root = str(Path(__file__).resolve().parents[2])  # the directory holding phalanx/
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
     index = device.split(":")[1] if ":" in device else str(rank)
