@@ -149,18 +149,11 @@ def encode_shard(records: Sequence[bytes]) -> bytes:
 
 
 class RecordWriter:
-    """Appends records (tuples of arrays matching ``fields``) into shards of ~``shard_bytes``.
-
-    Use as a context manager: the index is written on a clean exit only, so an interrupted
-    pack leaves a directory that is not a store (and says so when opened).
-    """
+    """Appends records (tuples of arrays matching ``fields``) into shards of ~``shard_bytes``;
+    as a context manager the index is written on a clean exit only (a crash leaves no store)."""
 
     def __init__(
-        self,
-        out_dir: Path,
-        fields: Sequence[Field],
-        shard_bytes: int,
-        meta: dict[str, Any] | None = None,
+        self, out_dir: Path, fields: Sequence[Field], shard_bytes: int, meta: dict | None = None
     ) -> None:
         if shard_bytes < 1:
             raise DataError(f"shard size must be > 0 bytes, got {shard_bytes}")
@@ -200,27 +193,16 @@ class RecordWriter:
         data = encode_shard(self._pending.records)
         name = f"shard-{len(self.shards):05d}.rec"
         atomic_write_bytes(self.out_dir / name, data)
-        self.shards.append(
-            {
-                "file": name,
-                "records": len(self._pending.records),
-                "bytes": len(data),
-                "sha256": hashlib.sha256(data).hexdigest(),
-            }
-        )
+        count, sha = len(self._pending.records), hashlib.sha256(data).hexdigest()
+        self.shards.append({"file": name, "records": count, "bytes": len(data), "sha256": sha})
         self._pending = _PendingShard()
 
     def close(self) -> Path:
         """Write the last shard and the index; returns the index path."""
         self._flush()
-        index = {
-            "format": FORMAT,
-            "version": VERSION,
-            "num_records": self.num_records,
-            "fields": [f.to_json() for f in self.fields],
-            "shards": self.shards,
-            "meta": self.meta,
-        }
+        fields = [f.to_json() for f in self.fields]
+        index = {"format": FORMAT, "version": VERSION, "num_records": self.num_records,
+                 "fields": fields, "shards": self.shards, "meta": self.meta}  # fmt: skip
         path = self.out_dir / INDEX
         atomic_write_text(path, json.dumps(index, indent=2) + "\n")
         return path
@@ -252,19 +234,13 @@ class _Shard:
 
 
 class RecordStore:
-    """A store opened for reading; also a map-style dataset (``len``, ``store[i]``).
-
-    Opening checks the index against every shard's header and size (cheap); each read checks
-    the record's crc32; ``verify()`` hashes whole shards. Safe to share between threads (reads
-    use ``os.pread``) and to pickle into worker processes (files are reopened there).
-    """
+    """A store opened for reading, also a map-style dataset; safe to share between threads
+    (``os.pread``) and to pickle into worker processes (files are reopened there)."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
         index = _read_index(self.path)
-        self.fields: tuple[Field, ...] = tuple(
-            _field_from_json(self.path, f) for f in index["fields"]
-        )
+        self.fields = tuple(_field_from_json(self.path, f) for f in index["fields"])
         self.meta: dict[str, Any] = dict(index.get("meta", {}))
         self.record_dtype = fixed_record_dtype(self.fields)
         self.shards = _open_shards(self.path, index)
@@ -413,10 +389,9 @@ class RecordStore:
 
 # -- opening checks ------------------------------------------------------------------------------
 def _read_index(path: Path) -> dict[str, Any]:
-    if not path.exists():
-        raise DataError(f"record store {path}: no such directory")
     if not path.is_dir():
-        raise DataError(f"record store {path}: not a directory")
+        what = "not a directory" if path.exists() else "no such directory"
+        raise DataError(f"record store {path}: {what}")
     index_path = path / INDEX
     if not index_path.is_file():
         raise DataError(
@@ -438,9 +413,8 @@ def _read_index(path: Path) -> dict[str, Any]:
 
 def _field_from_json(path: Path, data: Any) -> Field:
     try:
-        return Field(
-            str(data["name"]), np.dtype(data["dtype"]).str, tuple(int(d) for d in data["shape"])
-        )
+        shape = tuple(int(d) for d in data["shape"])
+        return Field(str(data["name"]), np.dtype(data["dtype"]).str, shape)
     except (KeyError, TypeError, ValueError) as e:
         raise DataError(f"{path / INDEX}: bad field entry {data!r} ({e})") from None
 
@@ -453,8 +427,7 @@ def _open_shards(path: Path, index: dict[str, Any]) -> list[_Shard]:
             size, sha = int(entry["bytes"]), str(entry["sha256"])
         except (KeyError, TypeError, ValueError):
             raise DataError(f"{path / INDEX}: bad shard entry {entry!r}") from None
-        shard = _open_shard(path / file, first, count, size, sha)
-        shards.append(shard)
+        shards.append(_open_shard(path / file, first, count, size, sha))
         first += count
     if first != index["num_records"]:
         raise DataError(
