@@ -25,7 +25,7 @@ from phalanx.fields import ConfigValueError, from_dict, join_key, option, requir
 from phalanx.memory.manager import MemoryConfig
 from phalanx.models.config import ModelConfig, build_model
 from phalanx.optim.factory import OptimizerConfig
-from phalanx.optim.schedule import SchedulerConfig
+from phalanx.optim.lr_schedule import SchedulerConfig
 from phalanx.parallel.layout import ParallelConfig, check_stage_count, stages_from_layers
 from phalanx.runtime.context import RuntimeConfig
 from phalanx.viz import LogConfig

@@ -15,7 +15,7 @@ from phalanx.parallel.pipeline import (
     split_here,
     trace_boundaries,
 )
-from phalanx.parallel.schedules import schedule_kind
+from phalanx.parallel.pipeline_schedules import schedule_kind
 
 if TYPE_CHECKING:
     from phalanx.config import RunConfig

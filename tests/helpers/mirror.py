@@ -1,4 +1,4 @@
-"""What the optimizer-state mirror's tests (memory/mirror.py, memory/host_mirror.py) train: the
+"""What the optimizer-state mirror's tests (memory/stream.py, memory/host_mirror.py) train: the
 optimizers they step, a small model, and plain torch's training loop whose parameters the
 mirrored optimizer must equal bit for bit."""
 

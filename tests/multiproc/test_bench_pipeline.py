@@ -7,7 +7,7 @@ import pytest
 
 from phalanx.bench.pipeline import PipelineBenchConfig, format_report, run_benchmark
 from phalanx.errors import ConfigError
-from phalanx.parallel.schedules import schedule_kind
+from phalanx.parallel.pipeline_schedules import schedule_kind
 
 
 def test_bench_pipeline_reports_every_figure() -> None:

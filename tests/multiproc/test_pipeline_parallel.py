@@ -137,7 +137,7 @@ LAYOUTS_4 = [
 
 def _runnable(layouts: list) -> list:
     """The layouts whose schedule this torch runs (newer schedules need newer releases)."""
-    from phalanx.parallel.schedules import schedule_kind
+    from phalanx.parallel.pipeline_schedules import schedule_kind
 
     return [lay for lay in layouts if schedule_kind(lay[1].get("schedule", "1f1b")).available]
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from phalanx.memory.mirror import OptimizerMirror
+from phalanx.memory.stream import OptimizerMirror
 from phalanx.memory.tiers import SpillFileTier
 from tests.helpers.mirror import OPTIMIZERS, model, train
 

@@ -12,7 +12,7 @@ from phalanx.config import config_from_data
 from phalanx.errors import ConfigError
 from phalanx.parallel.layout import ParallelConfig
 from phalanx.parallel.pipeline import describe_stages, pipelined_view, trace_boundaries
-from phalanx.parallel.schedules import schedule_kind
+from phalanx.parallel.pipeline_schedules import schedule_kind
 from phalanx.parallel.split import balanced_split, even_split, profile_layers
 from phalanx.parallel.transfer import TransferLayer
 

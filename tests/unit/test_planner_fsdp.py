@@ -8,8 +8,8 @@ import pytest
 from phalanx.costs import LayerCost
 from phalanx.errors import ConfigError
 from phalanx.planner.cluster import ClusterConfig, LinkConfig
+from phalanx.planner.exchanges import make_schedule
 from phalanx.planner.plan import default_strategies, make_plan
-from phalanx.planner.schedules import make_schedule
 from phalanx.planner.sim import ExchangeSetup, Simulator, StepResult
 from phalanx.planner.step import StepProfile
 from phalanx.planner.trace import chrome_trace, lane_totals

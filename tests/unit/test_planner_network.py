@@ -7,12 +7,12 @@ import math
 
 import pytest
 
+from phalanx.exchange.messages import GRAD, Builder, cyclic_rounds, ring_rounds
+from phalanx.exchange.messages import make_wire_codec as make_codec
 from phalanx.exchange.param_server import ps_rounds
-from phalanx.exchange.schedule import GRAD, Builder, cyclic_rounds, ring_rounds
 from phalanx.exchange.tree import tree_rounds
 from phalanx.planner.cluster import ClusterConfig, LinkConfig
 from phalanx.planner.network import Network
-from phalanx.planner.schedules import make_codec
 
 ALPHA, BETA = 20e-6, 2e9
 
@@ -140,9 +140,9 @@ def test_a_shared_medium_serialises_a_nodes_messages() -> None:
     from_link conversion (p beta, alpha / p) it costs what the calibration fitted, while a
     tree's one-way messages cost half of their full-duplex time at p = 2."""
     from phalanx.exchange.link import LinkModel
+    from phalanx.exchange.messages import make_wire_codec as make_codec
     from phalanx.planner.cluster import from_link
     from phalanx.planner.network import Network
-    from phalanx.planner.schedules import make_codec
 
     alpha, beta, n = 1e-4, 1e9, 8e6
     cluster = from_link(

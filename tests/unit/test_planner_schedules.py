@@ -8,18 +8,18 @@ import numpy as np
 import pytest
 
 from phalanx.errors import ConfigError
-from phalanx.exchange import schedule as cyclic
+from phalanx.exchange import messages as cyclic
+from phalanx.exchange.messages import cyclic_rounds, ring_rounds
+from phalanx.exchange.messages import make_wire_codec as make_codec
 from phalanx.exchange.param_server import ps_rounds
-from phalanx.exchange.schedule import cyclic_rounds, ring_rounds
 from phalanx.exchange.tree import tree_children, tree_parent, tree_rounds
-from phalanx.planner.schedules import (
+from phalanx.planner.exchanges import (
     FORWARD,
     FORWARD_PASS,
     GRAD,
     PARAM,
     SCHEDULES,
     STEP,
-    make_codec,
     make_schedule,
 )
 

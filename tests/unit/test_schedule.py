@@ -6,7 +6,7 @@ import pytest
 
 from phalanx.config import load_config
 from phalanx.errors import ConfigError
-from phalanx.exchange import schedule
+from phalanx.exchange import messages as schedule
 from phalanx.exchange.base import ExchangeConfig
 from phalanx.exchange.tree import tree_children, tree_parent
 

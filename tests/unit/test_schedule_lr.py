@@ -9,7 +9,7 @@ from torch.optim import lr_scheduler
 
 from phalanx.config import load_config
 from phalanx.errors import ConfigError
-from phalanx.optim.schedule import SchedulerConfig, build_scheduler
+from phalanx.optim.lr_schedule import SchedulerConfig, build_scheduler
 
 STEPS = 12
 

@@ -5,7 +5,7 @@ parameters) trains in three ways, each in a fresh process per round, the order a
 
 - ``device``: the optimizer as torch runs it, state in memory;
 - ``host``: the state in the next tier between steps, streamed through memory chunk by chunk
-  (phalanx.memory.mirror), on the same data: ``[memory] optimizer = "stream"``, which is what
+  (phalanx.memory.stream), on the same data: ``[memory] optimizer = "stream"``, which is what
   ``"host"`` means on a CPU-only machine (there the tier is the spill file); the bench names
   ``stream`` because on CUDA ``"host"`` resolves to ``mirror``;
 - ``mirror``: ``[memory] optimizer = "mirror"``: fp32 masters, state and arithmetic on the

@@ -40,7 +40,7 @@ from phalanx.fields import ConfigValueError, option
 from phalanx.models.gpt import GPTEmbedding, TransformerBlock
 from phalanx.parallel import ParallelConfig
 from phalanx.parallel.pipeline import _example, choose_split
-from phalanx.parallel.schedules import SCHEDULES
+from phalanx.parallel.pipeline_schedules import SCHEDULES
 from phalanx.runtime.context import RuntimeConfig
 
 VOCAB = 97

@@ -21,12 +21,12 @@ from phalanx.exchange.base import STRATEGIES, Strategy, StrategyParts, stamp_don
 from phalanx.exchange.buckets import Bucket
 from phalanx.exchange.comm import wait
 from phalanx.exchange.compression import Codec
+from phalanx.exchange.messages import GRAD, Builder, MessageSchedule, Phase, RoundTable, ring_rounds
 from phalanx.exchange.ring import GATHER_MAX_BYTES, GatherExchange, p2p_allreduce, prefers_gather
-from phalanx.exchange.schedule import GRAD, Builder, MessageSchedule, Phase, RoundTable, ring_rounds
 from phalanx.runtime.context import Context, hold_until_shutdown
 
 if TYPE_CHECKING:
-    from phalanx.planner.schedules import WireCodec
+    from phalanx.exchange.messages import WireCodec
 
 
 @functools.lru_cache(maxsize=64)

@@ -30,7 +30,7 @@ from phalanx.errors import ConfigError
 from phalanx.exchange.buckets import FIRST_BUCKET_BYTES, Bucket
 from phalanx.exchange.comm import CommThread
 from phalanx.exchange.compression import CODECS, Codec
-from phalanx.exchange.schedule import MessageSchedule
+from phalanx.exchange.messages import MessageSchedule
 from phalanx.exchange.sharding import (
     Groups,
     Optimizer,

@@ -45,15 +45,15 @@ from phalanx.exchange.base import STRATEGIES, Strategy, StrategyParts
 from phalanx.exchange.buckets import Bucket
 from phalanx.exchange.comm import global_rank
 from phalanx.exchange.compression import Codec
+from phalanx.exchange.messages import MessageSchedule, Phase, UnitPhases, ring_rounds
 from phalanx.exchange.ring import RingLink, pieces
-from phalanx.exchange.schedule import MessageSchedule, Phase, UnitPhases, ring_rounds
 from phalanx.exchange.sharding import Optimizer, Params
 from phalanx.fields import option, require
 from phalanx.optim import state as optimizer_state
 from phalanx.runtime.context import Context
 
 if TYPE_CHECKING:
-    from phalanx.planner.schedules import WireCodec
+    from phalanx.exchange.messages import WireCodec
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

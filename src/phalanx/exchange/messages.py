@@ -21,14 +21,12 @@ import functools
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
-from phalanx.exchange.compression import CODECS
-
-if TYPE_CHECKING:
-    from phalanx.planner.schedules import WireCodec
+from phalanx.exchange.compression import CODECS, SCALE_BYTES
+from phalanx.registry import Registry
 
 
 @dataclass(frozen=True)
@@ -68,7 +66,7 @@ def broadcast_cycles(world_size: int) -> list[list[Transfer]]:
 
 
 # -- the messages of a strategy, as the planner simulates them -------------------------------------
-GRAD, FORWARD, PARAM = 0, 1, 2  # message kinds (indices into the planner's WireCodec tables)
+GRAD, FORWARD, PARAM = 0, 1, 2  # message kinds (indices into WireCodec's tables)
 KIND_NAMES = ("grad", "forward", "param")
 STEP, FORWARD_PASS = "step", "forward"  # what waits for a phase
 
@@ -334,3 +332,44 @@ class MessageSchedule(ABC):
 
     def describe(self) -> str:
         return type(self).__name__
+
+
+# -- compression on the wire ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class WireCodec:
+    """What a codec does to a message of each kind: the wire's bytes per uncompressed byte, the
+    bytes added per message, and the coding work in units of ``codec_s_per_byte`` per
+    uncompressed byte (1: encode and decode; 0.5: decode only). ``separate_add``: a summed
+    message's add costs ``ClusterConfig.add_s_per_byte`` on top (no codec: the receiver adds
+    the raw message); a codec's ``codec_s_per_byte`` already includes its decode-and-add."""
+
+    name: str
+    ratio: tuple[float, float, float] = (1.0, 1.0, 1.0)  # by kind: GRAD, FORWARD, PARAM
+    overhead_bytes: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    coding: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    separate_add: bool = False
+
+    @property
+    def compresses(self) -> bool:
+        return self.ratio[GRAD] < 1.0
+
+    def wire_bytes(self, nbytes: float, kind: int = GRAD) -> float:
+        return nbytes * self.ratio[kind] + self.overhead_bytes[kind]
+
+
+WIRE_CODECS: Registry[WireCodec] = Registry("compression")
+WIRE_CODECS.register("none")(lambda: WireCodec("none", separate_add=True))
+
+
+def _half_precision(name: str) -> WireCodec:
+    """16-bit gradients with one float32 scale per message (exchange/compression.py)."""
+    half = (SCALE_BYTES, SCALE_BYTES, 0.0)
+    return WireCodec(name, ratio=(0.5, 0.5, 1.0), overhead_bytes=half, coding=(1.0, 0.5, 0.0))
+
+
+WIRE_CODECS.register("fp16")(lambda: _half_precision("fp16"))
+WIRE_CODECS.register("bf16")(lambda: _half_precision("bf16"))
+
+
+def make_wire_codec(name: str) -> WireCodec:
+    return WIRE_CODECS.get(name)()

@@ -39,8 +39,7 @@ from phalanx.errors import ConfigError
 from phalanx.exchange.base import STRATEGIES, StrategyParts, holds_nonfinite, stamp_done
 from phalanx.exchange.buckets import Bucket
 from phalanx.exchange.comm import global_rank
-from phalanx.exchange.owners import OwnerUpdateStrategy
-from phalanx.exchange.schedule import (
+from phalanx.exchange.messages import (
     FORWARD_PASS,
     GRAD,
     PARAM,
@@ -49,13 +48,14 @@ from phalanx.exchange.schedule import (
     Phase,
     RoundTable,
 )
+from phalanx.exchange.owners import OwnerUpdateStrategy
 from phalanx.exchange.sharding import Optimizer, Shard, ShardedParameters, bounds, used_flags
 from phalanx.exchange.tree import tree_children, tree_down, tree_parent, tree_up
 from phalanx.fields import option, require
 from phalanx.runtime.context import Context
 
 if TYPE_CHECKING:
-    from phalanx.planner.schedules import WireCodec
+    from phalanx.exchange.messages import WireCodec
 
 logger = logging.getLogger("phalanx")
 

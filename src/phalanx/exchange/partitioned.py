@@ -10,7 +10,7 @@ Phases per bucket (the Engine's step numbers, as in phalanx.exchange.base):
     parameters, so the next forward overlaps the send-back.
 
 Schedules (option ``schedule``):
-  ``cyclic``: the documents' schedule (phalanx.exchange.schedule): floor(p/2) partitions hop
+  ``cyclic``: the documents' schedule (phalanx.exchange.messages): floor(p/2) partitions hop
     around the ring, each rank only sending or only receiving in a cycle; p-1 cycles per phase.
   ``native``: p partitions, one per rank, with the backend's fastest primitives: NCCL's
     reduce_scatter + all_gather; on Gloo, whose reduce_scatter and all_gather measured twice
@@ -31,26 +31,26 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 import torch.distributed as dist
 
-from phalanx.exchange import schedule
+from phalanx.exchange import messages as schedule
 from phalanx.exchange.base import STRATEGIES, StrategyParts, holds_nonfinite, stamp_done
 from phalanx.exchange.buckets import Bucket
 from phalanx.exchange.comm import global_rank
 from phalanx.exchange.compression import Codec
-from phalanx.exchange.owners import OwnerUpdateStrategy
-from phalanx.exchange.ring import ring_reduce_scatter
-from phalanx.exchange.schedule import (
+from phalanx.exchange.messages import (
     FORWARD_PASS,
     MessageSchedule,
     Phase,
     cyclic_rounds,
     ring_rounds,
 )
+from phalanx.exchange.owners import OwnerUpdateStrategy
+from phalanx.exchange.ring import ring_reduce_scatter
 from phalanx.exchange.sharding import Optimizer, ShardedParameters, bounds, used_flags
 from phalanx.fields import option
 from phalanx.runtime.context import Context
 
 if TYPE_CHECKING:
-    from phalanx.planner.schedules import WireCodec
+    from phalanx.exchange.messages import WireCodec
 
 Count = Callable[[int, int], None]  # (bytes sent, bytes received) of this rank
 

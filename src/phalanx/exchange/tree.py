@@ -24,11 +24,11 @@ from phalanx.exchange.base import STRATEGIES, Strategy, StrategyParts, stamp_don
 from phalanx.exchange.buckets import Bucket
 from phalanx.exchange.comm import global_rank, wait
 from phalanx.exchange.compression import Codec
-from phalanx.exchange.schedule import FORWARD, GRAD, Builder, MessageSchedule, Phase, RoundTable
+from phalanx.exchange.messages import FORWARD, GRAD, Builder, MessageSchedule, Phase, RoundTable
 from phalanx.runtime.context import Context
 
 if TYPE_CHECKING:
-    from phalanx.planner.schedules import WireCodec
+    from phalanx.exchange.messages import WireCodec
 
 
 def tree_children(rank: int, world_size: int) -> list[int]:

@@ -17,9 +17,9 @@ from phalanx.costs import LayerCost
 from phalanx.fields import ConfigValueError, option, require, require_choice
 from phalanx.memory import host_cache, measure
 from phalanx.memory.host_mirror import HostMirror
-from phalanx.memory.mirror import OptimizerMirror
 from phalanx.memory.plan import OFFLOAD, RECOMPUTE, Plan, make_plan, predict_peak
 from phalanx.memory.residency import OptimizerResidency
+from phalanx.memory.stream import OptimizerMirror
 from phalanx.memory.tiers import Tier, TierConfig, make_tier, measure_bandwidth
 
 logger = logging.getLogger("phalanx")

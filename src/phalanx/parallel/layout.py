@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Literal, cast
 
 from phalanx.fields import ConfigValueError, option, require
-from phalanx.parallel.schedules import SCHEDULES, schedule_kind
+from phalanx.parallel.pipeline_schedules import SCHEDULES, schedule_kind
 
 SPLITS = ("layers", "auto", "even")
 

@@ -35,7 +35,7 @@ from phalanx.errors import ConfigError
 from phalanx.exchange.comm import global_rank
 from phalanx.models.modes import evaluating
 from phalanx.parallel.layout import ParallelConfig, check_stage_count
-from phalanx.parallel.schedules import schedule_kind
+from phalanx.parallel.pipeline_schedules import schedule_kind
 from phalanx.parallel.split import balanced_split, describe_split, even_split, profile_layers
 from phalanx.parallel.transfer import TransferLayer
 from phalanx.runtime.context import Context

@@ -1,24 +1,20 @@
 """The exchanges the planner simulates: phalanx's strategies, each with the message schedule
 its own class states (``Strategy.Messages``, in its module under phalanx.exchange; the
-vocabulary: phalanx.exchange.schedule), and models of other systems (``MODELS``), by name in
-``SCHEDULES``. Also ``WIRE_CODECS``, compression on the wire: ``fp16``/``bf16`` halve a
-gradient's bytes, add the scale (4 bytes) to each message, and cost
-``ClusterConfig.codec_s_per_byte`` per uncompressed byte. Nothing outside the strategies and
-these registries branches on a strategy's or codec's name.
+vocabulary and the wire codecs: phalanx.exchange.messages), and models of other systems
+(``MODELS``), by name in ``SCHEDULES``. Nothing outside the strategies and these registries
+branches on a strategy's or codec's name.
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from phalanx.errors import ConfigError
 from phalanx.exchange.base import STRATEGIES, strategy_factory
-from phalanx.exchange.compression import SCALE_BYTES
-from phalanx.exchange.schedule import (
+from phalanx.exchange.messages import (
     FORWARD,
     FORWARD_PASS,
     GRAD,
@@ -30,9 +26,10 @@ from phalanx.exchange.schedule import (
     Phase,
     RoundTable,
     UnitPhases,
+    WireCodec,
     ring_rounds,
 )
-from phalanx.exchange.schedule import MessageSchedule as Schedule
+from phalanx.exchange.messages import MessageSchedule as Schedule
 from phalanx.exchange.tree import tree_up
 from phalanx.fields import ConfigValueError
 from phalanx.registry import Registry
@@ -50,47 +47,6 @@ __all__ = [
     "Schedule",
     "UnitPhases",
 ]
-
-
-# -- compression on the wire ---------------------------------------------------------------------
-@dataclass(frozen=True)
-class WireCodec:
-    """What a codec does to a message of each kind: the wire's bytes per uncompressed byte, the
-    bytes added per message, and the coding work in units of ``codec_s_per_byte`` per
-    uncompressed byte (1: encode and decode; 0.5: decode only). ``separate_add``: a summed
-    message's add costs ``ClusterConfig.add_s_per_byte`` on top (no codec: the receiver adds
-    the raw message); a codec's ``codec_s_per_byte`` already includes its decode-and-add."""
-
-    name: str
-    ratio: tuple[float, float, float] = (1.0, 1.0, 1.0)  # by kind: GRAD, FORWARD, PARAM
-    overhead_bytes: tuple[float, float, float] = (0.0, 0.0, 0.0)
-    coding: tuple[float, float, float] = (0.0, 0.0, 0.0)
-    separate_add: bool = False
-
-    @property
-    def compresses(self) -> bool:
-        return self.ratio[GRAD] < 1.0
-
-    def wire_bytes(self, nbytes: float, kind: int = GRAD) -> float:
-        return nbytes * self.ratio[kind] + self.overhead_bytes[kind]
-
-
-WIRE_CODECS: Registry[WireCodec] = Registry("compression")
-WIRE_CODECS.register("none")(lambda: WireCodec("none", separate_add=True))
-
-
-def _half_precision(name: str) -> WireCodec:
-    """16-bit gradients with one float32 scale per message (exchange/compression.py)."""
-    half = (SCALE_BYTES, SCALE_BYTES, 0.0)
-    return WireCodec(name, ratio=(0.5, 0.5, 1.0), overhead_bytes=half, coding=(1.0, 0.5, 0.0))
-
-
-WIRE_CODECS.register("fp16")(lambda: _half_precision("fp16"))
-WIRE_CODECS.register("bf16")(lambda: _half_precision("bf16"))
-
-
-def make_codec(name: str) -> WireCodec:
-    return WIRE_CODECS.get(name)()
 
 
 # -- models of other systems ---------------------------------------------------------------------

@@ -30,8 +30,8 @@ from typing import Any
 
 import numpy as np
 
+from phalanx.exchange.messages import RoundTable, WireCodec
 from phalanx.planner.cluster import INTER, INTRA, ClusterConfig
-from phalanx.planner.schedules import RoundTable, WireCodec
 
 _SMALL_ROUND = 16  # rounds up to this many messages are levelled in plain Python (faster)
 

@@ -34,6 +34,7 @@ from typing import Any
 from phalanx.errors import ConfigError
 from phalanx.exchange.buckets import FIRST_BUCKET_BYTES
 from phalanx.exchange.link import LinkModel
+from phalanx.exchange.messages import make_wire_codec
 from phalanx.exchange.threshold import choose_bucket_bytes
 from phalanx.planner import calibrate
 from phalanx.planner.cluster import (
@@ -43,7 +44,7 @@ from phalanx.planner.cluster import (
     measure_add_s_per_byte,
     measure_codec_s_per_byte,
 )
-from phalanx.planner.schedules import SCHEDULES, make_codec, make_schedule
+from phalanx.planner.exchanges import SCHEDULES, make_schedule
 from phalanx.planner.sim import (
     DEFAULT_BUCKET_BYTES,
     MAX_ROUNDS,
@@ -258,7 +259,7 @@ def _specs(
         schedule = make_schedule(name, options)
         layouts = [schedule.unit_label] if schedule.unit_label else list(thresholds)
         for compress in compressions:
-            if why := schedule.refuses(make_codec(compress)):
+            if why := schedule.refuses(make_wire_codec(compress)):
                 refused.append(f"{name} / {compress} ({why})")
                 continue
             specs += [(name, options, layout, compress) for layout in layouts]

@@ -48,18 +48,18 @@ import torch
 
 from phalanx.errors import ConfigError
 from phalanx.exchange.buckets import FIRST_BUCKET_BYTES, plan_buckets
+from phalanx.exchange.messages import make_wire_codec
 from phalanx.planner.cluster import ClusterConfig, from_link
-from phalanx.planner.network import Network
-from phalanx.planner.schedules import (
+from phalanx.planner.exchanges import (
     FORWARD_PASS,
     STEP,
     Phase,
     Schedule,
     UnitPhases,
     agreement_phases,
-    make_codec,
     make_schedule,
 )
+from phalanx.planner.network import Network
 from phalanx.planner.step import StepProfile
 from phalanx.planner.trace import (
     LANE_COMPUTE,
@@ -233,7 +233,7 @@ class Simulator:
 
     def network(self, compress: str) -> Network:
         if compress not in self._networks:
-            self._networks[compress] = Network(self.cluster, make_codec(compress))
+            self._networks[compress] = Network(self.cluster, make_wire_codec(compress))
         return self._networks[compress]
 
     # -- one setup ---------------------------------------------------------------------------
