@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from phalanx.errors import ConfigError
+from phalanx.optional import torch_quiet
 
 # Layers whose forward this module compiled (weak: a dropped model leaves no trace here).
 _COMPILED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
@@ -64,7 +65,8 @@ def compile_layers(module: nn.Module) -> list[nn.Module]:
 
 def _check_compilable(module: nn.Module) -> None:
     """What per-layer compilation cannot take, one line each."""
-    import torch._dynamo  # what torch.compile loads anyway; not at phalanx's import
+    with torch_quiet():  # its import's warnings would precede the one-line errors below
+        import torch._dynamo  # what torch.compile loads anyway; not at phalanx's import
 
     if not torch._dynamo.is_dynamo_supported():
         raise ConfigError(

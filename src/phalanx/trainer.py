@@ -32,7 +32,8 @@ from phalanx.losses import loss_fn  # noqa: F401 (its home was here)
 from phalanx.memory import measure
 from phalanx.metrics import JsonlWriter, Progress
 from phalanx.models.modes import evaluating
-from phalanx.optim.schedule import build_scheduler
+from phalanx.optim.lr_schedule import build_scheduler
+from phalanx.optional import optional
 from phalanx.planner.prediction import prediction_summary
 from phalanx.runtime.context import Context, init
 from phalanx.viz import MetricsWriter
@@ -133,6 +134,7 @@ class Trainer:
         self._threshold_saved = False  # bucket_mb = "auto": its choice is in the run directory
         self._pending_save: Any = None  # checkpoint.async_save's save in flight
         self._async_group: Any = None  # the process group of background saves, once needed
+        self._async_failed = False  # a background save failed: the foreground from then on
         if resume:
             self._restore()
         elif self.ctx.is_main:
@@ -375,11 +377,9 @@ class Trainer:
         background thread writes it while training goes on (one at a time); the run's last
         checkpoint (and a preemption's) is written before ``_save`` returns."""
         directory, keep = self.run_dir / "checkpoints", self.config.checkpoint.keep
-        pending, self._pending_save = self._pending_save, None
-        if pending is not None:
-            pending.wait()
+        self._finish_pending_save()
         last = self.step >= self.total_steps or self.preempted
-        if self.config.checkpoint.async_save and not last:
+        if self.config.checkpoint.async_save and not last and not self._async_failed:
             self._pending_save = checkpoint.save_async(
                 directory, self.step, {"trainer": self}, keep=keep, group=self._save_group()
             )
@@ -387,6 +387,24 @@ class Trainer:
             checkpoint.save(
                 directory, self.step, {"trainer": self}, keep=keep, group=self.ctx.group
             )
+
+    def _finish_pending_save(self) -> None:
+        """Wait for the background save in flight. Background saving is optional: one that
+        failed is a warning line, and from then on every rank saves in the foreground (the
+        ranks agree, so that their saves' collectives match)."""
+        pending, self._pending_save = self._pending_save, None
+        if pending is None:
+            return
+        failed = optional(
+            lambda: pending.wait() is None,  # it returns a Path: False, not failed
+            True,
+            what="a background checkpoint not written",
+            instead="checkpoints written in the foreground from now on",
+            again="the next run saves in the background again (checkpoint.async_save)",
+        )
+        flag = torch.tensor([float(failed)], device=self.ctx.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.ctx.group)
+        self._async_failed = self._async_failed or bool(flag.item())
 
     def _save_group(self) -> Any:
         """The process group of background saves (their collectives run on their thread)."""

@@ -2,19 +2,22 @@
 and ``phalanx plot`` (loss, validation and throughput curves of one or several runs).
 
 Both need the ``viz`` extra (``pip install 'phalanx[viz]'``: tensorboard, matplotlib); without
-it they fail with one line saying so, and nothing else in phalanx imports them.
+it ``phalanx plot`` fails with one line saying so, and a run's TensorBoard scalars are left out
+with one warning line (the run goes on). Nothing else in phalanx imports them.
 """
 
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from phalanx.errors import ConfigError, DataError, PhalanxError
+from phalanx.errors import DataError, PhalanxError
 from phalanx.fields import option
+from phalanx.optional import optional
 
 HINT = "needs the 'viz' extra: pip install 'phalanx[viz]'"
 
@@ -29,23 +32,43 @@ class LogConfig:
 
 
 class MetricsWriter:
-    """metrics.jsonl records as TensorBoard scalars (tag = the record's key, step = its step)."""
+    """metrics.jsonl records as TensorBoard scalars (tag = the record's key, step = its step).
+    Optional: where TensorBoard is missing or a write fails, one warning line, and the run goes
+    on with metrics.jsonl alone."""
 
     def __init__(self, directory: Path) -> None:
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError:
-            raise ConfigError(f"log.tensorboard: TensorBoard logging {HINT}") from None
-        self._writer = SummaryWriter(log_dir=str(directory))
+        self._writer: Any = self._optional(lambda: _summary_writer(directory))
 
     def write(self, record: dict[str, Any]) -> None:
+        if self._writer is not None:
+            self._writer = self._optional(lambda: self._add(record))
+
+    def _add(self, record: dict[str, Any]) -> Any:
         step = int(record["step"])
         for key, value in record.items():
             if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
                 self._writer.add_scalar(_tag(key), float(value), step)
+        return self._writer
 
     def close(self) -> None:
-        self._writer.close()
+        if self._writer is not None:
+            self._writer = self._optional(self._writer.close)
+
+    @staticmethod
+    def _optional(run: Callable[[], Any]) -> Any:
+        return optional(
+            run,
+            None,
+            what="TensorBoard scalars not written",
+            instead="metrics.jsonl alone kept (phalanx plot reads it)",
+            again=f"log.tensorboard {HINT} and a writable run directory",
+        )
+
+
+def _summary_writer(directory: Path) -> Any:
+    from torch.utils.tensorboard import SummaryWriter
+
+    return SummaryWriter(log_dir=str(directory))
 
 
 def _tag(key: str) -> str:

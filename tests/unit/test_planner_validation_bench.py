@@ -157,11 +157,17 @@ def test_a_real_cell_is_profiled_predicted_and_trained_as_users_run_it(
 ) -> None:
     """End to end through the CLI: the digits CNN profiled in this process, predicted at one
     process, then trained by a real ``phalanx train`` subprocess; only the calibration is the
-    checked-in cluster file (calibrating this machine takes ~20 s)."""
+    checked-in cluster file (calibrating this machine takes ~20 s) and the compute slow-down
+    probe reads its factor: the real probe's windows need an unloaded machine (on a loaded one
+    it cannot measure, and this test failed with it)."""
+    from phalanx.planner import calibrate
     from phalanx.planner.calibrate import Calibration
     from phalanx.planner.plan import read_cluster
 
     cluster = read_cluster(str(ROOT / "configs/clusters/this_machine.toml"))
+    slowdown = cluster.compute_slowdown  # the file's factor at 2 ranks (none there: 1)
+    factor = slowdown[1] if len(slowdown) > 1 else 1.0
+    monkeypatch.setattr(calibrate, "measure_compute_slowdown", lambda cores: (1.0, factor))
     calibration = Calibration(host="ci", measured_at="2026-11-25T00:00:00", cluster=cluster,
                               path=ROOT / "configs/clusters/this_machine.toml")  # fmt: skip
     monkeypatch.setattr(validation, "load_or_calibrate", lambda _: calibration)

@@ -5,7 +5,8 @@ layouts and keep the fastest (phalanx.exchange.autotune).
 
 Phases of AutoBucketing, as the Engine calls them:
   Phase 0 (construction): calibrate the link (collective: every rank at once); record each
-    bucket's ready time from then on.
+    bucket's ready time from then on. The link that cannot be measured (optional: every rank
+    fits rank 0's timings, so all fail alike) keeps the default layout, with a warning line.
   Phase 2 (``before_backward`` / ``after_backward``, around each backward): the recorder
     profiles the step's last backward.
   Phase 5 (``end`` of a step whose update was applied, the same step on every rank): after
@@ -27,6 +28,7 @@ from phalanx.exchange.buckets import GradientBuckets, plan_buckets
 from phalanx.exchange.comm import global_rank
 from phalanx.exchange.link import LinkModel, calibrate
 from phalanx.exchange.threshold import BackwardRecorder, Choice, agree_profile, choose_bucket_bytes
+from phalanx.optional import optional
 from phalanx.runtime.context import Context
 
 logger = logging.getLogger("phalanx")
@@ -80,14 +82,20 @@ class AutoBucketing(StepHook):
     ) -> None:
         self.ctx, self.buckets, self.trainable, self._rebuild = ctx, buckets, trainable, rebuild
         # Phase 0
-        self.link: LinkModel = calibrate(ctx.group, ctx.device)
+        self.link: LinkModel | None = optional(
+            lambda: calibrate(ctx.group, ctx.device),
+            None,
+            what='bucket_mb = "auto": the link not measured',
+            instead=f"{DEFAULT_BUCKET_MB:g} MiB buckets kept",
+            again="run again on a less loaded machine, or set exchange.bucket_mb to a size",
+        )
         self.threshold: Choice | None = None  # the cost model's choice, once made
         self.trials_text = ""  # what the timed layouts measured, once decided
-        self._recorder: BackwardRecorder | None = BackwardRecorder(
-            num_steps=PROFILE_STEPS, skip_steps=1
-        )
+        self._recorder: BackwardRecorder | None = None
         self._trials: LayoutTrials | None = None
-        buckets.on_ready = self._recorder.record
+        if self.link is not None:
+            self._recorder = BackwardRecorder(num_steps=PROFILE_STEPS, skip_steps=1)
+            buckets.on_ready = self._recorder.record
 
     @property
     def done(self) -> bool:
@@ -111,14 +119,15 @@ class AutoBucketing(StepHook):
     def _choose(self, num_updates: int) -> None:
         """Once the profiled steps are done (the same step on every rank): agree on rank 0's
         backward profile, choose the threshold and rebuild the buckets."""
-        recorder = self._recorder
+        recorder, link = self._recorder, self.link
         if recorder is None or num_updates + 1 != recorder.skip_steps + recorder.num_steps:
             return
+        assert link is not None  # a recorder only where the link was measured
         mine = recorder.profile() if recorder.done else None  # None on dedicated servers
         profile = agree_profile(mine, self.ctx.group, self.ctx.device)
         first = self.buckets.first_bucket_bytes
         self.threshold = choose_bucket_bytes(
-            profile.layer_costs(), self.link, self.ctx.world_size, first_bucket_bytes=first
+            profile.layer_costs(), link, self.ctx.world_size, first_bucket_bytes=first
         )
         logger.info("phalanx: %s", self.threshold.describe())
         self._recorder = None

@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from phalanx.engine.hooks import StepEnd, StepHook
 from phalanx.fields import option, require
+from phalanx.optional import optional
 from phalanx.planner.trace import TraceEvent, write_trace
 
 TRACE_FILE = "trace.json"
@@ -140,7 +141,13 @@ class StepTracer:
 
         events = [e for rank_events in gathered for e in rank_events]
         path = Path(self.config.directory) / TRACE_FILE
-        self.written = write_trace(path, events, source="measured", **meta)
+        self.written = optional(  # the trace is optional: the run goes on without it
+            lambda: write_trace(path, events, source="measured", **meta),
+            None,
+            what=f"trace not written to {path}",
+            instead="the run goes on without it",
+            again="pass a writable --trace DIR (or [trace] directory) next time",
+        )
         return self.written
 
     def _sync(self) -> None:

@@ -9,9 +9,11 @@ its unmanaged peak, 1.37x the unmanaged step with every activation kept (docs/be
 
 The allocator is C++ (torch's ``c10::SetCPUAllocator`` is not reachable from Python), built
 once per torch version into ``<cache dir>/host_cache/<torch version>/`` with
-``torch.utils.cpp_extension`` (C10 headers only: seconds) and loaded with ctypes. Where it
-cannot be built (no C++ compiler or ninja) ``install`` says why in one line and the budget
-falls back to releasing freed memory.
+``torch.utils.cpp_extension`` (C10 headers only: seconds) and loaded with ctypes, torch's own
+warnings held back meanwhile (``optional.torch_quiet``: a CUDA build of torch without a GPU logs
+"No CUDA runtime is found" there). Where it cannot be built (no C++ compiler or ninja) one
+warning line says why (``optional.optional``) and the budget falls back to releasing freed
+memory.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from pathlib import Path
 import torch
 
 from phalanx.fileio import cache_dir
+from phalanx.optional import optional, torch_quiet
 
 MIN_BYTES = 1 << 16  # blocks from this size up are cached (the size glibc would map on its own)
 SOURCE = Path(__file__).with_name("host_cache.cpp")
@@ -52,7 +55,20 @@ def library() -> ctypes.CDLL | str:
     """The built allocator, or one line saying why it could not be built here."""
     if not Path("/proc/self/statm").is_file():
         return "no /proc/self/statm to read the resident size from (Linux only)"
-    try:
+    why: list[str] = []
+    lib = optional(
+        _build,
+        None,
+        what="host cache not built",
+        instead="freed host memory goes back to the OS instead (slower steps, docs/memory.md)",
+        again="install a C++ compiler and ninja, then run again",
+        notes=why,
+    )
+    return why[0] if lib is None else lib
+
+
+def _build() -> ctypes.CDLL:
+    with torch_quiet():
         from torch.utils.cpp_extension import load, verify_ninja_availability
 
         verify_ninja_availability()
@@ -66,9 +82,6 @@ def library() -> ctypes.CDLL | str:
             is_python_module=False,
             verbose=False,
         )
-    except Exception as e:  # a missing compiler surfaces as several exception types
-        reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-        return f"could not build the host cache ({reason})"
     lib = ctypes.CDLL(str(path))
     lib.phalanx_host_cache_install.argtypes = [ctypes.c_int64, ctypes.c_int64]
     lib.phalanx_host_cache_install.restype = ctypes.c_int

@@ -16,7 +16,10 @@ plans on when no ``--cluster`` is given.
     more ranks than cores (``measure_collective_call_cpu_s``).
 What one machine cannot measure is a stated default, listed in the cluster's ``assumed``:
 the link between machines (``ASSUMED_INTER``: 10 Gb/s Ethernet), so that plans past this
-machine's cores (``--devices 1,2,4,...,1024``) say what they stand on.
+machine's cores (``--devices 1,2,4,...,1024``) say what they stand on. So is a probe of
+Phases 3-4 that cannot measure (a loaded machine, a timeout): its default (no slow-down, 0 s),
+in ``assumed`` and in one warning line (phalanx.optional); ``slowdown_now`` that cannot probe
+keeps the cached factor the same way.
 
 The cache: ``<cache dir>/clusters/<host>.json`` (cache dir: ``$PHALANX_CACHE_DIR``, else
 ``$XDG_CACHE_HOME/phalanx``, else ``~/.cache/phalanx``) holding the host, the UTC time it was
@@ -40,6 +43,7 @@ from phalanx.bench.link import LinkBenchConfig, run_benchmark
 from phalanx.errors import ConfigError
 from phalanx.exchange.link import LinkModel
 from phalanx.fileio import atomic_write_text, cache_dir
+from phalanx.optional import optional
 from phalanx.planner.cluster import (
     ClusterConfig,
     LinkConfig,
@@ -202,8 +206,7 @@ def slowdown_factors(schedule: list[int], per_rank: list[list[float | None]]) ->
             ratios[max(pair)].append(pair[max(pair)] / pair[1])
     if not all(ratios.values()):
         raise RuntimeError(
-            "the compute slow-down probe's processes started too late for every window; "
-            "run the calibration again on a less loaded machine"
+            "the probe's processes started too late for every window (a loaded machine)"
         )
     # ranks together cannot compute faster than alone: a factor under 1 is the machine's noise
     return (1.0, *(max(1.0, statistics.median(ratios[k])) for k in sorted(ratios)))
@@ -222,8 +225,18 @@ def slowdown_now(cluster: ClusterConfig, say: Callable[[str], None] = print) -> 
     cores = cluster.host_cores_per_node
     if cores < 2:  # one core: ranks take turns (compute_slowdown_at), nothing to probe
         return cluster
-    factors = measure_compute_slowdown(cores)
     cached = cluster.compute_slowdown[1] if len(cluster.compute_slowdown) > 1 else 1.0
+    notes: list[str] = []  # a probe that cannot measure: the cached factor, stated
+    factors = optional(
+        lambda: measure_compute_slowdown(cores),
+        cluster.compute_slowdown,
+        what="compute slow-down not probed now",
+        instead=f"the calibration's {cached:.2f} at 2 ranks used instead",
+        again="phalanx plan CONFIG probes it again (on a less loaded machine)",
+        notes=notes,
+    )
+    if notes:
+        return replace(cluster, assumed=(*cluster.assumed, f"compute_slowdown: {notes[0]}"))
     say(f"compute slow-down probed now: {factors[1]:.2f} at 2 ranks (calibration: {cached:.2f})")
     return replace(cluster, compute_slowdown=factors)
 
@@ -321,14 +334,32 @@ def calibrate_machine(
         add_s_per_byte=add_s,
         host_cores=cores,
     )
+    notes: list[str] = []  # the probes that could not measure (a loaded machine): stated
+
+    def probe(term: str, run: Callable[[], Any], fallback: Any, value: str) -> Any:
+        again = "phalanx plan CONFIG --recalibrate measures again"
+        return optional(run, fallback, what=f"{term}: not measured", instead=f"{value} assumed",
+                        again=again, notes=notes)  # fmt: skip
+
     return replace(
         cluster,
-        compute_slowdown=slowdown(cores),  # many pairs of windows inside: no repeats
-        collective_call_s=statistics.median(calls(cluster.intra.alpha_s) for _ in range(3)),
-        collective_call_cpu_s=statistics.median(call_cpu() for _ in range(3)),
+        # many pairs of windows inside: no repeats
+        compute_slowdown=probe("compute_slowdown", lambda: slowdown(cores), (1.0,), "1.0"),
+        collective_call_s=probe(
+            "collective_call_s",
+            lambda: statistics.median(calls(cluster.intra.alpha_s) for _ in range(3)),
+            0.0,
+            "0",
+        ),
+        collective_call_cpu_s=probe(
+            "collective_call_cpu_s",
+            lambda: statistics.median(call_cpu() for _ in range(3)),
+            0.0,
+            "0",
+        ),
         nodes=0,  # as many such machines as a plan asks for, joined by the assumed network
         inter=ASSUMED_INTER,
-        assumed=(*cluster.assumed, INTER_NOTE),
+        assumed=(*cluster.assumed, INTER_NOTE, *notes),
         description=f"{cluster.description}; codec and add measured on one process; "
         f"{cores} cores (this process's affinity)",
     )

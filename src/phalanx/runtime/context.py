@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from phalanx.fields import option, require
 from phalanx.memory import measure
+from phalanx.optional import torch_quiet
 
 Backend = Literal["auto", "gloo", "nccl"]
 DeviceKind = Literal["auto", "cpu", "cuda"]
@@ -134,7 +135,8 @@ def init(
     if device.type == "cpu" and config.reuse_host_memory:
         measure.reuse_freed_memory()
     if not dist.is_initialized():
-        _join_group(backend, config.timeout_s, init_method, rank, world_size)
+        with torch_quiet():  # torch's set-up warnings would precede a one-line error
+            _join_group(backend, config.timeout_s, init_method, rank, world_size)
     group = dist.group.WORLD
     assert group is not None
     _run_shutdown_on_destroy()
