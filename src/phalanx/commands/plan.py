@@ -10,8 +10,10 @@ from typing import Any
 
 from phalanx.config import load_config
 from phalanx.errors import ConfigError
+from phalanx.exchange.messages import WIRE_CODECS
 from phalanx.fileio import atomic_write_text
 from phalanx.planner.calibrate import load_or_calibrate, slowdown_now
+from phalanx.planner.exchanges import SCHEDULES
 from phalanx.planner.plan import (
     AUTO,
     DEFAULT_COMPRESSIONS,
@@ -27,7 +29,6 @@ from phalanx.planner.plan import (
     recommendation,
     write_traces,
 )
-from phalanx.planner.schedules import SCHEDULES, WIRE_CODECS
 from phalanx.planner.step import load_step_profile, measure_step_profile
 
 
