@@ -38,6 +38,12 @@ class RuntimeConfig:
     device: DeviceKind = option("auto", "auto = cuda:LOCAL_RANK when CUDA is available, else cpu")
     threads: int = option(1, "intra-op threads per CPU process (0 = leave torch's default)")
     timeout_s: float = option(300.0, "collective timeout in seconds; a dead peer fails after it")
+    share_device: bool = option(
+        False,
+        "tests on one GPU only: every rank drives cuda:0 and the backend is Gloo (NCCL refuses "
+        "two ranks on one device), so each strategy runs on CUDA tensors, streams and events "
+        "with several ranks; step times mean nothing. Warned at start",
+    )
     reuse_host_memory: bool = option(
         True,
         "CPU processes: freed tensors up to 32 MiB stay in the heap for the next step "
@@ -48,6 +54,11 @@ class RuntimeConfig:
     def __post_init__(self) -> None:
         require(self.threads >= 0, "threads", f"must be >= 0, got {self.threads}")
         require(self.timeout_s > 0, "timeout_s", f"must be > 0, got {self.timeout_s}")
+        require(
+            not (self.share_device and self.backend == "nccl"),
+            "share_device",
+            "NCCL refuses two ranks on one device; leave backend = 'auto' (Gloo) with it",
+        )
 
 
 @dataclass(frozen=True)
@@ -128,8 +139,14 @@ def init(
         return _CONTEXT
     config = config or RuntimeConfig()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = _pick_device(config.device, local_rank)
-    backend = _pick_backend(config.backend, device)
+    device = _pick_device(config.device, 0 if config.share_device else local_rank)
+    backend = _pick_backend(config.backend, device, config.share_device)
+    if config.share_device and device.type == "cuda" and local_rank == 0:
+        logger.warning(
+            "phalanx: warning: runtime.share_device: every rank drives %s over Gloo; for "
+            "tests of the CUDA paths only, step times mean nothing",
+            device,
+        )
     if device.type == "cpu" and config.threads > 0:
         torch.set_num_threads(config.threads)
     if device.type == "cpu" and config.reuse_host_memory:
@@ -279,10 +296,10 @@ def _pick_device(kind: str, local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
-def _pick_backend(name: str, device: torch.device) -> str:
+def _pick_backend(name: str, device: torch.device, share_device: bool = False) -> str:
     if name != "auto":
         return name
-    return "nccl" if device.type == "cuda" else "gloo"
+    return "nccl" if device.type == "cuda" and not share_device else "gloo"
 
 
 def _join_group(
