@@ -2,11 +2,8 @@
 
 A Strategy receives full buckets during backward and makes every rank end the step with the
 same updated parameters. In the Engine's step (phalanx.engine; the same phase numbers):
-  Phase 2: ``launch(bucket)`` for each bucket, in bucket order, as backward fills them
-    (Phase 3 launches those unused parameters held back, the same way);
-  Phase 4: ``finish()`` once backward returned and every bucket was launched: afterwards each
-    bucket's ``flat`` holds the gradient averaged over ranks (strategies that update at shard
-    owners may instead leave it untouched and do the work in ``update``);
+  Phase 2: ``launch(bucket)`` per bucket, in order, as backward fills it (and in Phase 3);
+  Phase 4: ``finish()``: each ``flat`` holds the mean gradient (owner updates: their shards);
   Phase 5: ``update(optimizer)``: apply the update (default: ``optimizer.step()``).
 Strategies never see model code; the Engine never branches on a strategy's name.
 """
@@ -66,8 +63,6 @@ class ExchangeConfig:
 
     def __post_init__(self) -> None:
         self.compress = self.compress or "none"
-        # (Any import of this module first runs phalanx/exchange/__init__.py, which registers
-        # the built-in strategies.)
         require(
             self.strategy in STRATEGIES,
             "strategy",
@@ -96,7 +91,6 @@ class ExchangeConfig:
 
 def strategy_config(name: str, options: dict[str, Any]) -> Any:
     """The strategy's Config built from ``options`` (ConfigValueError naming options.KEY)."""
-
     cls = getattr(STRATEGIES.get(name), "Config", None)
     if cls is None:
         require(not options, "options", f"strategy {name!r} takes no options")
@@ -112,8 +106,7 @@ ThreadSpan = tuple[str, str, int, int, float, float]  # lane, name, bucket, byte
 
 
 def stamp_done(bucket: Bucket, handle: Any) -> Any:
-    """Set ``bucket.done_time`` when ``handle`` (a backend Work or a communication thread's
-    Future) completes: the exchange lane of traces (phalanx.engine.tracing). Returns ``handle``."""
+    """Set ``bucket.done_time`` when ``handle`` (a Work or a Future) completes, for traces."""
 
     def stamp(*_: Any) -> None:
         bucket.done_time = time.perf_counter()
@@ -126,10 +119,8 @@ def stamp_done(bucket: Bucket, handle: Any) -> Any:
 
 
 def holds_nonfinite(tensors: list[torch.Tensor]) -> bool:
-    """Whether any element of ``tensors`` is inf/NaN, from one fp32 sum per tensor: inf and
-    NaN propagate into a sum, which reads each element once (about 35x faster here than
-    ``isfinite(t).all()``, which writes a mask first). A finite tensor whose sum overflows fp32
-    (elements near 1e34 and beyond) also counts as non-finite, as its update would be."""
+    """Whether any element of ``tensors`` is inf/NaN, from one fp32 sum per tensor (35x faster
+    than ``isfinite(t).all()``); a sum overflowing fp32 counts too, as its update would."""
     if not tensors:
         return False
     sums = torch.stack([t.sum(dtype=torch.float32) for t in tensors])
@@ -140,72 +131,49 @@ def holds_nonfinite(tensors: list[torch.Tensor]) -> bool:
 class StrategyParts:
     """What the Engine hands every strategy it builds, at construction and on each rebuild."""
 
-    # gradient message compression (kept across rebuilds: its counters belong to the run)
-    codec: Codec = field(default_factory=Codec)
+    codec: Codec = field(default_factory=Codec)  # kept across rebuilds (run-long counters)
     config: Any = None  # the strategy's own Config (its options); None: the defaults
-    # id(parameter) -> index of the user's optimizer group: sharded strategies cut their
-    # shards where the group changes (None: replicated optimizers need none)
+    # id(parameter) -> the user's optimizer group: sharded strategies cut shards there
     group_of: dict[int, int] | None = None
-    # The Engine's model (this rank's part): strategies that shard the parameters themselves
-    # (``shards_parameters``) wrap it at construction.
-    module: torch.nn.Module | None = None
-    # The submodules the step calls directly, where that is not ``module`` itself (a
-    # pipeline's stages); None: ``module``.
-    entries: list[torch.nn.Module] | None = None
-    # The strategy of the previous bucket layout (a rebuild): the new one takes over its
-    # communication thread, listeners and unread thread spans; the Engine then closes it.
+    module: torch.nn.Module | None = None  # this rank's model (``shards_parameters`` wrap it)
+    entries: list[torch.nn.Module] | None = None  # what the step calls (pipeline stages)
+    # the previous layout's strategy: its thread, listeners and spans are taken over
     previous: Strategy | None = None
 
 
 class Strategy(ABC):
-    """Base class of exchange strategies (see the module docstring for the phases).
+    """Base class of exchange strategies (phases: the module docstring), built again for each
+    bucket layout. Its surface is two protocols, ``GradientExchange`` and
+    ``OptimizerSharding``; this base implements the replicated optimizer."""
 
-    Built whole by a ``StrategyFactory`` with the context and the bucket layout, and built
-    again when the layout changes: a strategy's layout-dependent state (plans, shards) is
-    fixed at construction. The surface has two parts, typed as two protocols below: the
-    exchange (``GradientExchange``) and where the optimizer's state lives
-    (``OptimizerSharding``); this base implements the replicated optimizer."""
-
-    # True where parameters are updated while gradients still arrive (no rank ever holds the
-    # whole exchanged gradient before an update). Then a bad loss is agreed before the
-    # exchange, and nothing can rescale the gradient first (no clipping, no fp16 unscaling).
+    # parameters update while gradients arrive: a bad loss is agreed before the exchange, and
+    # nothing can rescale the gradient first (no clipping, no fp16 unscaling)
     updates_during_exchange: bool = False
-    # True where the optimizer steps tensors of the bucket layout (owners' shards), so a
-    # rebuild moves its state; False where it steps the parameters, which a rebuild keeps.
+    # the optimizer steps tensors of the bucket layout (owners' shards): a rebuild moves state
     optimizer_follows_layout: bool = False
-    # True where ``inspect_gradients`` all-reduces over the data group (no rank holds the
-    # whole gradient): the Engine's global loss then rides in that message ("riders").
+    # ``inspect_gradients`` all-reduces over the data group: the global loss rides in it
     verdict_all_reduces: bool = False
-    # True where the strategy shards the parameters themselves (the model's tensors become
-    # shards at construction): the Engine then builds no gradient buckets for it and reads
-    # the trainable parameters after it was built.
+    # the model's tensors become shards at construction: the Engine builds no buckets for it
     shards_parameters: bool = False
     Config: type | None = None  # the options' dataclass, for strategies that take options
-    # its messages per bucket as the planner simulates them, built with its Config
-    Messages: type[MessageSchedule]
+    Messages: type[MessageSchedule]  # its messages per bucket, for the planner
 
     def __init__(self, ctx: Context, buckets: list[Bucket], parts: StrategyParts) -> None:
         self.ctx = ctx
         self.buckets = buckets
         self.codec: Codec = parts.codec
         self.group_of = parts.group_of
-        # Set by the non-finite guard in Phase 2: this rank's loss is inf/NaN (strategies
-        # without buckets to poison carry it in their verdict).
-        self.local_loss_bad = False
+        self.local_loss_bad = False  # set by the non-finite guard in Phase 2
         self.bytes_sent = 0  # this step, counted by the strategy
         self.bytes_received = 0
-        # This step's forward waits for parameters still arriving: (bucket, start, end) in
-        # perf_counter seconds (owner-update strategies; the Engine's traces show them).
+        # forward's waits for arriving parameters: (bucket, start, end), perf_counter seconds
         self.param_waits: list[tuple[int, float, float]] = []
-        # (lane, name, bucket, bucket bytes, start, end) of work on the communication thread
-        # that the Engine's traces show (ps servers' updates and pulls); appended there, taken
-        # by ``take_thread_spans`` after each step (a pull may end during the next step)
+        # the communication thread's work for traces (a pull may end during the next step)
         self.thread_spans: list[ThreadSpan] = []
         # called in finish() with each bucket whose mean gradient is complete (allreduce, tree)
         self.bucket_listeners: list[Callable[[Bucket], None]] = []
         self._count_lock = threading.Lock()  # a communication thread may count too
-        # The thread of strategies that run point-to-point chains (``comm_thread()``)
-        self.comm: CommThread | None = None
+        self.comm: CommThread | None = None  # ``comm_thread()``
         previous = parts.previous
         if previous is not None:  # the same thread, listeners and spans across layouts
             self.comm, previous.comm = previous.comm, None
@@ -221,15 +189,13 @@ class Strategy(ABC):
     # -- layout -------------------------------------------------------------------------------
     @classmethod
     def bucket_alignment(cls, config: Any, world_size: int, backend: str, codec: Codec) -> int:
-        """Each bucket's flat length is padded to a multiple of this (e.g. p for scatters),
-        known before any bucket exists: from the options, world, backend and compression."""
+        """Each bucket's flat length is padded to a multiple of this (e.g. p for scatters)."""
         del config, world_size, backend, codec
         return 1
 
     @classmethod
     def check_world(cls, config: Any, world_size: int) -> None:
-        """One-line ConfigError if the strategy cannot run on ``world_size`` data ranks: the
-        Engine's start-up check, and the planner's."""
+        """One-line ConfigError if the strategy cannot run on ``world_size`` data ranks."""
         del config, world_size
 
     @classmethod
@@ -240,16 +206,14 @@ class Strategy(ABC):
 
     @classmethod
     def refuses(cls, config: Any, codec: Codec) -> str | None:
-        """Why the strategy cannot run with ``codec``'s compression (None: it can): a
-        sentence for the one-line error and the plan's note."""
+        """Why the strategy cannot run with ``codec``'s compression (None: it can)."""
         del config, codec
         return None
 
     @classmethod
     def sums_whole_buckets(cls, config: Any, codec: Codec) -> bool:
-        """Whether each launched bucket's ``flat`` arrives as its exact sum over the data ranks
-        on every rank, tail included (then the Engine's global loss rides in the last
-        bucket's ``riders`` rather than in a collective of its own)."""
+        """Whether each bucket's ``flat`` arrives as its exact sum on every rank, tail included
+        (then the global loss rides in the last bucket's ``riders``)."""
         del config, codec
         return False
 
@@ -302,16 +266,13 @@ class Strategy(ABC):
         return module.state_dict()
 
     def own_reads(self) -> AbstractContextManager[None]:
-        """A block in which phalanx reads the model's own state (checkpoints): strategies that
-        refuse the user's ``state_dict()`` (``fsdp``) let it through."""
+        """A block in which phalanx reads the model's own state (``fsdp`` lets it through)."""
         return nullcontext()
 
     @classmethod
     def compile_model(cls, config: Any, module: torch.nn.Module) -> list[torch.nn.Module]:
-        """``[train] compile``: torch.compile the model as this strategy's hooks allow (its
-        ``config``: its options), before ``register_module``; returns the modules compiled.
-        Default: each layer's forward, the hooks left outside it (phalanx.compile). A strategy
-        that cannot run compiled raises a ConfigError of one line naming the fix."""
+        """``[train] compile`` as this strategy's hooks allow, before ``register_module``;
+        returns the modules compiled (default: each layer's forward, phalanx.compile)."""
         del config
         return compile_layers(module)
 
@@ -320,22 +281,17 @@ class Strategy(ABC):
         del module
 
     def adopt_optimizer(self, optimizer: Optimizer, params: Params) -> Optimizer:
-        """The optimizer the Engine steps, from the user's over the model's parameters
-        (``params``); sharded strategies point its groups at their shards."""
+        """The optimizer the Engine steps (sharded strategies point its groups at shards)."""
         del params
         return optimizer
 
     def carry_optimizer_state(self, optimizer: Optimizer, params: Params) -> Any:
-        """Before a bucket rebuild: what ``rebind_optimizer`` needs to move the optimizer's
-        state to the new layout (None here: the optimizer steps the parameters themselves,
-        which a rebuild does not replace)."""
+        """Before a bucket rebuild: what ``rebind_optimizer`` needs (None: nothing moves)."""
         del optimizer, params
         return None
 
     def rebind_optimizer(self, optimizer: Optimizer, params: Params, carried: Any) -> None:
-        """On a strategy built for a new layout (the old one carried ``carried``): point the
-        *same* optimizer object at the layout's parameters with its state moved (a scheduler
-        attached to it keeps acting)."""
+        """Point the *same* optimizer at the new layout with its state moved (schedulers act)."""
         del optimizer, params, carried
 
     def gradient_scale(self) -> float:
@@ -343,8 +299,7 @@ class Strategy(ABC):
         return 1.0 / self.data_parallel()[1]
 
     def bucket_exchanged(self, bucket: Bucket) -> None:
-        """``finish()`` calls this as each bucket's exchange completes (its parameters' ``.grad``
-        hold the mean): the host optimizer mirror starts copying them (F19)."""
+        """``finish()`` calls this as each bucket's mean is complete (the host mirror, F19)."""
         for listener in self.bucket_listeners:
             listener(bucket)
 
@@ -362,7 +317,7 @@ class Strategy(ABC):
         self.codec.num_nonfinite = 0
 
     def take_thread_spans(self) -> list[ThreadSpan]:
-        """The communication thread's spans recorded since the last call (see __init__)."""
+        """The communication thread's spans recorded since the last call."""
         spans, self.thread_spans = self.thread_spans, []
         return spans
 
@@ -380,10 +335,7 @@ class Strategy(ABC):
         optimizer.step()
 
     def detach_unused_grads(self) -> None:
-        """Parameters no rank produced a gradient for keep ``grad = None``, as in one process.
-
-        The buckets' summed usage flags say which were used anywhere; no extra message needed.
-        """
+        """Parameters no rank used (summed usage flags) keep ``grad = None``, as in one process."""
         flags = torch.cat([b.flags for b in self.buckets])
         if bool((flags > 0.5).all()):
             return
@@ -398,8 +350,7 @@ class Strategy(ABC):
 
     # -- state --------------------------------------------------------------------------------
     def optimizer_state_dict(self, optimizer: Optimizer, params: Params) -> dict[str, Any]:
-        """Optimizer state in the per-parameter format of an optimizer over ``params``
-        (collective for sharded strategies; every rank gets the same dict)."""
+        """Per-parameter optimizer state over ``params`` (collective where sharded)."""
         del params
         return optimizer.state_dict()
 
@@ -411,11 +362,9 @@ class Strategy(ABC):
 
     # -- checkpoints (torch.distributed.checkpoint): each rank its own part -----------------------
     def optimizer_shards(self, optimizer: Optimizer, params: Params) -> tuple[ShardState, Groups]:
-        """This rank's part of the per-parameter optimizer state, gathering nothing:
-        ``({index in params: {key: value}}, groups)``. A value with one element per parameter
-        element is a list of ``(flat start, 1-D tensor)`` pieces, those this rank keeps (here:
-        all of it); others (a step count) are as they are. ``groups``: each parameter group's
-        hyperparameters, ``"params"`` as indices in ``params``."""
+        """This rank's part of the optimizer state, gathering nothing: ``({index in params:
+        {key: value}}, groups)``; a per-element value is a list of ``(flat start, 1-D tensor)``
+        pieces; ``groups``: hyperparameters, ``"params"`` as indices in ``params``."""
         index = {id(p): i for i, p in enumerate(params)}
         state: ShardState = {}
         for p, entry in optimizer.state.items():
@@ -440,8 +389,7 @@ class Strategy(ABC):
     def load_optimizer_shards(
         self, optimizer: Optimizer, params: Params, state: ShardState, groups: Groups
     ) -> None:
-        """Load state in ``optimizer_shards``' form whose pieces cover ``owned_ranges``
-        (hyperparameters: group k from saved group k, or the first where there are fewer)."""
+        """Load state in ``optimizer_shards``' form whose pieces cover ``owned_ranges``."""
         index = {id(p): i for i, p in enumerate(params)}
         order = [p for g in optimizer.param_groups for p in g["params"]]
         loaded: ShardState = {}
@@ -458,14 +406,12 @@ class Strategy(ABC):
         load_into(optimizer, {"state": loaded, "param_groups": merged_groups(optimizer, groups)})
 
     def state_pieces(self, value: torch.Tensor, p: torch.Tensor) -> list[tuple[int, Any]]:
-        """A per-element state value as the ``(flat start, 1-D tensor)`` pieces this rank keeps
-        (here: the whole of it)."""
+        """A per-element state value as the ``(flat start, 1-D tensor)`` pieces this rank keeps."""
         del p
         return [(0, value.detach().reshape(-1))]
 
     def state_from_pieces(self, pieces: list[tuple[int, Any]], p: torch.Tensor, what: str) -> Any:
-        """The state value of ``p`` for the optimizer, from pieces covering what this rank keeps
-        (here: all of it, shaped like ``p``)."""
+        """The state value of ``p`` from pieces covering what this rank keeps."""
         full = torch.empty(p.numel(), dtype=pieces[0][1].dtype)
         if copy_pieces(pieces, 0, full) != p.numel():
             raise ValueError(
@@ -476,22 +422,20 @@ class Strategy(ABC):
     def optimizer_bytes(self, optimizer: Optimizer) -> int:
         """Bytes of optimizer state held by this rank."""
         return sum(
-            t.numel() * t.element_size()
+            local_tensor(t).numel() * t.element_size()
             for s in optimizer.state.values()
             for t in s.values()
             if isinstance(t, torch.Tensor)
         )
 
     def close(self) -> None:
-        """Stop background work and remove hooks (a communication thread handed to the next
-        layout's strategy is not this one's any more)."""
+        """Stop background work and remove hooks (a thread handed on is not this one's)."""
         if self.comm is not None:
             self.comm.close()
 
 
 class GradientExchange(Protocol):
-    """The exchange surface of a strategy: what the Engine's step and its components call
-    (phases as in the Engine's step, phalanx.engine)."""
+    """The exchange surface of a strategy: what the Engine's step and its components call."""
 
     updates_during_exchange: bool
     verdict_all_reduces: bool
@@ -538,8 +482,7 @@ class GradientExchange(Protocol):
 
 
 class OptimizerSharding(Protocol):
-    """Where a strategy keeps the optimizer's state and how it moves: adoption of the user's
-    optimizer, bucket rebuilds, checkpoints (``params``: the model's trainable parameters)."""
+    """Where a strategy keeps the optimizer's state and how it moves (``params``: trainable)."""
 
     optimizer_follows_layout: bool
 
@@ -573,8 +516,8 @@ STRATEGIES: Registry[Strategy] = Registry("exchange strategy")
 
 @dataclass(frozen=True)
 class StrategyFactory:
-    """Builds a registered strategy whole: ``factory(ctx, buckets, parts)``; what the Engine
-    needs before any instance exists (alignment, the class's flags) comes from here too."""
+    """Builds a registered strategy: ``factory(ctx, buckets, parts)``, and answers for its class
+    before any instance exists."""
 
     name: str
     cls: type[Strategy]
@@ -604,10 +547,15 @@ class StrategyFactory:
 
 
 def strategy_factory(name: str, options: dict[str, Any] | None = None) -> StrategyFactory:
-    """The factory of registered strategy ``name`` with its ``options`` (validated here, one
-    line naming a bad option)."""
+    """The factory of registered strategy ``name`` with its ``options`` (validated here)."""
     cls = cast("type[Strategy]", STRATEGIES.get(name))  # registered classes
     return StrategyFactory(name, cls, strategy_config(name, options or {}))
+
+
+def local_tensor(t: Any) -> torch.Tensor:
+    """This rank's part of a DTensor (the tensor itself otherwise)."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
 
 
 def _per_element(value: Any, p: torch.Tensor) -> bool:

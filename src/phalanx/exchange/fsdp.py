@@ -1,31 +1,11 @@
-"""``fsdp``: parameters, gradients and optimizer state sharded over the data ranks, through
-torch's ``fully_shard`` (FSDP2), as one more exchange strategy.
+"""``fsdp``: parameters, gradients and optimizer state sharded over the data ranks by torch's
+``fully_shard`` (FSDP2). Units, reads of the model and checkpoints: docs/exchange.md, "`fsdp`".
 
-Units: a model up to ``whole_model_mb`` is one unit, the root, its frozen parameters left
-whole on every rank (per-layer collectives cost small models more than they save: a step
-then gathers once and reduce-scatters once); a larger one has a unit per top-level child
-module holding parameters (a config model's layers; a ModuleList's blocks), or per submodule
-of the classes named in ``units``; a unit holding a parameter it shares with another (tied
-embedding and head) stays in the root, which holds everything else. Each sharded parameter
-becomes a DTensor on dim 0 (rows; torch.chunk's split, the last rank's shard may be shorter
-or empty). On Gloo, every all-gather and reduce-scatter is a point-to-point ring
-(``_gloo_collectives``). In the Engine's step (phalanx.engine; the same phases):
+In the Engine's step (phalanx.engine; the same phases):
   Phase 1 (``begin_step``): gradients cleared.
-  Phase 2: forward all-gathers each unit before it runs (``prefetch`` units ahead); backward
-    all-gathers it again (``reshard_after_forward``) and reduce-scatters its gradient to the
-    shards as soon as it is ready, overlapping the next unit's backward. Only the last
-    micro-batch's backward reduce-scatters (``before_backward``); earlier ones accumulate.
-  Phase 4 (``finish`` / ``inspect_gradients``): the reduce-scatters ended with backward;
-    the verdict, the clipping norm and the step's global loss share one all-reduce.
+  Phase 2: all-gather each unit before forward and backward, reduce-scatter its gradients.
+  Phase 4 (``finish`` / ``inspect_gradients``): verdict, norm and loss in one all-reduce.
   Phase 5 (``update``): the optimizer steps this rank's shards (1/P of every tensor).
-
-The Engine builds no gradient buckets for it (``shards_parameters``). ``Engine.module`` is
-the model itself (its train/eval modes are the ones that run); its ``state_dict()`` would
-hold this rank's rows only, so a call from the user's code is refused in one line naming
-``Engine.full_state_dict()``, the explicit collective that gathers whole tensors (one rank
-cannot gather alone, and no rank can know without a message whether the others read too).
-``Engine.optimizer_state_dict()`` gathers the optimizer's state the same way. Checkpoints
-hold each rank's rows of every tensor, so they resume under any strategy and world size.
 """
 
 from __future__ import annotations
@@ -42,6 +22,7 @@ from torch import nn
 
 from phalanx.errors import CheckpointError, ConfigError
 from phalanx.exchange.base import STRATEGIES, Strategy, StrategyParts
+from phalanx.exchange.base import local_tensor as _local
 from phalanx.exchange.buckets import Bucket
 from phalanx.exchange.comm import global_rank
 from phalanx.exchange.compression import Codec
@@ -109,12 +90,9 @@ def wire_scale(dtype: str | None) -> float:
 
 
 class FullyShardedSchedule(MessageSchedule):
-    """Per unit (one per layer): before its forward its parameters are all-gathered (ring:
-    p-1 steps of 1/p), ``prefetch`` units ahead; with ``reshard_after_forward`` freed after it
-    and all-gathered again before its backward; after its backward its gradients are
-    reduce-scattered (ring, p-1 steps), and the optimizer updates 1/p of the parameters.
-    Nothing is sent back. Mixed precision: all-gathers move ``param_dtype``, reduce-scatters
-    ``reduce_dtype`` (else ``param_dtype``: torch's MixedPrecisionPolicy)."""
+    """Per unit (one per layer): ring all-gather before forward (and backward, with
+    ``reshard_after_forward``), ring reduce-scatter after backward; all-gathers move
+    ``param_dtype``, reduce-scatters ``reduce_dtype`` (else ``param_dtype``, as torch's)."""
 
     config: FsdpConfig
     unit_label = "per layer"
@@ -123,9 +101,8 @@ class FullyShardedSchedule(MessageSchedule):
         return self.unit_phases(world).reduce  # a unit's gradients (sim.py runs unit_phases)
 
     def unit_phases(self, world: int, reduce_scatter_all_reduces: bool = False) -> UnitPhases:
-        """``reduce_scatter_all_reduces``: the backend reduce-scatters by all-reducing the
-        whole tensor, then keeping a slice (Gloo, the CPU ranks' backend; measured on 2 ranks
-        here: 1 MB reduce-scatter 1.72 ms, all-reduce 1.34 ms): twice a ring's bytes."""
+        """``reduce_scatter_all_reduces``: the backend (Gloo) reduce-scatters by all-reducing
+        and keeping a slice (1 MB on 2 ranks: 1.72 ms vs all-reduce 1.34 ms): twice the bytes."""
         c = self.config
         if world < 2:
             return UnitPhases([], [], [], c.prefetch)
@@ -162,7 +139,7 @@ class FullyShardedSchedule(MessageSchedule):
 
 @STRATEGIES.register("fsdp")
 class FullyShardedStrategy(Strategy):
-    """Sharded parameters, gradients and state through ``fully_shard`` (module docstring)."""
+    """Sharded parameters, gradients and state through ``fully_shard``."""
 
     Config = FsdpConfig
     Messages = FullyShardedSchedule
@@ -220,10 +197,8 @@ class FullyShardedStrategy(Strategy):
     def inspect_gradients(
         self, want_norm: bool, riders: torch.Tensor | None = None
     ) -> tuple[bool, float | None]:
-        """Each rank checks its shards; one all-reduce sums the verdicts, the squares of the
-        norm and ``riders`` (the step's global loss). One pass over the rows: their norms
-        (torch's foreach kernel, as ``clip_grad_norm_``), whose squares' sum in float64 is
-        finite exactly when every element is."""
+        """One all-reduce of the verdicts, the norm's squares and ``riders``; one pass over the
+        rows (foreach norms, whose float64 squares' sum is finite exactly when every element is)."""
         grads = [_local(p.grad) for p in self.params if p.grad is not None]
         norms = [n.double() for n in torch._foreach_norm(grads)] if grads else []
         squares = (
@@ -246,8 +221,7 @@ class FullyShardedStrategy(Strategy):
                 p.grad.mul_(factor)
 
     def sync(self) -> None:
-        """The sharded parameters registered again: a forward outside a step (validation,
-        with ``reshard_after_forward = false``) leaves the gathered ones in their place."""
+        """Reshard: a forward outside a step (validation) may leave gathered parameters."""
         for unit in [*self.units, *self.roots]:
             unit.reshard()
 
@@ -256,11 +230,8 @@ class FullyShardedStrategy(Strategy):
 
     # -- the model's parameters ------------------------------------------------------------------
     def adopt_optimizer(self, optimizer: Optimizer, params: Params) -> Optimizer:
-        """The user's optimizer, its groups pointed at the sharded parameters (the same object
-        and hyperparameters; an LR scheduler attached to it keeps acting). State it already
-        holds (a script that loaded it before building the Engine) is cut to this rank's rows.
-        Its own ``state_dict()`` / ``load_state_dict()`` are refused from then on (they would
-        hold this rank's rows only): ``Engine.optimizer_state_dict()`` gathers the whole."""
+        """The user's optimizer pointed at the sharded parameters; state it already holds is cut
+        to this rank's rows, and its own ``state_dict()`` / ``load_state_dict()`` refused."""
         del params
         for group in optimizer.param_groups:
             group["params"] = [self.renamed.get(id(p), p) for p in group["params"]]
@@ -273,16 +244,12 @@ class FullyShardedStrategy(Strategy):
         return optimizer
 
     def read_module(self, module: nn.Module) -> nn.Module:
-        """The model itself (sharded): ``train()`` / ``eval()`` on it set the modes that run,
-        a forward through it is a collective (each unit gathered as it runs, on every rank),
-        and ``state_dict()`` is refused in one line naming ``full_state_dict``."""
+        """The model itself (sharded; a forward through it is a collective)."""
         return module
 
     def full_state_dict(self, module: nn.Module) -> dict[str, Any]:
-        """``module.state_dict()`` as one process holds it: every parameter whole, gathered
-        from every rank's rows (a collective: every rank calls it, in the same order; the
-        result on every rank), each onto the CPU as it arrives, so the whole model never has
-        to fit the device; buffers are this rank's; tied weights stay one tensor."""
+        """``module.state_dict()`` as one process holds it, gathered tensor by tensor onto the
+        CPU (a collective), so the whole model never has to fit the device."""
         with self.shard_reads.allowed():
             sharded = module.state_dict(keep_vars=True)
         whole: dict[int, Any] = {}
@@ -293,7 +260,6 @@ class FullyShardedStrategy(Strategy):
         return {name: whole[id(value)] for name, value in sharded.items()}
 
     def own_reads(self) -> AbstractContextManager[None]:
-        """A block in which phalanx reads the model's shards itself (checkpoints)."""
         return self.shard_reads.allowed()
 
     def forward_module(self, module: nn.Module) -> nn.Module:
@@ -316,9 +282,7 @@ class FullyShardedStrategy(Strategy):
         return ranges
 
     def optimizer_state_dict(self, optimizer: Optimizer, params: Params) -> dict[str, Any]:
-        """Torch's format for the user's optimizer (its groups, their numbering), every
-        per-element value whole: gathered from every rank's rows onto the CPU (a collective,
-        the same dict on every rank)."""
+        """Torch's format, per-element values gathered whole onto the CPU (a collective)."""
         del params
         state = optimizer_state.state_of(optimizer)  # the values: this rank's rows
         with _gathering("optimizer_state_dict"):
@@ -331,8 +295,7 @@ class FullyShardedStrategy(Strategy):
     def load_optimizer_state_dict(
         self, optimizer: Optimizer, params: Params, state: dict[str, Any]
     ) -> None:
-        """Load torch's format (``optimizer_state_dict``, or one process's optimizer's):
-        this rank keeps its rows of every per-element value; no message."""
+        """Load torch's format: this rank keeps its rows of every per-element value."""
         del params
         if not isinstance(state, dict) or not {"state", "param_groups"} <= set(state):
             raise CheckpointError(
@@ -353,14 +316,6 @@ class FullyShardedStrategy(Strategy):
         }
         optimizer_state.load_into(optimizer, {**state, "state": rows})
 
-    def optimizer_bytes(self, optimizer: Optimizer) -> int:
-        return sum(
-            _local(t).numel() * t.element_size()
-            for s in optimizer.state.values()
-            for t in s.values()
-            if isinstance(t, torch.Tensor)
-        )
-
     def close(self) -> None:
         for comm in self._comms:  # the pooled buffers go (a forward after this allocates anew)
             comm.pool.clear()
@@ -377,11 +332,9 @@ def _mesh(ctx: Context) -> Any:
 def _shard(
     module: nn.Module, entries: list[nn.Module], mesh: Any, config: FsdpConfig
 ) -> tuple[list[Any], list[Any]]:
-    """``fully_shard`` on each unit (bottom-up), then on the modules the step calls (the
-    model, or a pipeline's stages: torch's stages drive a root's gradient sync themselves),
-    which hold what no unit does; prefetch set between units in forward order and in backward
-    order. A small model (``whole_model_mb``) has no units: the roots hold it all, its frozen
-    parameters left out (replicated). Returns (roots, units in forward order)."""
+    """``fully_shard`` on each unit (bottom-up), then on the modules the step calls (the model,
+    or a pipeline's stages); prefetch between units. A small model (``whole_model_mb``) has no
+    units, its frozen parameters replicated. Returns (roots, units in forward order)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     policy = MixedPrecisionPolicy(
@@ -417,10 +370,8 @@ def _shard(
 
 
 def _units(module: nn.Module, names: list[str]) -> list[nn.Module]:
-    """The units in forward (registration) order: the named classes' modules (outermost
-    first match), or the top-level children holding parameters (a container without a
-    forward of its own, a ModuleList of blocks, gives its children); a unit sharing a
-    parameter with the rest of the model (tied weights) is left to the root."""
+    """The units in forward order: the named classes' outermost modules, or the top-level
+    children holding parameters; a unit sharing a parameter (tied weights) is left to the root."""
     if names:
         picked = [m for m in module.modules() if m is not module and type(m).__name__ in names]
         if not picked:
@@ -459,11 +410,8 @@ def _volume(module: nn.Module, regather: bool, ctx: Context) -> int:
 
 
 def _gloo_collectives(modules: list[Any]) -> list[_Buffers]:
-    """Each FSDP module's all-gather and reduce-scatter on Gloo as point-to-point rings
-    (exchange.ring's), which ran 3x faster than Gloo's collectives here (45 MiB, 2 CPU
-    ranks: all-gather 15.5 vs 50.5 ms, reduce-scatter 19.2 vs 58.5; 3 ranks: 21.0 vs 64.5
-    and 27.2 vs 86.6). One instance of each serves every module (one receive arena).
-    Torch versions without custom collectives keep their own."""
+    """Each FSDP module's all-gather and reduce-scatter on Gloo as point-to-point rings (3x
+    faster than Gloo's, docs/exchange.md); one instance of each serves every module."""
     gather, scatter = _RingAllGather(), _RingReduceScatter()
     for m in modules:
         if hasattr(m, "set_custom_reduce_scatter"):
@@ -480,12 +428,9 @@ _USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)  # tensors using a st
 
 
 class _Buffers:
-    """``allocate`` of fully_shard's communication buffers: a host buffer above
-    ``POOLED_BYTES`` comes from a pool, handed out again only once no tensor but the pool's
-    uses its memory (fully_shard keeps a reduce-scatter input until the next one, and
-    gradients are views of its outputs). The pool keeps at most ``POOLED`` buffers it could
-    hand out, the least recently used going first; a whole model's all-gather output and
-    reduce-scatter input (what small models have) stay, so no step maps them afresh."""
+    """``allocate`` of fully_shard's buffers: a host buffer above ``POOLED_BYTES`` comes from a
+    pool, handed out again once only the pool uses its memory (gradients view the outputs);
+    at most ``POOLED`` idle buffers are kept, least recently used going first."""
 
     POOLED = 4
 
@@ -507,9 +452,8 @@ class _Buffers:
 
 
 class _RingReduceScatter(_Buffers):
-    """fully_shard's ReduceScatter interface (``allocate``, ``__call__``): the input's p
-    equal parts summed over the ring (exchange.ring's steps); the last step adds straight
-    into the output (``AVG``: divided there), sparing a pass over this rank's part."""
+    """fully_shard's ReduceScatter: the input's p parts summed over the ring; the last step
+    adds straight into the output (``AVG``: divided there), sparing a pass."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -546,8 +490,7 @@ class _RingReduceScatter(_Buffers):
 
 
 class _RingAllGather(_Buffers):
-    """fully_shard's AllGather interface: the output's p equal parts passed around the ring,
-    each received in place (step s: send part rank - s, receive part rank - s - 1)."""
+    """fully_shard's AllGather: step s sends part rank - s, receives part rank - s - 1 in place."""
 
     def __call__(
         self,
@@ -589,15 +532,8 @@ def _shares_parameters(unit: nn.Module, model: nn.Module) -> bool:
 
 
 # -- shards -------------------------------------------------------------------------------------
-def _local(t: Any) -> torch.Tensor:
-    """This rank's part of a DTensor (the tensor itself otherwise)."""
-    to_local = getattr(t, "to_local", None)
-    return to_local() if callable(to_local) else t
-
-
 def _flat_start(p: torch.Tensor) -> int:
-    """The flat index of this rank's first element of ``p``: its rows are torch.chunk's
-    share of dim 0 (ceil(rows / P) each, the last shorter or empty)."""
+    """The flat index of this rank's first element of ``p`` (torch.chunk's rows of dim 0)."""
     mesh = getattr(p, "device_mesh", None)
     if mesh is None or p.dim() == 0:
         return 0
@@ -627,9 +563,8 @@ def _sharded_value(value: list[tuple[int, Any]], p: torch.Tensor) -> Any:
 
 # -- reads of the whole model -------------------------------------------------------------------
 class _ShardReads:
-    """A ``state_dict()`` pre-hook on every module of the model that holds parameters:
-    refuses the user's call in one line (it would hold this rank's rows: DTensors that load
-    into no plain model, found out only at load time), lets phalanx's own reads through."""
+    """A ``state_dict()`` pre-hook refusing the user's call (it would hold DTensors of this
+    rank's rows, which load into no plain model); phalanx's own reads go through."""
 
     def __init__(self, model: nn.Module) -> None:
         self.depth = 0  # > 0 inside ``allowed``
@@ -678,8 +613,7 @@ def _whole(value: Any) -> Any:
 
 
 def _rows(value: Any, p: torch.Tensor) -> Any:
-    """This rank's rows of a whole per-element value of ``p`` (a DTensor like ``p``); other
-    tensors (a step count) copied, so the optimizer never shares the caller's."""
+    """This rank's rows of a whole per-element value of ``p``; other tensors copied."""
     if not isinstance(value, torch.Tensor) or callable(getattr(value, "to_local", None)):
         return value
     if value.dim() == 0 or value.shape != p.shape:
