@@ -1,18 +1,9 @@
-"""The documents' cyclic partition schedule (F4), generalised to any number of ranks, and the
-vocabulary in which each strategy states its messages for the planner (``MessageSchedule``).
+"""The documents' cyclic partition schedule (F4), for any number of ranks, and the vocabulary
+in which each strategy states its messages for the planner (``MessageSchedule``).
 
-With p = 2N ranks the source splits the gradients into N partitions. In cycle k (k = 0..p-2)
-partition m moves from rank i = (2m+k+1) mod p to rank j = (2m+k+2) mod p, which adds its own
-copy: after p-1 cycles partition m has visited every rank and is fully reduced at its owner
-2m. The broadcast phase then sends the updated partition m from a = (2m+k) mod p to
-b = (2m+k+1) mod p, again p-1 cycles. Partition m's pair in cycle k is {2m+k+1, 2m+k+2};
-pairs of different partitions start 2 ranks apart, so within a cycle they are disjoint and
-every rank only sends or only receives.
-
-For odd p = 2N+1 the same formulas with N = floor(p/2) partitions keep the pairs disjoint: the
-start offsets 1, 3, ..., 2N-1 are at least 2 apart around the ring of p (the wrap-around gap is
-3), so one rank idles each cycle. With p = 1 there is one partition and no cycle.
-Derivation and cost: docs/exchange.md.
+Cycle k moves partition m from (2m+k+1) to (2m+k+2) mod p; pairs are disjoint, so every rank
+only sends or only receives. Derivation, odd p and cost: docs/exchange.md, "The cyclic
+partition schedule (F4)".
 """
 
 from __future__ import annotations
@@ -47,22 +38,22 @@ def owner(partition: int, world_size: int) -> int:
     return (2 * partition) % world_size
 
 
-def reduce_cycles(world_size: int) -> list[list[Transfer]]:
-    """Cycle k's transfers of the reduce phase: i = (2m+k+1) % p -> j = (2m+k+2) % p."""
-    p = world_size
+def _cycles(p: int, shift: int) -> list[list[Transfer]]:
+    parts = range(num_partitions(p))
     return [
-        [Transfer(m, (2 * m + k + 1) % p, (2 * m + k + 2) % p) for m in range(num_partitions(p))]
+        [Transfer(m, (2 * m + k + shift) % p, (2 * m + k + shift + 1) % p) for m in parts]
         for k in range(p - 1)
     ]
+
+
+def reduce_cycles(world_size: int) -> list[list[Transfer]]:
+    """Cycle k's transfers of the reduce phase: i = (2m+k+1) % p -> j = (2m+k+2) % p."""
+    return _cycles(world_size, 1)
 
 
 def broadcast_cycles(world_size: int) -> list[list[Transfer]]:
     """Cycle k's transfers of the broadcast phase: a = (2m+k) % p -> b = (2m+k+1) % p."""
-    p = world_size
-    return [
-        [Transfer(m, (2 * m + k) % p, (2 * m + k + 1) % p) for m in range(num_partitions(p))]
-        for k in range(p - 1)
-    ]
+    return _cycles(world_size, 0)
 
 
 # -- the messages of a strategy, as the planner simulates them -------------------------------------
@@ -82,11 +73,9 @@ class Message(NamedTuple):
 
 @dataclass(frozen=True, eq=False)
 class RoundTable:
-    """The messages of one phase, as arrays in program order; round r holds messages
-    ``starts[r]:starts[r+1]``. ``fraction``: each message's share of the bucket's bytes.
-    ``summed``: whether phalanx's receiver adds the message into its buffer (a point-to-point
-    reduction; not the backend's own allreduce, whose adds its calibration includes).
-    ``key`` identifies the table (for caches): equal keys, equal tables."""
+    """The messages of one phase in program order; round r is ``starts[r]:starts[r+1]``;
+    ``fraction``: share of the bucket's bytes; ``summed``: phalanx's receiver adds it (not the
+    backend's allreduce, whose adds the calibration includes); equal ``key``s, equal tables."""
 
     key: tuple
     src: np.ndarray
@@ -117,8 +106,8 @@ class RoundTable:
 
 
 class Builder:
-    """Collects rounds of (src, dst, fraction, kind) into a RoundTable. ``summed`` of a round:
-    whether its receivers add what arrives (default: gradients do, ``kind == GRAD``)."""
+    """Collects rounds of (src, dst, fraction, kind) into a RoundTable (``summed`` default:
+    ``kind == GRAD``)."""
 
     def __init__(self) -> None:
         self.chunks: list[np.ndarray] = []  # (5, m) blocks of src, dst, fraction, kind, summed
@@ -142,13 +131,8 @@ class Builder:
         summed: bool | None = None,
     ) -> None:
         """Append ``count`` rounds, each of the messages src[i] -> dst[i]."""
-        block = np.empty((4, len(src) * count))
-        block[0], block[1], block[2], block[3] = (
-            np.tile(src, count),
-            np.tile(dst, count),
-            fraction,
-            kind,
-        )
+        n = len(src) * count
+        block = np.array([np.tile(src, count), np.tile(dst, count), [fraction] * n, [kind] * n])
         self._append(block, summed, [len(src)] * count)
 
     def _append(self, block: np.ndarray, summed: bool | None, sizes: list[int]) -> None:
@@ -171,27 +155,21 @@ class Builder:
 
 @dataclass(frozen=True)
 class Phase:
-    """One step of a bucket's exchange on the communication stream: messages (``table``) or,
-    when ``table`` is None, an owner's optimizer update of ``update_fraction`` of the bucket."""
+    """One step of a bucket's exchange: messages (``table``) or, when ``table`` is None, an
+    owner's optimizer update of ``update_fraction`` of the bucket."""
 
     name: str
     table: RoundTable | None = None
     update_fraction: float = 0.0
     gates: str = STEP
-    # bytes moved per byte of the bucket (or unit): mixed precision's all-gather moves
-    # param_dtype, its reduce-scatter reduce_dtype, of float32 parameters and gradients
-    scale: float = 1.0
+    scale: float = 1.0  # bytes moved per byte of the bucket (mixed precision: 0.5)
 
 
 @dataclass(frozen=True)
 class UnitPhases:
-    """What a strategy that shards parameters per unit (``fsdp``: one unit per layer)
-    communicates around each unit's compute, instead of fusion buckets after it (sim.py):
-    ``gather`` before the unit's forward and ``regather`` before its backward (its parameters,
-    all-gathered; ``regather`` empty when they stay gathered from forward to backward), each
-    issued ``prefetch`` units ahead so that it overlaps the compute of the units before it;
-    ``reduce`` after the unit's backward (its gradients, reduce-scattered), overlapping the
-    next units' backward. Sizes: the unit's float32 bytes times each phase's ``scale``."""
+    """What a per-unit sharding strategy (``fsdp``) communicates around each unit's compute
+    (sim.py): ``gather`` before forward, ``regather`` before backward (empty: kept), each
+    ``prefetch`` units ahead; ``reduce`` after backward. Sizes: float32 bytes x ``scale``."""
 
     gather: list[Phase]
     regather: list[Phase]
@@ -207,11 +185,9 @@ class UnitPhases:
 def ring_rounds(
     world: int, reduce: bool = True, gather: bool = True, grad: bool = True, backend: bool = False
 ) -> RoundTable:
-    """Ring reduce-scatter (p-1 steps) then all-gather (p-1 steps): in every step each rank
-    sends 1/p of the bucket to rank+1 while receiving 1/p from rank-1 (F14). ``grad`` False:
-    the all-gather carries parameters (exact); True: the owners' encoded chunks (FORWARD).
-    ``backend``: the backend's own allreduce, whose adds the link's calibration includes (not
-    ``summed``); else phalanx's point-to-point ring, which adds each arriving chunk itself."""
+    """Ring reduce-scatter then all-gather, p-1 steps each of 1/p to rank+1 (F14). ``grad``
+    False: the all-gather carries parameters (else the owners' encoded chunks, FORWARD);
+    ``backend``: the backend's allreduce (not ``summed``), else phalanx's ring."""
     b = Builder()
     ranks = np.arange(world)
     if reduce:
@@ -224,11 +200,8 @@ def ring_rounds(
 
 @functools.lru_cache(maxsize=64)
 def cyclic_rounds(world: int, send_back: bool) -> RoundTable:
-    """The cyclic schedule above as arrays: p-1 half-duplex cycles in which floor(p/2)
-    partitions each hop one rank; reduce, or the send-back of parameters. Cycle k moves
-    partition m from (2m+k+1) to (2m+k+2) mod p (send-back: (2m+k) to (2m+k+1)); the same
-    transfers as ``reduce_cycles``/``broadcast_cycles`` (a unit test compares them), built
-    without one object per transfer."""
+    """``reduce_cycles`` (or ``broadcast_cycles`` with ``send_back``) as arrays, built without
+    one object per transfer (a unit test compares them)."""
     b = Builder()
     parts = np.arange(num_partitions(world))
     for k in range(world - 1):
@@ -238,48 +211,27 @@ def cyclic_rounds(world: int, send_back: bool) -> RoundTable:
 
 
 class MessageSchedule(ABC):
-    """A strategy's messages per bucket, for the planner's simulator (planner/sim.py), built by
-    the strategy class (``Strategy.Messages``) with its options; its work comes in phases run
-    one after another on the communication stream:
-      Phase 1 (``bucket_phases``): as soon as the bucket is launched during backward: the
-        allreduce, the reduce to the owners, or the push / server update / pull of a parameter
-        server. Each phase says whether the step waits for it (``gates = STEP``) or only the
-        next forward of the bucket's layers (``gates = FORWARD_PASS``: the pull of ``ps``).
-      Phase 2 (``optimizer_fraction``): after backward and every STEP phase, the optimizer runs
-        on the compute stream over this fraction of the gradients (1: replicated; 1/owners).
-      Phase 3 (``return_phases``): owners send the updated parameters back, bucket after bucket
-        in forward order, while the next forward runs (``gates = FORWARD_PASS``, each layer
-        waits for its own bucket), or before it starts (``gates = STEP``).
-    A strategy that shards the parameters themselves (``fsdp``) has no buckets: its
-    ``unit_phases`` say what it communicates around each unit's compute.
+    """A strategy's messages per bucket for the planner's simulator (planner/sim.py), built by
+    ``Strategy.Messages`` with its options; phases run one after another on the comm stream:
+      Phase 1 (``bucket_phases``): at launch; each gates the step (STEP) or the next forward.
+      Phase 2 (``optimizer_fraction``): the optimizer over this fraction, after every STEP phase.
+      Phase 3 (``return_phases``): owners send parameters back, overlapping the next forward.
+    Kinds: ``GRAD`` (coded at both ends), ``FORWARD`` (passed on: decoded only), ``PARAM``
+    (exact). ``strategy``: the class (None for models of other systems)."""
 
-    Rounds are in each rank's program order: a rank takes part in the rounds that name it, one
-    after another, and its messages within one round run at the same time. Sizes are fractions
-    of the bucket, and each message has a kind: ``GRAD`` (a gradient, compressed on the wire
-    and coded at both ends), ``FORWARD`` (already compressed, passed on: decoded only) or
-    ``PARAM`` (parameters: always exact). Roles, world checks, refusals and the loss's ride
-    come from the strategy class itself (``strategy``: None for models of other systems)."""
-
-    # whether ``phalanx plan`` sweeps it by default (False: models of other systems)
-    models_strategy = True
-    # what replaces the fusion threshold for a strategy that exchanges per unit (``fsdp``:
-    # one unit per layer); None: buckets formed by the threshold
-    unit_label: str | None = None
+    models_strategy = True  # ``phalanx plan`` sweeps it by default (False: other systems)
+    unit_label: str | None = None  # replaces the fusion threshold (``fsdp``: per layer)
 
     def __init__(self, strategy: Any = None, config: Any = None) -> None:
         self.strategy, self.config = strategy, config
 
     @property
     def agrees_before_backward(self) -> bool:
-        """The strategy updates while gradients arrive, so the Engine's non-finite guard agrees
-        on every rank's loss first, in one 1-element allreduce between the last forward and its
-        backward: a synchronisation of the compute stream."""
+        """The guard agrees on the loss before backward (a 1-element allreduce, a sync)."""
         return bool(self.strategy and self.strategy.updates_during_exchange)
 
     def loss_rides(self, codec: WireCodec) -> bool:
-        """Whether the Engine's global loss travels in a message the step makes anyway (the
-        verdict's all-reduce; the last bucket where whole buckets are summed uncompressed);
-        False: its own 1-element all-reduce runs beside backward."""
+        """Whether the global loss rides in a message the step makes anyway (else its own)."""
         s = self.strategy
         return bool(s) and (
             s.verdict_all_reduces or s.sums_whole_buckets(self.config, CODECS.get(codec.name)())
@@ -317,16 +269,13 @@ class MessageSchedule(ABC):
     def unit_phases(
         self, world: int, reduce_scatter_all_reduces: bool = False
     ) -> UnitPhases | None:
-        """A strategy that shards parameters per unit (one layer's parameters): what it
-        communicates around each unit's compute instead of ``bucket_phases``. None: buckets."""
+        """Per-unit communication instead of ``bucket_phases`` (None: buckets)."""
         del world, reduce_scatter_all_reduces
         return None
 
     def on_thread(self, codec: WireCodec, last: bool) -> bool:
-        """Whether a bucket's exchange (``last``: the step's last bucket) and the send-back run
-        as jobs on phalanx's communication thread, handed over from the compute thread: each
-        hand-over to a sleeping thread, and each wait that ends with such a job, costs the
-        cluster's ``handoff_s``. True for phalanx's point-to-point strategies."""
+        """Whether a bucket's exchange and send-back run on the communication thread (each
+        hand-over costs the cluster's ``handoff_s``)."""
         del codec, last
         return True
 
@@ -337,11 +286,9 @@ class MessageSchedule(ABC):
 # -- compression on the wire ---------------------------------------------------------------------
 @dataclass(frozen=True)
 class WireCodec:
-    """What a codec does to a message of each kind: the wire's bytes per uncompressed byte, the
-    bytes added per message, and the coding work in units of ``codec_s_per_byte`` per
-    uncompressed byte (1: encode and decode; 0.5: decode only). ``separate_add``: a summed
-    message's add costs ``ClusterConfig.add_s_per_byte`` on top (no codec: the receiver adds
-    the raw message); a codec's ``codec_s_per_byte`` already includes its decode-and-add."""
+    """What a codec does to a message of each kind: wire bytes per byte, bytes per message,
+    coding work in ``codec_s_per_byte`` units (1: encode and decode; 0.5: decode only);
+    ``separate_add``: an add costs ``ClusterConfig.add_s_per_byte`` on top (no codec)."""
 
     name: str
     ratio: tuple[float, float, float] = (1.0, 1.0, 1.0)  # by kind: GRAD, FORWARD, PARAM
