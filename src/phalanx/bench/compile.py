@@ -1,16 +1,5 @@
 """``phalanx bench compile``: ``[train] compile`` off and on, measured on whole ``phalanx train``
-processes of one run config (by default the GPT config, configs/gpt_pipeline.toml, on its two
-pipeline processes), as a user runs them.
-
-Every process is the same invocation (``--nproc``, the config, ``--set`` items) but for
-``train.compile``; ``rounds`` rounds run both, the order alternating (round 0: off first).
-Per process: the median step time over the steps after ``warmup`` (``metrics.jsonl``: the
-first step is where torch compiles), the first step's time, the compile time the run reports
-(``summary.json``'s ``compile_s``: rank 0's, from torch's compile callbacks) and the final
-validation loss. Reported: medians over rounds, the median of the per-round step-time ratios
-(off / on: above 1 means compiled steps are faster) and the steps after which compiling has paid
-for itself (compile time / the step time saved).
-"""
+processes of one run config, as a user runs them. Method: docs/bench-methods.md, "compile"."""
 
 from __future__ import annotations
 

@@ -1,39 +1,5 @@
-"""``phalanx bench data``: phalanx's Pipeline vs torch's DataLoader, same work, same CPU budget.
-
-Method (docs/benchmarks.md). Everything runs in one invocation, in this process (the world of
-one; DataLoader forks its worker processes, the process-pool Pipeline spawns its own).
-
-Data: the 1797 scikit-learn digits upscaled (bilinear) to 3 x S x S uint8 images (S =
-``image_size``, 64) with their labels, packed into a record store in a temporary directory, so
-every contender reads shards from disk (through the page cache) via ``RecordStore``.
-
-Preprocessing: random C x C crop (C = ``crop``, 56), random horizontal flip, scale to [0, 1]
-and normalise per channel -> float32 (3, C, C); the same operations in two forms:
-``augment_sample`` (one sample, what a torch Dataset's ``__getitem__`` does) and
-``augment_batch`` (crops copied per sample, the arithmetic over the whole batch).
-
-Throughput contenders, each with ``workers`` (2) CPU workers feeding one consumer that only
-receives batches of ``batch_size``:
-  - ``dataloader``: ``DataLoader(num_workers=2, shuffle)``, per-sample transform, default
-    collate (the common idiom);
-  - ``dataloader-batched``: ``DataLoader(num_workers=2)`` over a ``BatchSampler``, the
-    per-batch transform;
-  - ``pipeline``: ``Pipeline(workers=2 threads, io_threads=1, buffers=3)``, per-batch transform;
-  - ``pipeline-per-sample``: the same Pipeline with the per-sample transform (in a loop);
-  - ``pipeline-process``: ``Pipeline(pool="process", workers=2)``, the per-sample transform.
-After a warm-up, ``rounds`` rounds run every contender once, in an order rotated each round;
-a contender starts each block from an empty prefetch (DataLoader: a new iterator over its
-persistent workers; Pipeline: ``load_state_dict``, which drops prepared batches) and delivers
-``batches`` batches, timed with ``perf_counter``; after each block the machine settles for
-``settle_s`` so leftover prefetching does not run into the next contender's block. Reported:
-samples/s per round, medians, and the median of per-round ratios.
-
-Training: the Engine (world of one) trains (a) a small CNN on the preprocessed 3 x C x C
-images and (b) the digits CNN on the in-memory 8 x 8 digits without preprocessing (the path of
-``phalanx train``), fed by ``pipeline`` and by a DataLoader, alternating per round. Per step:
-input wait = time blocked getting the batch; step time = wait + ``Engine.step``. The first
-``warmup`` steps of each block (pipeline fill) are not counted.
-"""
+"""``phalanx bench data``: phalanx's Pipeline vs torch's DataLoader, same work, same CPU budget,
+all in this process. Method: docs/bench-methods.md, "data"."""
 
 from __future__ import annotations
 

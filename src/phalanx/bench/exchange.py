@@ -1,20 +1,8 @@
 """``phalanx bench exchange``: one process vs torch DDP vs the phalanx Engine, in one run.
 
-Method (docs/benchmarks.md): ``nproc`` worker processes are spawned once (Gloo, one intra-op
-thread each). For each model every contender gets warm-up steps, then ``rounds`` rounds run the
-contenders one after another, each for ``steps`` steps on the same per-process batch:
-  - ``single``: rank 0 trains its own local copy (forward, backward, SGD step, no exchange) while
-    the other ranks wait at a barrier;
-  - ``ddp``: ``torch.nn.parallel.DistributedDataParallel`` with its defaults, on every rank;
-  - ``phalanx``: ``phalanx.Engine`` (exchange="allreduce", bucket_mb=25), on every rank.
-Each block is timed with ``perf_counter`` on rank 0 between two barriers. Per round, samples/s is
-``batch * steps / t`` for ``single`` and ``batch * nproc * steps / t`` for parallel contenders.
-Reported: medians over rounds, scaling efficiency ``sps(parallel) / (nproc * sps(single))``, the
-median of the per-round ratios to DDP, and the Engine's per-step stats (exposed exchange, bytes).
-
 Contenders are built by name from ``ContenderSpec``s (kind + options), so new axes (strategies,
-compression, bucket sizes) are more specs, not new code paths.
-"""
+compression, bucket sizes) are more specs, not new code paths. Method: docs/bench-methods.md,
+"exchange"."""
 
 from __future__ import annotations
 

@@ -1,26 +1,6 @@
 """``phalanx bench fsdp``: phalanx's ``fsdp`` against torch's own FSDP2 in a hand-written loop,
-against DDP, and against ``partitioned`` and ``allreduce``, on one user script
-(``--model``, phalanx.bench.fsdp_scripts: ``gpt``, ``resnet``, ``lora``, ``mlp``) in one
-invocation.
-
-Contenders (``--contenders``), each with its own copy of the same initial model, in the same
-``nproc`` ranks:
-  - ``fsdp2``: ``fully_shard`` on each of the script's units (its block class; each top-level
-    child with parameters where it names none), then on the model; the loop a user writes
-    (zero_grad, loss.backward, the script's clipping, step);
-  - ``ddp``: ``DistributedDataParallel`` and the same loop;
-  - ``fsdp``: ``Engine(model, loss, optimizer, exchange="fsdp")``: for ``gpt`` with
-    ``units = ["TransformerEncoderLayer"]`` (FSDP2's units), elsewhere the default wrapping;
-  - ``partitioned``, ``allreduce``, ``tree``, ``ps``: the Engine with those strategies (with
-    ``--model mlp``: the cost of a small step against DDP, issue 44).
-After ``warmup`` steps each, ``rounds`` rounds run the contenders one after another (the order
-rotates each round), ``steps`` steps each, timed between barriers (the slowest rank's time).
-Per contender and rank: the bytes it holds (parameters, gradients and optimizer state, counted
-from the tensors: this rank's shards where sharded), and its steps' peak above what was held
-before them (``memory.measure.StepPeak``: the CUDA allocator's, or the resident set's on a CPU).
-Reported: median step time; the median per-round ratio to ``fsdp2`` (its time / theirs) and
-to ``ddp`` (their time / its: the cost of a contender over DDP); the largest rank's bytes.
-"""
+against DDP, and against ``partitioned`` and ``allreduce``, on one user script (``--model``,
+phalanx.bench.fsdp_scripts) in one invocation. Method: docs/bench-methods.md, "fsdp"."""
 
 from __future__ import annotations
 

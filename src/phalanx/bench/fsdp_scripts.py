@@ -1,16 +1,6 @@
-"""The training scripts ``phalanx bench fsdp`` runs (``--model``), each as a user writes it:
-its model, its optimizer, its batches and its loss.
-
-  - ``gpt``: ``bench port``'s GPT (its own loss, tied embeddings, AdamW decay / no-decay
-    groups, clipping at 1.0, the learning rate set every step);
-  - ``resnet``: ``bench strategy-memory``'s ResNet-18 written out by hand (torchvision's
-    layout: 7x7 stem, 4 stages of 2 basic blocks with BatchNorm) with 1000 classes (11.7 M
-    parameters) on ``image_size`` images, SGD with momentum and weight decay, cross entropy;
-  - ``lora``: a GPT-2-shaped model (pre-norm blocks, fused ``c_attn``, tied head) whose every
-    weight is frozen but rank-8 LoRA adapters on ``c_attn`` (peft's default for GPT-2), AdamW
-    over the adapters, its own loss;
-  - ``mlp``: three Linear layers of ``width``, AdamW, cross entropy (a step of a few ms).
-"""
+"""The training scripts ``phalanx bench fsdp`` runs (``--model``: ``gpt``, ``resnet``, ``lora``,
+``mlp``), each as a user writes it: its model, its optimizer, its batches and its loss
+(docs/bench-methods.md, "fsdp")."""
 
 from __future__ import annotations
 

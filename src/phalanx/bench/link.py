@@ -1,18 +1,5 @@
-"""``phalanx bench link``: the link calibration's sweep and fit, and the threshold it implies.
-
-Method: a ``WorkerPool`` of ``nproc`` workers (Gloo on CPU, one thread each) runs
-``phalanx.exchange.link.calibrate`` ``rounds`` times (each: one warm-up allreduce per size, then
-``repeats`` rounds over the sizes, medians, weighted least squares). Reported: the sweep of the
-round with the median beta (size, median time, fitted time, fit error), alpha and beta of every
-round with their medians, and how long each calibration took.
-
-Then, for each bench model (the digits CNN and the MLP of ``phalanx bench exchange``), worker 0
-alone measures a backward profile (``BackwardRecorder`` fed by post-accumulate-grad hooks, as the
-Engine feeds it; SGD steps on a synthetic batch, the first step discarded) and
-``choose_bucket_bytes`` picks the fusion threshold for ``nproc`` ranks from it and the median
-alpha and beta. The profile is taken while the other workers idle, so E_b is that of an unloaded
-process (two ranks on two cores back-propagate more slowly).
-"""
+"""``phalanx bench link``: the link calibration's sweep and fit, and the threshold it implies for
+each bench model. Method: docs/bench-methods.md, "link"."""
 
 from __future__ import annotations
 

@@ -1,71 +1,7 @@
-"""``phalanx bench memory-layers``: phalanx's memory manager against torch's own tools, on a model
-whose saved activations dominate the peak.
-
-Model: a deep pre-activation ResNet-style conv net at a large batch (``build_layers``): a 3 x 3
-stem convolution, ``blocks`` residual blocks (BatchNorm, ReLU, conv, BatchNorm, ReLU, conv, plus
-the input) of ``channels`` channels at ``image_size`` x ``image_size``, and a head (average
-pool, Linear to 10 classes); SGD with momentum. Each block saves four activation tensors of
-batch x channels x size x size floats (BatchNorm's input, two ReLU outputs the convolutions also
-save, the second BatchNorm's input), while parameters, gradients and optimizer state are a few
-hundred KiB: the saved activations are almost the whole peak.
-
-Variants, each one plain training loop (forward, backward, optimizer step) around the same model:
-  - ``none``: nothing managed;
-  - ``checkpoint``: every layer of the nn.Sequential (stem, each block, head) under
-    ``torch.utils.checkpoint`` (``use_reentrant=False``): full recomputation;
-  - ``save_on_cpu``: forward and backward under ``torch.autograd.graph.save_on_cpu``. It moves
-    saved tensors to *host* memory; on a CPU-only machine (``pin_memory=False``) they already are
-    there (``tensor.cpu()`` returns the tensor itself), so it can't lower the peak: the honest
-    result of torch's offload tool on this machine. With ``--device cuda`` it runs with
-    ``pin_memory=True`` and really moves them off the device;
-  - ``phalanx@F``: ``MemoryManager.build(layers, MemoryConfig(budget_mb=F x U))`` with the
-    manager's ``step()`` around forward and backward, where U is the planner's own predicted
-    unmanaged peak (parameters, gradients, optimizer state and every saved activation, from its
-    profile of the model; computed once, in round 0's ``none`` process, after its measurement).
-    Offloaded layers go to the spill-file tier (``--spill-dir``, default the temp directory);
-    with ``--device cuda`` to pinned host memory (the manager's tier for a CUDA device).
-
-Method: every measurement is a fresh process (``run_ranks`` with one rank, one intra-op thread)
-started with ``MALLOC_MMAP_THRESHOLD_`` low (``allocator_env()``, put in this process's
-environment around the spawn: glibc reads it when a process starts, ``run_ranks(env=...)`` sets it
-too late), so every block from 64 KiB up is its own mapping, returned to the kernel when freed.
-In each process: build the model and the variant (phalanx: the manager's profile and plan), then
-  1. peak: one step (it creates the optimizer state, which stays), ``gc.collect()``,
-     ``malloc_trim``; baseline = the RSS now (interpreter, torch, model, optimizer state, the batch,
-     phalanx's tier and staging buffer; gradients are freed by ``zero_grad``); ``reset_peak()``
-     (the kernel's high-water mark restarts from the RSS now); ``peak_steps`` steps; peak = VmHWM
-     - baseline: the most memory a step adds above what the process holds between steps;
-  2. time: glibc switched (``mallopt``) to keep freed memory in its heap for reuse, never trimmed
-     (``_Allocator.reuse``: as a caching allocator does; mapping and zeroing fresh pages for every
-     tensor makes steps ~2.5x slower, glibc's default re-faults part of them each step),
-     ``warmup`` steps, then ``steps`` timed steps (``perf_counter``, median; the minor page faults
-     of each are recorded: 0 once warm).
-The plans phalanx makes with either allocator are the same (checked: the offload is predicted to
-hide behind compute either way). ``rounds`` rounds run every variant once, the order rotated by
-one each round (round 0 starts with ``none``, whose process then computes U). Reported per
-variant: median step time and peak over rounds, the median of the per-round ratios to ``none``
-(time and peak) and to ``checkpoint``, phalanx's budget and predicted peak, and the spill file's
-bytes written and read per step (the offloader's stats). Every variant computes the same losses
-(checked: ``same_losses``).
-
-``fresh_processes=False`` (the tests) runs everything in the calling process instead: its heap
-already holds freed memory, so the peaks are rough (reused heap pages are not counted, a heap
-that grows is), and glibc is left in the reuse mode afterwards.
-
-``--device cuda`` (default ``cpu``): the model, the batch and the variant live on the GPU, the
-memory manager is built for the CUDA device (its tier: pinned host memory), and the peak is
-device memory: ``measure.StepPeak``'s CUDA meaning, ``torch.cuda.max_memory_allocated`` over
-the peak steps above ``torch.cuda.memory_allocated`` before them (the JSON's ``peak_of`` says
-which quantity a run's peak is). Step times are read after ``torch.cuda.synchronize()``. The
-allocator modes above and ``MALLOC_MMAP_THRESHOLD_`` are for host memory and are left alone
-(the CPU path is unchanged); in-process runs measure exact device peaks there. Losses on CUDA
-may differ from ``none``'s in the last bits (GPU kernels' summation order is not fixed):
-``losses_agree`` allows a relative ``LOSS_RTOL``, ``same_losses`` stays exact.
-
-Targets (issue 12): at the 50% budget phalanx's step time is at most 1.24x ``none`` (Layrub
-reports +24.1% at -58.2% memory); at every budget phalanx is no slower than full recomputation
-(``checkpoint``), whose peak is compared alongside.
-"""
+"""``phalanx bench memory-layers``: phalanx's memory manager against torch's own tools
+(``torch.utils.checkpoint``, ``save_on_cpu``) on a conv net whose saved activations dominate the
+peak; each measurement a fresh process. Method, variants and targets: docs/bench-methods.md,
+"memory-layers"."""
 
 from __future__ import annotations
 
@@ -128,16 +64,8 @@ class MemoryBenchConfig:
     timeout_s: float = option(600.0, "seconds per measuring process")
 
     def validate(self) -> None:
-        numbers = (
-            "batch_size",
-            "channels",
-            "image_size",
-            "blocks",
-            "rounds",
-            "steps",
-            "peak_steps",
-        )
-        common.at_least(self, 1, *numbers)
+        numbers = ("batch_size", "channels", "image_size", "blocks", "rounds", "steps")
+        common.at_least(self, 1, *numbers, "peak_steps")
         common.at_least(self, 0, "warmup", "threads")
         if not self.budgets:
             raise ConfigError("--budgets: give at least one fraction, e.g. 0.75,0.5,0.3")
@@ -162,8 +90,7 @@ def phalanx_name(fraction: float) -> str:
 
 
 def check_device(device: str) -> None:
-    """``--device``: ``cpu``, or ``cuda`` where torch sees a GPU; otherwise one line naming the
-    fix (shared with ``phalanx bench optimizer``)."""
+    """``--device``: ``cpu``, or ``cuda`` where torch sees a GPU; else one line naming the fix."""
     if device not in DEVICES:
         raise ConfigError(f"--device: {device!r} is not one of {', '.join(DEVICES)}")
     if device == "cuda" and not torch.cuda.is_available():
@@ -176,8 +103,7 @@ def check_device(device: str) -> None:
 
 # -- the model ----------------------------------------------------------------------------------
 class PreActBlock(nn.Module):
-    """x + conv(relu(bn(conv(relu(bn(x)))))): saves four tensors of x's size, none shared with
-    the neighbouring blocks (x itself is saved by this block's first BatchNorm only)."""
+    """x + conv(relu(bn(conv(relu(bn(x)))))): saves four tensors of x's size."""
 
     def __init__(self, channels: int) -> None:
         super().__init__()
@@ -240,12 +166,9 @@ class _Checkpointed(nn.Module):
 def measure_variant(
     cfg: MemoryBenchConfig, variant: str, budget_mb: float = 0.0, probe: bool = False
 ) -> dict[str, Any]:
-    """Build the model and ``variant`` on ``cfg.device``; measure the peak ``cfg.peak_steps``
-    steps add above what is held before them (after one step; the RSS on a CPU, CUDA's
-    allocated bytes on a GPU), then time ``cfg.steps`` steps after ``cfg.warmup`` (module
-    docstring). ``budget_mb``: phalanx's budget. ``probe``: afterwards, also plan with
-    an unbounded budget and return the planner's unmanaged peak (``unmanaged_predicted_bytes``).
-    A budget the planner cannot meet returns ``{"variant", "error"}`` instead of raising."""
+    """Build ``variant`` on ``cfg.device``, measure its step peak, then time it
+    (docs/bench-methods.md). ``probe``: also plan with an unbounded budget and return the
+    planner's unmanaged peak. A budget the planner cannot meet returns {"variant", "error"}."""
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     device = torch.device(cfg.device)
@@ -356,9 +279,8 @@ def measure_variant(
 
 
 def _warm_up(cfg: MemoryBenchConfig, x: torch.Tensor, y: torch.Tensor) -> None:
-    """One step of a throwaway copy of the model: every variant then starts with what a step
-    loads into the process (the modules an optimizer's first step imports, kernel caches), so
-    the plans' "own growth of the process" is the same in every process as in the probe's."""
+    """One step of a throwaway copy: every variant then starts with what a step loads into the
+    process (imports, kernel caches), so the plans' own growth matches the probe's."""
     model = nn.Sequential(*build_layers(cfg)).to(x.device)
     optimizer = _sgd(list(model.parameters()))
     _loss(model(x[:2]), y[:2]).backward()
@@ -384,17 +306,11 @@ def fixed_bytes(cfg: MemoryBenchConfig) -> int:
 class _Allocator:
     """glibc's malloc switched between two modes at run time (``mallopt``; elsewhere a no-op).
 
-    ``measuring``: blocks from 64 KiB up are their own mappings (``measure.MMAP_THRESHOLD``, as
-    ``allocator_env()`` sets at start-up), so a freed tensor leaves the RSS at once and the
-    high-water mark shows a step's true peak; ``trim`` gives the heap's free pages back first
-    (``malloc_trim``). ``reuse``: blocks up to 32 MiB (glibc's largest threshold) come from the
-    heap and freed memory stays there, never trimmed, so after one step a step faults no new
-    page, as with a caching allocator (a GPU's): the times are compute and transfers. glibc's
-    default (dynamic thresholds, trimming) re-faults and zeroes tens of thousands of pages a
-    step here, full recomputation ~150k, which would time the kernel instead.
-
-    ``enabled=False`` (a run on a GPU, whose tensors glibc does not hold): every method is a
-    no-op and ``available`` is False."""
+    ``measuring``: blocks from 64 KiB up are their own mappings, so a freed tensor leaves the RSS
+    at once and the high-water mark shows a step's true peak. ``reuse``: freed memory stays in
+    the heap, never trimmed, so a warm step faults no new page (as a caching allocator): glibc's
+    default re-faults tens of thousands of pages a step, which would time the kernel instead.
+    ``enabled=False`` (a run on a GPU): every method is a no-op."""
 
     REUSE_MMAP, REUSE_TRIM, MEASURING_TRIM = measure.REUSE_MMAP_THRESHOLD, 2**31 - 1, 128 << 10
 
@@ -419,9 +335,8 @@ class _Allocator:
 
 @contextlib.contextmanager
 def _allocator_env(enabled: bool = True) -> Iterator[None]:
-    """``allocator_env()`` in os.environ while the measuring processes are spawned: glibc reads
-    it when a process starts (``run_ranks(env=...)`` sets variables too late for that).
-    ``enabled=False`` (a run on a GPU): the environment is left as it is."""
+    """``allocator_env()`` in os.environ while processes are spawned: glibc reads it at start-up
+    (``run_ranks(env=...)`` is too late). ``enabled=False`` (a GPU run): left as it is."""
     if not enabled:
         yield
         return
@@ -462,8 +377,7 @@ def _run_one(cfg: MemoryBenchConfig, variant: str, budget_mb: float, probe: bool
 
 
 def run_benchmark(cfg: MemoryBenchConfig) -> dict[str, Any]:
-    """Every round runs every variant once (each in a fresh process unless
-    ``cfg.fresh_processes`` is off), in an order rotated per round; returns every number."""
+    """Every round runs every variant once, in an order rotated per round; every number."""
     started = time.perf_counter()
     variants = cfg.variants()
     budgets: dict[str, float] = {}
@@ -498,8 +412,7 @@ def run_benchmark(cfg: MemoryBenchConfig) -> dict[str, Any]:
 
 
 def summarize(result: dict[str, Any], cfg: MemoryBenchConfig) -> dict[str, Any]:
-    """Per variant: medians over rounds, the medians of the per-round ratios to ``none`` and to
-    ``checkpoint``; then the two targets."""
+    """Per variant: medians over rounds and of per-round ratios to none and checkpoint; targets."""
     rounds = result["rounds"]
     summary: dict[str, Any] = {}
     for name in cfg.variants():
@@ -554,8 +467,7 @@ def summarize(result: dict[str, Any], cfg: MemoryBenchConfig) -> dict[str, Any]:
 
 
 def relative_diff(a: float, b: float) -> float:
-    """|a - b| relative to |b| (the plain difference where b is 0; inf where either is NaN or
-    only one is infinite)."""
+    """|a - b| relative to |b| (plain where b is 0; inf where either is NaN or one infinite)."""
     if not (math.isfinite(a) and math.isfinite(b)):
         return 0.0 if a == b else math.inf
     return abs(a - b) / abs(b) if b else abs(a - b)

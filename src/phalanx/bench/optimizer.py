@@ -1,37 +1,6 @@
-"""``phalanx bench optimizer``: the optimizer state in memory vs in the next tier (F19).
-
-A model whose parameters dominate (an MLP of square layers, Adam: its state is twice the
-parameters) trains in three ways, each in a fresh process per round, the order alternating:
-
-- ``device``: the optimizer as torch runs it, state in memory;
-- ``host``: the state in the next tier between steps, streamed through memory chunk by chunk
-  (phalanx.memory.stream), on the same data: ``[memory] optimizer = "stream"``, which is what
-  ``"host"`` means on a CPU-only machine (there the tier is the spill file); the bench names
-  ``stream`` because on CUDA ``"host"`` resolves to ``mirror``;
-- ``mirror``: ``[memory] optimizer = "mirror"``: fp32 masters, state and arithmetic on the
-  host (phalanx.memory.host_mirror); on a CPU-only machine the host is the device, so it
-  holds a second copy of the parameters and saves no memory: what it shows there is the cost of
-  its copies and the overlap of the optimizer (a worker thread) with the next forward.
-
-``--device cuda`` (default ``cpu``): the model, the batch and the optimizer live on the GPU and
-the memory manager is built for the CUDA device. ``host`` then keeps Adam's state in pinned host
-memory between steps (the pinned_host tier), only the chunks being stepped on the GPU, and
-``mirror`` keeps the fp32 masters, the gradient buffers and the state in pinned host memory and
-steps them there: both should lower the device peak by about the state (2x the parameters for
-Adam), at the cost of PCIe copies (``host``: the state twice a step; ``mirror``: gradients out,
-parameters back, overlapped with the next forward).
-
-Measured per process: the peak of a step above what was held before the model existed, over
-steps after the first (which creates the state). On a CPU: the RSS (the process's interpreter
-and torch before the model), with large blocks mapped on their own so frees show (bench
-memory's allocator modes); on CUDA: device memory (``torch.cuda.max_memory_allocated`` above
-``torch.cuda.memory_allocated``, ``measure``'s CUDA meaning; the glibc modes are left alone).
-The JSON's ``peak_of`` says which. Then the median step time over timed steps after a warm-up
-(freed blocks reused; on CUDA read after ``torch.cuda.synchronize()``); the losses (on a CPU
-every variant's must equal ``device``'s exactly; on CUDA ``mirror`` steps Adam on the host, so
-they agree to CPU-vs-GPU rounding: within a relative ``LOSS_RTOL``) and the bytes the tier
-holds. Reported: peaks, their change, step times and their ratio (medians over rounds).
-"""
+"""``phalanx bench optimizer``: the optimizer state in memory vs in the next tier (F19): ``device``,
+``host`` (``stream``) and ``mirror`` on an MLP whose Adam state dominates, fresh processes per
+round. Method: docs/bench-methods.md, "optimizer"."""
 
 from __future__ import annotations
 
@@ -59,8 +28,7 @@ from phalanx.memory.manager import MemoryConfig, MemoryManager
 from phalanx.memory.tiers import TierConfig
 
 VARIANTS = ("device", "host", "mirror")
-# each variant's [memory] optimizer: host is "stream" (state in the tier between steps), which
-# is what "host" resolves to on a CPU-only machine; on CUDA "host" would resolve to "mirror"
+# each variant's [memory] optimizer: on CUDA "host" would resolve to "mirror"
 PLACES = {"host": "stream", "mirror": "mirror"}
 PEAK_OF = {  # what a run's peak_bytes is, per device type (recorded in the JSON)
     "cpu": "rss: the process's VmHWM over the peak steps above its VmRSS before the model",
@@ -102,9 +70,8 @@ def _model(cfg: OptimizerBenchConfig) -> nn.Sequential:
 
 
 def measure_variant(cfg: OptimizerBenchConfig, variant: str) -> dict[str, Any]:
-    """Train ``variant`` in this process on ``cfg.device``: the peak (RSS on a CPU, CUDA's
-    allocated bytes on a GPU) over ``peak_steps`` steps after the first, then the median of
-    ``steps`` timed steps after ``warmup``."""
+    """Train ``variant`` in this process: the peak over ``peak_steps`` steps after the first,
+    then the median of ``steps`` timed steps after ``warmup``."""
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     device = torch.device(cfg.device)
@@ -203,9 +170,8 @@ def run_benchmark(cfg: OptimizerBenchConfig) -> dict[str, Any]:
 
 
 def summarize(rounds: list[dict[str, Any]], device: str = "cpu") -> dict[str, Any]:
-    """Medians over rounds; the losses of each variant against ``device``'s: ``losses_equal``
-    exact, ``losses_agree`` what ``_check`` holds them to (exact on a CPU; on CUDA within a
-    relative ``LOSS_RTOL``: the host mirror's Adam runs on the CPU)."""
+    """Medians over rounds; each variant's losses against ``device``'s: ``losses_equal`` exact,
+    ``losses_agree`` exact on a CPU, on CUDA within ``LOSS_RTOL`` (the mirror steps on the CPU)."""
     variants = [v for v in VARIANTS if v in rounds[0]["variants"]]
     others = [v for v in variants if v != "device"]
     held = "rss" if device == "cpu" else "device"
@@ -226,7 +192,6 @@ def summarize(rounds: list[dict[str, Any]], device: str = "cpu") -> dict[str, An
         return statistics.median(r["variants"][variant][key] for r in rounds)
 
     def ratio(variant: str, key: str) -> float:
-        """Median over rounds of ``variant``'s ``key`` over the device variant's."""
         return statistics.median(
             r["variants"][variant][key] / r["variants"]["device"][key] for r in rounds
         )
@@ -250,7 +215,6 @@ def summarize(rounds: list[dict[str, Any]], device: str = "cpu") -> dict[str, An
 
 
 def _max_rel_diff(rounds: list[dict[str, Any]], variant: str) -> float:
-    """The largest relative difference of ``variant``'s losses from the device variant's."""
     return max(
         (
             relative_diff(a, b)

@@ -1,25 +1,6 @@
-"""``phalanx bench pipeline``: what a pipeline costs, against torch.distributed.pipelining itself.
-
-For each schedule and number of micro-batches M, the same model (a small GPT: embedding, blocks,
-head) with the same split runs two ways in the same processes, alternating after a warm-up:
-phalanx's Engine with ``[parallel] pipeline = P`` and the same stages and schedule written
-directly with torch.distributed.pipelining (PipelineStage + schedule + AdamW). Reported:
-
-- step time and throughput ratio: each side runs blocks of ``steps`` consecutive steps (as in
-  training, where a rank's optimizer step overlaps the next step's start on the others), the
-  blocks alternating; a block's time is the slowest rank's; the ratio is the median over
-  adjacent block pairs;
-- the bubble: 1 - (time a rank spends computing its stages) / step time, averaged over ranks,
-  next to the schedule's theory ((P-1)/(M+P-1) for GPipe and 1F1B; interleaved divides the
-  bubble by V; the zero-bubble schedules' claim: a third of that for interleaved_zb, zero for
-  zbv and dualpipev, when forward, input and weight backward take equal time) and next to
-  (P-1)/(M+P-1) itself for every row;
-- cells a schedule refuses (dualpipev below 2P micro-batches, a class this torch lacks) as
-  rows that say why;
-- parameter memory per rank as a share of the model (about 1/P);
-- the transfer layers: bytes per step and their time, from a ping-pong of one activation
-  between two pipeline ranks times the messages a step sends.
-"""
+"""``phalanx bench pipeline``: what a pipeline costs, against torch.distributed.pipelining itself:
+the same model and split both ways in the same processes, alternating. Method and what is
+reported (bubble vs theory, transfers, memory): docs/bench-methods.md, "pipeline"."""
 
 from __future__ import annotations
 

@@ -1,35 +1,11 @@
-"""``phalanx bench planner``: the planner's predicted step time against measured steps here.
+"""``phalanx bench planner``: the planner's predicted step time against measured steps here (the
+oracle mode: the simulator is fed each run's own measured compute, so the error measures the
+model of the exchange and its overlap; docs/planner.md, "The oracle mode").
 
-For each model (the digits CNN, the 8.4 M-parameter MLP, the char-LSTM), strategy, compression
-and threshold (25 MiB, ``auto``), two processes train with the Engine; after a warm-up (and
-after ``auto`` settled) ``steps`` consecutive steps are timed and traced
-(``phalanx.engine.tracing``): the measured step is the slower rank's mean over them. That block is
-repeated ``blocks`` times per cell, alternating over the cells (every cell once per round, a
-fresh Engine each time), and a cell's error is its median block's: a burst of load from this
-machine's neighbours then spoils one block of several cells instead of one cell. The planner
-predicts each block's steps:
-
-  Phase 1 (calibrate, before every round of blocks): the link's alpha and beta
-    (``exchange.link.calibrate``, the fit ``phalanx bench link`` makes), the mean cost of one
-    message sent from a thread after a pause (``measure_message_s``: the cluster's
-    ``message_overhead_s``), the median latency of a job's hand-over to the communication
-    thread and back (``measure_handoff_s``: the cluster's ``handoff_s``), the fp16 codec's
-    seconds per byte and an uncompressed add's (``measure_add_s_per_byte``: phalanx's
-    point-to-point reductions add what arrives).
-  Phase 2 (measure): the timed steps' mean (the slower rank's), and from the trace of each
-    step, of the rank that computed longest in it (the step's straggler), the compute the
-    simulator needs: forward, backward per bucket (each bucket's gradients, in ready order),
-    the optimizer and the step's time outside its traced phases (the Engine's own work).
-  Phase 3 (predict, after the last round): ``planner.sim.Simulator`` on a one-node cluster
-    built from the rounds' median calibration (``LinkModel.median_of``: one calibration is a
-    moment of this shared VM, whose message costs moved 3x between minutes), with the run's
-    bucket threshold and first bucket, once per timed step of every block: the strategy's
-    message schedule, overlap with backward, the optimizer. The mean simulated step against
-    the measured mean: the error.
-
-The compute inputs come from the run itself, so the error measures the planner's model of the
-exchange and its overlap, not a prediction of compute speed (docs/planner.md).
-"""
+Phases (docs/bench-methods.md, "planner"):
+  Phase 1 (calibrate, before every round of blocks): link, message, hand-over, codec and add costs.
+  Phase 2 (measure): the timed steps' mean, and each step's straggler's traced compute.
+  Phase 3 (predict, after the last round): the simulator on the rounds' median calibration."""
 
 from __future__ import annotations
 

@@ -1,45 +1,12 @@
 """``phalanx bench planner --config A.toml --config B.toml ...``: the planner validated the way
-users use it, before the run (issue 28).
+users use it, before the run (issue 28); nothing from the measured runs feeds the predictions.
 
-For every run config given, with only what a user has before training:
-
-  Phase 1 (calibrate, once): this machine's cached cluster calibration
-    (``planner.calibrate.load_or_calibrate``: what ``phalanx plan CONFIG`` uses with no flags;
-    measured on the first use, then reused).
-  Phase 2 (predict, per config, right before its cells run): a one-process profile of the
-    config (``planner.step.measure_step_profile``, as ``phalanx plan`` takes it) and the
-    compute slow-down probed after it (``planner.calibrate.slowdown_now``), then
-    ``make_plan`` at every world size for every strategy and compression at the config's
-    fusion threshold, the ranks on this one host (``ClusterConfig.on_one_host``: more ranks
-    than cores take turns): the predicted step of each cell.
-  Phase 3 (measure, right after): each cell of the config is one ``phalanx train CONFIG
-    --nproc N --set exchange.strategy=S --set exchange.compress=C`` process, as a user runs
-    it; its measured step is what ``phalanx train --auto-plan`` compares against
-    (``planner.prediction``: the median step of rank 0's ``metrics.jsonl``, the first fifth
-    left out).
-
-Phases 2 and 3 alternate per config, as a user runs ``phalanx plan CONFIG`` and then ``phalanx
-train``: on this shared VM, whose speed moves by 10-30% within an hour, a prediction made half
-an hour before its run would measure the VM's drift, not the planner. ``rounds`` rounds repeat
-both for every config, the configs' and the cells' order reversed every other round; a cell's
-error is the median over rounds of each round's predicted / measured - 1.
-
-World 1 runs the config's own exchange setup only (no exchange happens). A strategy that
-cannot run a compression (fsdp with fp16) is not a cell. The error of a cell is predicted /
-measured - 1. The report splits the configs by the name of the directory they are in
-(``configs/validation/calibration`` and ``configs/validation/held_back``: the model was shaped on
-the first half only) and gives each half's median and worst absolute error, against the
-issue's targets on the held-back half (median <= 10%, worst <= 20%).
-
-The compute slow-down is probed after each config's profile, as ``phalanx plan`` does
-(``planner.calibrate.slowdown_now``: it moves with the host's load). ``--cached-slowdown`` (a
-diagnostic) also predicts every cell with the cached calibration's factor and reports that
-error beside the figures, labelled; it never replaces them.
-
-Nothing here is fed from the measured runs into the predictions: each prediction is made
-before the cells it predicts run (the oracle mode, ``phalanx bench planner`` without
-``--config``, feeds the simulator each run's own measured compute and is a diagnostic only).
-"""
+Phases (docs/bench-methods.md, "planner --config"; docs/planner.md, "Before the run"):
+  Phase 1 (calibrate, once): this machine's cached cluster calibration.
+  Phase 2 (predict, per config, right before its cells): a one-process profile, the slow-down
+    probed after it, ``make_plan`` for every cell.
+  Phase 3 (measure, right after): each cell one ``phalanx train CONFIG --nproc N`` process.
+Phases 2 and 3 alternate per config: this shared VM's speed drifts 10-30% within an hour."""
 
 from __future__ import annotations
 

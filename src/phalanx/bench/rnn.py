@@ -1,22 +1,6 @@
 """``phalanx bench rnn``: character-level LSTM tokens/s on 1 process, torch DDP, the phalanx
-Engine and the WorkerPool flow (F15), in one run.
-
-Method (docs/benchmarks.md): one ``WorkerPool`` of ``nproc`` workers (Gloo on CPU, one intra-op
-thread each) hosts every contender, so all of them run in the same processes on the same data:
-the ``text`` source (Python's own help texts), split into one contiguous block per worker.
-After warm-up, ``rounds`` rounds run the contenders one after another, ``steps`` steps each:
-  - ``single``: worker 0 alone trains a plain local copy (forward, backward, SGD step) through
-    ``pool.run_on(0, ...)``; the other workers idle on their input pipes. Timed in the worker.
-  - ``ddp``: ``DistributedDataParallel`` (defaults) on every worker; timed on rank 0 between
-    two barriers.
-  - ``phalanx``: ``phalanx.Engine`` (allreduce, bucket_mb 25) on every worker; timed the same.
-  - ``pool``: the document's flow: the controller sends one "train one step" call per step to
-    every worker (``PoolTrainer``, the Engine inside); timed in the controller around the calls,
-    so the pipe round trips and pickling are included.
-Each step draws the next batch of the worker's block. tokens/s = batch x seq_len x processes x
-steps / seconds. Reported: medians over rounds, the median of the per-round speed-ups over
-``single`` and of the per-round ratios to ``ddp``, and the Engine's exposed exchange per step.
-"""
+Engine and the WorkerPool flow (F15), all in one pool's processes. Method:
+docs/bench-methods.md, "rnn"."""
 
 from __future__ import annotations
 
@@ -41,7 +25,6 @@ from phalanx.runtime.pool import WorkerPool, current_worker
 
 LR, MOMENTUM = 0.05, 0.9
 CONTENDERS = ("single", "ddp", "phalanx", "pool")
-IN_WORKER = ("ddp", "phalanx")  # timed inside the workers between barriers
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,28 +1,6 @@
 """``phalanx bench memory``: the memory manager measured on whole ``phalanx train`` processes, as
-a user measures them.
-
-For each run config (by default two held-out, activation-dominated models written here: the
-per-token MLP of issue 26 and a 4-block GPT at a batch where activations dominate), every
-variant is one ``phalanx train CONFIG`` process:
-  - ``none``: the config as it is (no ``[memory]``);
-  - ``recompute``: every layer under torch.utils.checkpoint (``memory.recompute`` = all layers):
-    full recomputation, torch's own tool;
-  - ``save_on_cpu``: not run on a CPU device, where the host *is* the device and
-    ``torch.autograd.graph.save_on_cpu`` moves nothing (reported as such; ``phalanx bench
-    memory-layers`` measures it in-process on CUDA and CPU);
-  - ``phalanx@F``: ``memory.budget_mb`` = F x the ``none`` process's measured peak (round 0).
-
-Per process: the peak as the budget means it (docs/memory.md: the resident high-water mark above
-the resident size at the start on a CPU, ``summary.json``'s ``memory_peak_mb``), the same figure
-from outside (``wait4``'s ``ru_maxrss``, what ``/usr/bin/time -f %M`` shows, minus the start the
-run reports), the median step time over the steps after ``warmup`` (``metrics.jsonl``), and the
-plan's predicted peak. ``rounds`` rounds run every variant once, the order rotated by one each
-round (round 0 starts with ``none``). Reported per variant: medians over rounds and the median of
-the per-round ratios to ``none`` and to ``recompute``. Targets (issue 26, unchanged from issue
-12): at the 50% budget phalanx's step time is at most 1.24x ``none``; at every budget phalanx is
-no slower than full recomputation where its peak is not above recomputation's; and every
-budgeted run's measured peak is within its budget.
-"""
+a user measures them: none, full recomputation and budgets of the measured unmanaged peak, with
+the issue's targets. Method: docs/bench-methods.md, "memory"."""
 
 from __future__ import annotations
 

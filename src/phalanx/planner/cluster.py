@@ -1,15 +1,7 @@
-"""The cluster a plan is for: nodes x devices, and the two levels of links between devices.
-
-A ``ClusterConfig`` says how many devices each node holds, how many nodes there are, and what a
-message costs within a node (``intra``) and between nodes (``inter``): alpha seconds of latency
-plus bytes / beta seconds on the wire, per message and direction (the model of
-``phalanx.exchange.link``). Rank r lives on node r // devices_per_node. Where the devices of a
-node share one network card (``shared_nic``), their inter-node messages queue at it.
-
-Sources: a TOML file (``load_cluster``; configs/clusters/*.toml), or the ``link.json`` that
-``phalanx bench link`` / ``LinkModel.save`` writes, for the machine it ran on (``from_link``).
-Every mistake is a one-line ConfigError naming the file and the key.
-"""
+"""The cluster a plan is for: nodes x devices, and the two levels of links between devices
+(alpha + bytes / beta per message and direction; rank r lives on node r // devices_per_node).
+Sources: a TOML file (``load_cluster``) or a ``link.json`` (``from_link``); every mistake is a
+one-line ConfigError naming the file and the key. Keys: docs/planner.md, "Inputs"."""
 
 from __future__ import annotations
 
@@ -190,10 +182,6 @@ class ClusterConfig:
 
     def node_of(self, rank: int) -> int:
         return rank // self.devices_per_node
-
-    def num_nodes(self, num_devices: int) -> int:
-        """Nodes that ``num_devices`` ranks occupy (filled one after another)."""
-        return -(-num_devices // self.devices_per_node)
 
     def link(self, level: str) -> LinkConfig:
         """The link of ``level`` (``INTRA`` or ``INTER``)."""

@@ -1,9 +1,7 @@
-"""The exchanges the planner simulates: phalanx's strategies, each with the message schedule
-its own class states (``Strategy.Messages``, in its module under phalanx.exchange; the
-vocabulary and the wire codecs: phalanx.exchange.messages), and models of other systems
-(``MODELS``), by name in ``SCHEDULES``. Nothing outside the strategies and these registries
-branches on a strategy's or codec's name.
-"""
+"""The exchanges the planner simulates: phalanx's strategies (each with the message schedule its
+own class states, ``Strategy.Messages``) and models of other systems (``MODELS``), by name in
+``SCHEDULES``. Nothing outside the strategies and these registries branches on a strategy's or
+codec's name."""
 
 from __future__ import annotations
 

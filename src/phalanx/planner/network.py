@@ -1,27 +1,11 @@
-"""Messages on links: a discrete-event simulation of one phase's rounds on a cluster.
-
-The model of the wire (docs/planner.md, "The model"):
-  - a message of n bytes between ranks on one node takes alpha + n / beta of the ``intra`` link,
-    between nodes those of the ``inter`` link (rank r is on node r // devices_per_node), plus
-    the cluster's ``message_overhead_s`` (the hosts' software path of one message);
-  - it starts once both ranks have finished their previous rounds (a receive is posted when the
-    receiver gets there, as blocking point-to-point code does) and both ports it needs are
-    free: the sender's outgoing and the receiver's incoming direction of that level. Every rank
-    has its own intra-node ports; inter-node ports are the node's network card when
-    ``shared_nic`` (its devices' messages queue there), the rank's own otherwise;
-  - a port serves one message at a time, in schedule order, for the message's whole duration;
-  - compressed gradient messages carry fewer bytes and pay the codec's work (schedules.py).
-The result is when the last rank finishes: the phase's duration as a collective that every rank
-starts at time 0 (the simulator runs buckets one after another, as a communication stream does).
+"""Messages on links: a discrete-event simulation of one phase's rounds on a cluster (the model of
+the wire, rendezvous and ports: docs/planner.md, "Messages on links").
 
 Phases of ``Network.seconds``:
   Phase 1 (place): each message's level and ports, from the placement of its ranks.
-  Phase 2 (level): rounds that share no rank are grouped into one level (a rank's rounds stay
-    in order), and a level into waves in which no port is used twice (shared NICs serialise).
-  Phase 3 (run): wave by wave, vectorised over messages and over every bucket size asked for,
-    the start and end of each message; a rank's rounds finish at its latest message.
-Both compile phases are cached per (table, placement), so one table serves every bucket size.
-"""
+  Phase 2 (level): rounds sharing no rank into levels, a level into waves without port conflicts.
+  Phase 3 (run): wave by wave, vectorised over messages and bucket sizes, each message's end.
+Both compile phases are cached per (table, placement), so one table serves every bucket size."""
 
 from __future__ import annotations
 
@@ -32,8 +16,6 @@ import numpy as np
 
 from phalanx.exchange.messages import RoundTable, WireCodec
 from phalanx.planner.cluster import INTER, INTRA, ClusterConfig
-
-_SMALL_ROUND = 16  # rounds up to this many messages are levelled in plain Python (faster)
 
 
 @dataclass(frozen=True)

@@ -1,24 +1,10 @@
-"""``phalanx plan``: the predicted step, throughput and speed-up at N devices for every setup.
-
-For each device count N and each strategy x threshold x compression, the simulator (sim.py)
-predicts the steady-state step; from it, samples/s = trainers x batch / step, the speed-up over
-one device running the plain step (no exchange: input, forward, backward, optimizer) and the
-scaling efficiency = speed-up / N. The threshold ``auto`` is what ``bucket_mb = "auto"`` ends
-with: ``choose_bucket_bytes`` proposes a size from the step's backward profile and the link a
-calibration would measure on N ranks of this cluster, then the Engine keeps the fastest of that
-size, 25 MiB and one bucket for the whole model (exchange/autotune.py) -- here the fastest
-predicted.
+"""``phalanx plan``: the predicted step, throughput and speed-up at N devices for every setup
+(strategy x threshold x compression), from the simulator (docs/planner.md, "Reading a plan").
 
 Phases of ``make_plan``:
-  Phase 1: the setups (strategies from the registry, the config's own options for its
-    strategy, the thresholds, the compressions). A strategy that exchanges per unit
-    (``fsdp``: its units are the layers) has no threshold: one setup per compression; a
-    compression a strategy refuses is left out and named in the plan's note.
-  Phase 2: per N, per setup, the simulation; setups the simulation cannot afford (a ``ps``
-    star on hundreds of ranks) or that cannot run on N devices (``ps`` with as many servers)
-    are listed as skipped with the reason.
-  Phase 3: the best setup per N.
-"""
+  Phase 1: the setups; a per-unit strategy (``fsdp``) has no threshold, refused compressions noted.
+  Phase 2: per N, per setup, the simulation; setups it cannot afford or run are listed as skipped.
+  Phase 3: the best setup per N."""
 
 from __future__ import annotations
 
@@ -155,7 +141,7 @@ def make_plan(
     compressions: tuple[str, ...] | list[str] = DEFAULT_COMPRESSIONS,
     max_rounds: int | None = None,
 ) -> Plan:
-    """Simulate every setup at every device count (see the module docstring)."""
+    """Simulate every setup at every device count (Phases 1-3 above)."""
     for n in devices:
         cluster.check_devices(n)
     simulator = Simulator(profile, cluster, max_rounds=max_rounds or MAX_ROUNDS)

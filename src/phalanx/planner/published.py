@@ -1,13 +1,7 @@
-"""Published scaling results, modelled from each paper's own figures, to validate the planner.
-
-Each ``Published`` setup names its cluster (``CLUSTERS``; configs/clusters/<key>.toml holds the
-same numbers), its model (layer by layer from the architecture: ``ARCHITECTURES`` gives each
-layer's parameters and multiply-adds, which spread the gradients and the compute), the
-per-device throughput the paper (or its benchmark suite) reports, the exchange it used, the
-points it reports, every number we had to assume, and the relative error within which the
-prediction is kept (tests/unit/test_planner_published.py). ``python -m
-phalanx.planner.published`` prints the comparison table of docs/planner.md.
-"""
+"""Published scaling results, modelled from each paper's own figures, to validate the planner:
+cluster, model (layer by layer, ``ARCHITECTURES``), per-device throughput, exchange, reported
+points, assumptions and error bounds (tests/unit/test_planner_published.py). ``python -m
+phalanx.planner.published`` prints the table of docs/planner.md."""
 
 from __future__ import annotations
 
@@ -233,7 +227,7 @@ class Reported:
 
 @dataclass(frozen=True)
 class Published:
-    """A published setup modelled from its own figures (see the module docstring)."""
+    """A published setup modelled from its own figures."""
 
     key: str
     title: str

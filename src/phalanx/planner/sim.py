@@ -1,41 +1,16 @@
 """A discrete-event simulation of training steps: compute stream, buckets, communication stream.
+One representative trainer rank is simulated; each bucket's exchange message by message over all
+ranks (``network.Network``). The model in full: docs/planner.md, "The step".
 
-One representative trainer rank is simulated (every trainer runs the same layers on the same
-batch size; the exchange of a bucket is simulated message by message over all ranks by
-``network.Network``, and ends when its last rank finishes). Per step:
-  Phase 1 (input, forward): the input wait the pipeline does not hide, then the layers in forward
-    order; a layer whose parameters are still travelling back from the previous step (owner
-    updates, ``ps`` pulls) waits for them; with a strategy that updates while gradients
-    arrive (``ps``), the non-finite guard's 1-element allreduce follows the forward.
-  Phase 2 (backward): the layers in backward order; a gradient is ready when its layer's
-    backward ends; buckets are formed as the Engine forms them (``plan_buckets`` over the
-    gradients in ready order, the first capped at ``FIRST_BUCKET_BYTES``); a bucket is launched
-    when its last gradient is ready and every earlier bucket was launched (collectives are
-    issued in order).
-  Phase 3 (exchange): the communication stream serves launched buckets one at a time, each
-    bucket's phases (schedules.py) one after another, overlapping the rest of backward; a
-    bucket that is a job of phalanx's communication thread (``Schedule.on_thread``) starts
-    ``handoff_s`` later when that thread was asleep.
-  Phase 4 (wait, optimizer): after backward the step waits for every phase the step needs
-    (``handoff_s`` more to wake up from a wait for the thread's job), then the optimizer runs
-    over the rank's share of the gradients.
-  Phase 5 (send back): owners send the updated buckets back in forward order; the next forward
-    overlaps them (Phase 1 of the next step, waking ``handoff_s`` after a job it waited for),
-    or waits for all of them (``gates = STEP``).
-Strategies that shard parameters per unit (``Schedule.unit_phases``: ``fsdp``) replace
-Phases 2, 3 and 5 (``_Timeline.step_units``): one unit per layer with gradients; before a
-unit's forward its all-gather, issued ``prefetch`` units ahead on the communication stream
-(the compute waits when it is late); before its backward the same again (resharded); after
-its backward its reduce-scatter, overlapping the next units' backward; the step waits for the
-last one, then the optimizer runs on this rank's shard. One communication stream serves all
-of them in the order they are issued.
-Two steps are simulated; the second is the steady state that is reported (its forward meets the
-first step's send-back as every later step would). Its events (and the first step's that
-overlap it) are what trace.py writes.
-
-``predict_step`` is the entry point for a measured run: a BackwardProfile and a LinkModel of one
-node in, the predicted step out.
-"""
+Per step:
+  Phase 1 (input, forward): input wait, layers in forward order, each waiting for its parameters.
+  Phase 2 (backward): layers in backward order; buckets formed and launched as the Engine does.
+  Phase 3 (exchange): the communication stream serves launched buckets, overlapping backward.
+  Phase 4 (wait, optimizer): the step waits for the phases it needs, then the optimizer runs.
+  Phase 5 (send back): owners send updated buckets back, overlapping the next forward.
+Per-unit strategies (``fsdp``) replace Phases 2, 3 and 5 (``_Timeline.step_units``). Two steps
+are simulated; the second (the steady state) is reported. ``predict_step``: a measured run in,
+its predicted step out."""
 
 from __future__ import annotations
 

@@ -1,18 +1,7 @@
-"""The profile of one training step on one device: what the simulator replays.
-
-``StepProfile.layers`` are in backward order (the order gradients become ready): each layer has
-its forward and backward seconds and the bytes of the gradients that are ready when its backward
-ends. Forward runs the layers in the reverse order. Add the optimizer's seconds per gradient
-byte, the batch size, and the input wait the pipeline does not hide.
-
-Sources (each a constructor):
-  - ``from_backward_profile``: phalanx's measured ``BackwardProfile`` (the ``auto`` threshold's
-    gradient-ready times, exchange/threshold.py) plus the forward time, which that profile lacks;
-  - ``from_memory_profile``: ``phalanx profile``'s per-layer times and gradient bytes;
-  - ``synthesize``: published figures (throughput at a batch size, parameter count, layers).
-The JSON form (``to_dict``/``save``/``load``) is what ``phalanx plan --profile`` reads; ``load``
-also accepts the JSON of a MemoryProfile (``phalanx profile --json``) or of a BackwardProfile.
-"""
+"""The profile of one training step on one device: what the simulator replays. ``layers`` are in
+backward order, each with forward and backward seconds and the gradient bytes ready when its
+backward ends. Sources: ``from_backward_profile``, ``from_memory_profile``, ``synthesize``;
+the JSON form is what ``phalanx plan --profile`` reads (docs/planner.md, "Inputs")."""
 
 from __future__ import annotations
 

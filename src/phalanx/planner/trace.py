@@ -1,31 +1,8 @@
-"""Chrome trace JSON of training steps (Perfetto and chrome://tracing read it), and a reader.
-
-One format for simulated steps (``phalanx plan --trace``) and measured ones (the Engine's
-traces), so the two can be opened side by side and summed the same way:
-
-    {"traceEvents": [{"name": "b3 exchange", "cat": "exchange", "ph": "X", "ts": 1234.5,
-                      "dur": 456.7, "pid": 0, "tid": 13, "args": {"bytes": 1048576, ...}},
-                     {"name": "thread_name", "ph": "M", "pid": 0, "tid": 13,
-                      "args": {"name": "exchange b3"}}, ...],
-     "displayTimeUnit": "ms", "otherData": {...}}
-
-``ts`` and ``dur`` are microseconds; ``pid`` is the rank; ``cat`` is the **lane**, one of
-``LANES``:
-  - ``compute``: forward, and backward per bucket ("backward b3": from the previous bucket's
-    last gradient to this bucket's);
-  - ``exchange``: each bucket's exchange from its launch to its completion ("b3 exchange"),
-    and phases that finish later (a ``ps`` pull, a ``partitioned`` send-back);
-  - ``wait``: the compute stream idle, waiting for the exchange after backward ("exchange") or
-    for parameters in forward ("parameters");
-  - ``optimizer``: the update (with ``ps`` also each server's update of a bucket on the
-    communication thread, inside the exchange: "update b3");
-  - ``input``: waiting for the input pipeline.
-Slices on one Chrome track must nest, and exchanges of consecutive buckets overlap without
-nesting, so each lane has one track per bucket where needed: ``tid`` is an integer and a
-``thread_name`` metadata event names the track "<lane>" or "<lane> b<k>". Readers use ``cat``
-(or, when absent, the first word of the track's name) as the lane. ``args`` may hold
-``bytes`` (uncompressed bucket bytes), ``bucket``, ``step`` and phase details.
-"""
+"""Chrome trace JSON of training steps (Perfetto and chrome://tracing read it), and a reader: one
+format, microseconds, ``pid`` the rank, ``cat`` the lane (``LANES``), for simulated steps
+(``phalanx plan --trace``) and measured ones, so both are summed the same way. Slices on one
+track must nest, so a lane has one track per bucket where needed, named by a ``thread_name``
+event. Lanes and slices: docs/planner.md, "Traces"."""
 
 from __future__ import annotations
 
