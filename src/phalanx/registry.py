@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Generic, TypeVar
 
 from phalanx.errors import ConfigError
+from phalanx.fields import ConfigValueError
 
 T = TypeVar("T")
 
@@ -38,6 +39,15 @@ class Registry(Generic[T]):
             raise ConfigError(
                 f"unknown {self.kind} {name!r}; known: {', '.join(sorted(self._entries))}"
             ) from None
+
+    def require_known(
+        self, name: object, key: str, noun: str = "", extra: Sequence[str] = ()
+    ) -> None:
+        """ConfigValueError at config ``key`` unless ``name`` is registered or in ``extra``."""
+        known = [*extra, *self.names()]
+        if name not in known:
+            reason = f"unknown {noun or self.kind} {name!r}; known: {', '.join(known)}"
+            raise ConfigValueError(key, reason)
 
     def names(self) -> list[str]:
         return sorted(self._entries)

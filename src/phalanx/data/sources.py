@@ -16,8 +16,8 @@ SPLIT_SEED = 1234  # the train/validation split never changes with the training 
 
 @dataclass(frozen=True)
 class Dataset:
-    """In-memory split on the CPU: x_* (N, ...) float32 features or (N, T) int64 token ids;
-    y_* (N,) int64 labels or (N, T) int64 next tokens."""
+    """In-memory split on the CPU: x_* (N, ...) float32 or (N, T) int64 token ids; y_* (N,) or
+    (N, T) int64."""
 
     x_train: torch.Tensor
     y_train: torch.Tensor
@@ -45,8 +45,7 @@ class DataConfig:
     buffers: int = option(3, "input pipeline: rotating batch buffers (F3: 2, F10: 3)")
 
     def __post_init__(self) -> None:
-        known = ", ".join(SOURCES.names())
-        require(self.source in SOURCES, "source", f"unknown source {self.source!r}; known: {known}")
+        SOURCES.require_known(self.source, "source", "source")
         require(self.batch_size >= 1, "batch_size", f"must be >= 1, got {self.batch_size}")
         require(self.seq_len >= 1, "seq_len", f"must be >= 1, got {self.seq_len}")
         for key in ("io_threads", "workers", "buffers"):
@@ -77,9 +76,8 @@ def digits(config: DataConfig) -> Dataset:
 
 
 def digits_arrays() -> tuple[np.ndarray, np.ndarray]:
-    """(images (1797, 8, 8) float64 in 0..16, labels (1797,)): scikit-learn's digits, read
-    from the file its package ships (what ``load_digits`` reads) without importing
-    scikit-learn, which costs about 2 s in every process that trains on digits."""
+    """(images (1797, 8, 8) float64 in 0..16, labels (1797,)) from sklearn's shipped file,
+    without importing sklearn (about 2 s in every process that trains on digits)."""
     import importlib.util
 
     spec = importlib.util.find_spec("sklearn")
@@ -108,10 +106,8 @@ def encode_text(text: str) -> np.ndarray:
 
 @SOURCES.register("text")
 def text(config: DataConfig) -> Dataset:
-    """Character-level language modelling on the English help texts that ship with Python
-    (``pydoc_data.topics``, ~460 KB; topics in sorted order). The text is cut into
-    non-overlapping windows of seq_len + 1 characters: inputs x (N, seq_len) int64 are a
-    window's first seq_len ids, targets y (N, seq_len) int64 the same shifted by one."""
+    """Characters of Python's help texts (``pydoc_data.topics``, sorted) in windows of
+    seq_len + 1: x (N, seq_len) int64 the first seq_len ids, y the same shifted by one."""
     from pydoc_data.topics import topics
 
     ids = encode_text("\n\n".join(topics[key] for key in sorted(topics)))

@@ -157,9 +157,7 @@ class TierConfig:
     staging_mb: float = option(8.0, "spill_file: aligned staging buffer for direct writes, MiB")
 
     def __post_init__(self) -> None:
-        known = ["auto", *TIERS.names()]
-        reason = f"unknown tier {self.name!r}; known: {', '.join(known)}"
-        require(self.name in known, "name", reason)
+        TIERS.require_known(self.name, "name", "tier", extra=["auto"])
         require_choice(self.direct_io, "direct_io", DIRECT_IO)
         require(self.staging_mb > 0, "staging_mb", f"must be > 0, got {self.staging_mb}")
 

@@ -1,5 +1,4 @@
-"""The ``[model]`` config: a built-in model by name, or a list of layer tables (F6); and the
-module it describes. Above both the layer registry and the model zoo, which it consults."""
+"""The ``[model]`` config (F6): a built-in model by name or a list of layer tables."""
 
 from __future__ import annotations
 
@@ -25,8 +24,7 @@ class ModelConfig:
         one = bool(self.name) != bool(self.layers)
         require(one, "name", "give exactly one of model.name or model.layers")
         if self.name:
-            reason = f"unknown model {self.name!r}; known: {', '.join(MODELS.names())}"
-            require(self.name in MODELS, "name", reason)
+            MODELS.require_known(self.name, "name")
             _check_arguments(MODELS.get(self.name), self.options, "options")
         require(not (self.layers and self.options), "options", "only used with model.name")
         for i, spec in enumerate(self.layers):

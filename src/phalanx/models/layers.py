@@ -1,14 +1,5 @@
-"""Model config (F6, first half): a registry of layer types assembled in order into a network.
-
-A config lists layers as tables, each with a ``type`` and that torch layer's constructor
-arguments; arguments are checked against the constructor's signature when the config loads.
-
-    [[model.layers]]
-    type = "conv2d"
-    in_channels = 1
-    out_channels = 32
-    kernel_size = 3
-"""
+"""Layer types by name (F6), assembled in order into a network; a ``[[model.layers]]`` table's
+arguments are checked against the constructor's signature when the config loads."""
 
 from __future__ import annotations
 
@@ -77,8 +68,7 @@ for _name, _cls in {
 def _check_layer(spec: dict, key: str) -> None:
     layer_type = spec.get("type")
     require(isinstance(layer_type, str), f"{key}.type", "missing layer type")
-    reason = f"unknown layer type {layer_type!r}; known: {', '.join(LAYERS.names())}"
-    require(layer_type in LAYERS, f"{key}.type", reason)
+    LAYERS.require_known(layer_type, f"{key}.type")
     _check_arguments(LAYERS.get(cast(str, layer_type)), layer_arguments(spec), key)
 
 
@@ -104,8 +94,7 @@ def _check_arguments(factory: Callable[..., Any], args: dict, key: str) -> None:
 
 
 def _try_build(cls: type, args: dict, key: str) -> None:
-    """Construct the layer on the meta device (no memory): wrong types and values fail here,
-    at config load, instead of in the middle of building the model."""
+    """Construct on the meta device: bad arguments fail at config load, not mid-build."""
     try:
         with torch.device("meta"):
             cls(**args)
@@ -118,22 +107,20 @@ NOT_ARGUMENTS = ("type", "stage")  # keys of a layer table that are not construc
 
 
 def layer_arguments(spec: dict) -> dict:
-    """A layer table's constructor arguments (without ``type`` and the pipeline ``stage``)."""
+    """A layer table's constructor arguments."""
     return {k: v for k, v in spec.items() if k not in NOT_ARGUMENTS}
 
 
 def build_layers(layers: list[dict]) -> nn.Sequential:
     """An ``nn.Sequential`` of the configured layers, in order."""
-    modules = [LAYERS.get(spec["type"])(**layer_arguments(spec)) for spec in layers]
-    return nn.Sequential(*modules)
+    return nn.Sequential(*(LAYERS.get(s["type"])(**layer_arguments(s)) for s in layers))
 
 
 def run_layers(
     model: nn.Module, layers: list[dict], inputs: torch.Tensor
 ) -> tuple[Any, ConfigError | None]:
-    """``inputs`` through ``model`` (``build_layers(layers)``; another model whole) one layer at
-    a time, in eval mode without gradients: (the output, None), or (None, the one-line error
-    naming the first layer that raises, its input's shape and the fix)."""
+    """``inputs`` through ``model`` layer by layer, in eval mode: (output, None), or (None, the
+    error naming the first layer that raises, its input's shape and the fix)."""
     if not isinstance(model, nn.Sequential) or len(model) != len(layers):
         with evaluating(model), torch.no_grad():
             return model(inputs), None

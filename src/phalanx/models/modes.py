@@ -1,9 +1,5 @@
-"""Evaluation that leaves the model's train/eval modes as it found them.
-
-The Engine never sets modes itself (a script may keep a submodule in eval mode, e.g. a frozen
-BatchNorm, as in a plain loop or under DDP), so whatever evaluates in between steps must put
-every submodule back as it was.
-"""
+"""Evaluation that leaves every submodule's train/eval mode as it found it (a script may keep
+a frozen BatchNorm in eval mode; the Engine never sets modes)."""
 
 from __future__ import annotations
 

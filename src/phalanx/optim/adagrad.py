@@ -1,8 +1,5 @@
-"""AdaGrad in the documents' form (F5): ``lr_i = lr / sqrt(rho + sum_t g_i^2)``.
-
-Unlike ``torch.optim.Adagrad`` (which adds eps *outside* the square root), ``rho`` sits inside
-it, as the source document writes it. Vectorised with foreach ops over all tensors of a group;
-works the same on whole parameters and on the flat shards that partition owners update.
+"""AdaGrad in the documents' form (F5): ``lr_i = lr / sqrt(rho + sum_t g_i^2)``, ``rho``
+inside the root (torch's Adagrad adds eps outside); foreach ops, whole parameters or flat shards.
 """
 
 from __future__ import annotations

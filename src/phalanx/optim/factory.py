@@ -28,36 +28,23 @@ class OptimizerConfig:
     rho: float = option(1e-8, "AdaGrad: lr_i = lr / sqrt(rho + sum of squared gradients_i)")
 
     def __post_init__(self) -> None:
-        known = ", ".join(OPTIMIZERS.names())
-        require(self.name in OPTIMIZERS, "name", f"unknown optimizer {self.name!r}; known: {known}")
+        OPTIMIZERS.require_known(self.name, "name")
         require(0 < self.lr < math.inf, "lr", f"must be finite and > 0, got {self.lr}")
         require(0 <= self.momentum < 1, "momentum", f"must be in [0, 1), got {self.momentum}")
         require(self.rho > 0, "rho", f"must be > 0, got {self.rho}")
         require(self.weight_decay >= 0, "weight_decay", f"must be >= 0, got {self.weight_decay}")
 
 
-@OPTIMIZERS.register("sgd")
-def _sgd(config: OptimizerConfig) -> Factory:
-    return functools.partial(
-        torch.optim.SGD, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay
-    )
+def _partial(cls: Callable[..., torch.optim.Optimizer], *keys: str) -> Callable[..., Factory]:
+    """A registered factory: ``cls`` with lr, weight_decay and ``keys`` from the config."""
+    names = ("lr", *keys, "weight_decay")
+    return lambda config: functools.partial(cls, **{k: getattr(config, k) for k in names})
 
 
-@OPTIMIZERS.register("adam")
-def _adam(config: OptimizerConfig) -> Factory:
-    return functools.partial(torch.optim.Adam, lr=config.lr, weight_decay=config.weight_decay)
-
-
-@OPTIMIZERS.register("adagrad")
-def _adagrad(config: OptimizerConfig) -> Factory:
-    return functools.partial(
-        AdaGrad, lr=config.lr, rho=config.rho, weight_decay=config.weight_decay
-    )
-
-
-@OPTIMIZERS.register("adamw")
-def _adamw(config: OptimizerConfig) -> Factory:
-    return functools.partial(torch.optim.AdamW, lr=config.lr, weight_decay=config.weight_decay)
+_TABLE = (("sgd", torch.optim.SGD, ("momentum",)), ("adam", torch.optim.Adam, ()),
+          ("adagrad", AdaGrad, ("rho",)), ("adamw", torch.optim.AdamW, ()))  # fmt: skip
+for _name, _cls, _keys in _TABLE:
+    OPTIMIZERS.register(_name)(_partial(_cls, *_keys))
 
 
 def make_optimizer_factory(config: OptimizerConfig) -> Factory:

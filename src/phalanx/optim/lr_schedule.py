@@ -33,9 +33,7 @@ class SchedulerConfig:
     max_lr: float = option(0.0, "onecycle: the peak learning rate (0: optimizer.lr)")
 
     def __post_init__(self) -> None:
-        known = ["none", *SCHEDULES.names()]
-        reason = f"unknown schedule {self.name!r}; known: {', '.join(known)}"
-        require(self.name in known, "name", reason)
+        SCHEDULES.require_known(self.name, "name", "schedule", extra=["none"])
         require(self.warmup_steps >= 0, "warmup_steps", f"must be >= 0, got {self.warmup_steps}")
         start = self.warmup_start
         require(0 < start <= 1, "warmup_start", f"must be in (0, 1], got {start}")

@@ -1,9 +1,5 @@
-"""The user's optimizer state in torch's own format, whatever the strategy.
-
-Under ``partitioned`` and ``ps`` the user's optimizer steps this rank's flat shards, so the
-Engine converts between torch's format (parameters numbered through the groups in their own
-order) and the *canonical* one (``Strategy.optimizer_state_dict``: keyed by each parameter's
-index in the Engine's trainable parameters); per-parameter values are unchanged.
+"""The user's optimizer state in torch's own format, whatever the strategy: converted to and
+from the canonical form (keyed by trainable index), since ``partitioned`` and ``ps`` step shards.
 """
 
 from __future__ import annotations
@@ -21,8 +17,7 @@ FROZEN = -1
 
 
 def user_order(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter]) -> Order:
-    """The user's numbering of ``params`` (the Engine's trainable parameters), taken from the
-    optimizer's groups before a strategy points them elsewhere."""
+    """The user's numbering of ``params``, taken before a strategy repoints the groups."""
     index = {id(p): i for i, p in enumerate(params)}
     return [[index.get(id(p), FROZEN) for p in g["params"]] for g in optimizer.param_groups]
 
@@ -52,9 +47,7 @@ def to_torch_format(canonical: dict[str, Any], order: Order) -> dict[str, Any]:
 
 
 def from_torch_format(state_dict: Any, order: Order) -> dict[str, Any]:
-    """Torch's format (``Engine.optimizer_state_dict``, or ``state_dict()`` of the same
-    optimizer in one process) -> canonical; CheckpointError in one line if it does not fit the
-    user's groups."""
+    """Torch's format -> canonical; CheckpointError if it does not fit the user's groups."""
     if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= set(state_dict):
         raise CheckpointError(
             "load_optimizer_state_dict: expected an optimizer state dict ('state', "
@@ -80,8 +73,7 @@ def _with_params(group: dict[str, Any], params: list[int]) -> dict[str, Any]:
 
 
 class DirectStateRefused:
-    """Stands in for ``optimizer.state_dict`` / ``load_state_dict`` while a strategy steps the
-    optimizer over this rank's shards (they would be silently wrong for a checkpoint)."""
+    """Replaces ``optimizer.(load_)state_dict`` over shards (silently wrong for a checkpoint)."""
 
     def __init__(self, method: str, strategy: str) -> None:
         self.method, self.strategy = method, strategy
@@ -100,8 +92,7 @@ class DirectStateRefused:
 
 
 def refuse_direct_state(optimizer: torch.optim.Optimizer, strategy: str) -> None:
-    """Make the user's optimizer refuse ``state_dict`` / ``load_state_dict`` (instance
-    attributes shadow the methods; phalanx itself calls them through ``load_into``)."""
+    """Shadow the optimizer's state methods (phalanx calls them through ``load_into``)."""
     for method in ("state_dict", "load_state_dict"):
         setattr(optimizer, method, DirectStateRefused(method, strategy))
 
