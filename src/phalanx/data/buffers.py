@@ -1,11 +1,5 @@
-"""Rotating batch buffers (F3, F10): producers fill free buffers, the trainer takes ready ones.
-
-    free --claim()--> filling --publish()--> ready --take(seq)--> held --release()--> free
-
-``claim`` numbers buffers in order and ``take(seq)`` waits for exactly batch ``seq``, so the
-lowest unfinished batch always holds a buffer: the rotation cannot deadlock whatever the
-numbers of producers and buffers. The wait in ``take`` is F3's barrier.
-"""
+"""Rotating batch buffers (F3, F10): free -claim-> filling -publish-> ready -take(seq)-> held
+-release-> free; claimed in batch order, so the rotation cannot deadlock (docs/data.md)."""
 
 from __future__ import annotations
 
@@ -85,7 +79,6 @@ class BatchBuffers:
 
     @property
     def num_ready(self) -> int:
-        """Filled buffers waiting for the consumer (occupancy)."""
         with self._cond:
             return len(self._ready)
 

@@ -1,8 +1,5 @@
-"""The device stage of the input pipeline (F10): ``stage`` in a worker thread after
-preprocessing, ``hand_over`` in the trainer's thread. On CUDA a batch goes through its buffer's
-pinned tensors on a side stream, and the trainer's stream waits on its event (no host sync), so
-batch n+1's copy overlaps batch n's compute; on the CPU both are synchronous.
-"""
+"""The input pipeline's device stage (F10): ``stage`` in a worker, ``hand_over`` in the trainer;
+on CUDA pinned buffers, a side stream and an event (docs/data.md), on the CPU synchronous."""
 
 from __future__ import annotations
 
@@ -103,9 +100,5 @@ def _to(tensor: Any, device: torch.device) -> Any:
 
 def make_device_stage(device: torch.device | str | None) -> HostCopy | CudaCopy:
     """CudaCopy for a CUDA device, HostCopy otherwise (CPU, or None = keep batches on the host)."""
-    if device is None:
-        return HostCopy(None)
-    device = torch.device(device)
-    if device.type == "cuda":
-        return CudaCopy(device)
-    return HostCopy(device)
+    device = None if device is None else torch.device(device)
+    return CudaCopy(device) if device is not None and device.type == "cuda" else HostCopy(device)

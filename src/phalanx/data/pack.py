@@ -1,7 +1,5 @@
-"""Packing data into a record store: a built-in source's split (fields ``x``, ``y``), or a
-directory of ``.npz`` files (N records each) or ``.npy`` files (one record each), as
-docs/data.md describes; files in sorted name order, so packing is reproducible.
-"""
+"""Packing a built-in source's split or a directory of .npz/.npy files into a record store
+(docs/data.md); files in sorted name order, so packing is reproducible."""
 
 from __future__ import annotations
 
@@ -46,10 +44,7 @@ def from_builtin(name: str, split: str) -> Packable:
     data = load_source(config)
     x, y = (data.x_train, data.y_train) if split == "train" else (data.x_val, data.y_val)
     x_np, y_np = x.numpy(), y.numpy()
-    fields = (
-        Field("x", x_np.dtype.str, tuple(x_np.shape[1:])),
-        Field("y", y_np.dtype.str, tuple(y_np.shape[1:])),
-    )
+    fields = tuple(Field(k, a.dtype.str, tuple(a.shape[1:])) for k, a in (("x", x_np), ("y", y_np)))
     meta = {"source": name, "split": split, "num_classes": data.num_classes,
             "val_fraction": config.val_fraction}  # fmt: skip
     return fields, zip(x_np, y_np), meta

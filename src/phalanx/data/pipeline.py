@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from phalanx.data.buffers import BatchBuffers, PipelineClosed, Slot
 from phalanx.data.device_copy import make_device_stage
-from phalanx.data.loader import Position, epoch_order, position_from_state, position_state
+from phalanx.data.loader import GlobalOrder, Position, position_from_state, position_state
 from phalanx.data.readers import Batch, Collate, as_batch, as_reader
 from phalanx.errors import DataError
 from phalanx.fields import require
@@ -27,53 +27,6 @@ from phalanx.registry import Registry
 
 Preprocess = Callable[[Batch, np.random.Generator], Any]
 JOIN_TIMEOUT_S = 30.0  # how long close() waits for a thread still inside user code
-
-
-# -- the global order ----------------------------------------------------------------------------
-class GlobalOrder:
-    """Which samples rank ``r`` gets at (epoch, step): its contiguous slice of the step's global
-    batch in epoch ``e``'s permutation (seeded ``seed + e``), as docs/data.md describes."""
-
-    def __init__(
-        self,
-        num_samples: int,
-        batch_size: int,
-        rank: int,
-        world_size: int,
-        seed: int,
-        shuffle: bool,
-        drop_last: bool,
-    ) -> None:
-        self.num_samples, self.batch_size = num_samples, batch_size
-        self.rank, self.world_size = rank, world_size
-        self.seed, self.shuffle, self.drop_last = seed, shuffle, drop_last
-        self.global_batch = batch_size * world_size
-        full, partial = divmod(num_samples, self.global_batch)
-        self.steps_per_epoch = full if drop_last else full + (partial > 0)
-        self._cache: dict[int, np.ndarray] = {}
-        self._lock = threading.Lock()
-
-    def permutation(self, epoch: int) -> np.ndarray:
-        with self._lock:
-            order = self._cache.get(epoch)
-            if order is None:
-                order = epoch_order(self.num_samples, self.seed, epoch, self.shuffle).numpy()
-                self._cache = {e: o for e, o in self._cache.items() if e >= epoch - 1}
-                self._cache[epoch] = order
-            return order
-
-    def indices(self, epoch: int, step: int) -> np.ndarray:
-        """This rank's sample indices at (epoch, step): int64 (batch_size,), shorter only for
-        the last step of an epoch with ``drop_last=False``."""
-        start = step * self.global_batch
-        if start + self.global_batch <= self.num_samples:
-            lo = start + self.rank * self.batch_size
-            hi = lo + self.batch_size
-        else:
-            share, extra = divmod(self.num_samples - start, self.world_size)
-            lo = start + self.rank * share + min(self.rank, extra)
-            hi = lo + share + (self.rank < extra)
-        return self.permutation(epoch)[lo:hi]
 
 
 # -- preprocessing pools ---------------------------------------------------------------------------
@@ -91,8 +44,7 @@ class ThreadPool:
 
 
 class ProcessPool:
-    """``preprocess`` (picklable) runs in ``num_workers`` spawned processes, for work that holds
-    the GIL; batches go as numpy arrays, results come back as tensors in shared memory."""
+    """``preprocess`` (picklable) in ``num_workers`` spawned processes, for work holding the GIL."""
 
     def __init__(self, preprocess: Preprocess, num_workers: int) -> None:
         try:
@@ -146,10 +98,8 @@ POOLS.register("process")(ProcessPool)
 
 # -- the pipeline ----------------------------------------------------------------------------------
 class Pipeline:
-    """Batches of this rank from ``source``, read, preprocessed and staged ahead of the trainer
-    (docs/data.md has the phases): an I/O thread reads (Phases 1-2), ``workers`` threads
-    preprocess and stage (3-4), ``next()`` hands over (5). Errors of any phase are raised by
-    ``next()`` in order; ``state_dict()`` is the position in samples, for any world size."""
+    """This rank's batches from ``source``, read (Phases 1-2, I/O threads), preprocessed and
+    staged (3-4, workers) ahead of ``next()`` (5; docs/data.md); errors raised by it in order."""
 
     def __init__(
         self,
@@ -255,7 +205,6 @@ class Pipeline:
 
     # -- position -----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, int]:
-        """The position as samples consumed in the epoch, so any world size can resume it."""
         return position_state(self.position, self.global_batch)
 
     def load_state_dict(self, state: dict[str, int]) -> None:

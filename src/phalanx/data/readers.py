@@ -1,7 +1,5 @@
-"""What a Pipeline reads from: adapters from the sources users have (a record store, a built-in
-source or Dataset, a tuple of arrays, any map-style dataset; docs/data.md) to one ``Reader``
-protocol: ``len(reader)`` samples, ``read(indices)`` -> a tuple of CPU tensors, one per field.
-"""
+"""Adapters from what a Pipeline reads (a record store, a built-in source or Dataset, arrays, a
+map-style dataset; docs/data.md) to one ``Reader`` protocol."""
 
 from __future__ import annotations
 
@@ -60,8 +58,7 @@ def stack_collate(samples: Sequence[Sample]) -> Batch:
 
 
 def pad_collate(samples: Sequence[Sample], value: float = 0) -> Batch:
-    """Like ``stack_collate``, but each field is padded with ``value`` to the batch's largest
-    size in every dim (variable-length records, e.g. token sequences)."""
+    """``stack_collate`` with each field padded with ``value`` to the batch's largest size."""
     columns = list(zip(*(_fields(s) for s in samples)))
     out = []
     for column in columns:
@@ -150,7 +147,6 @@ def _tensor(array: Any) -> torch.Tensor:
 
 
 def as_reader(source: Any, collate: Collate | None = None) -> Reader:
-    """The Reader of any accepted source (see the module docstring)."""
     if hasattr(source, "read") and hasattr(source, "name") and hasattr(source, "__len__"):
         return source  # already a Reader
     if isinstance(source, str) and source in SOURCES and not Path(source).exists():
@@ -182,8 +178,8 @@ def training_reader(path: str, dataset: Dataset) -> Reader:
     reader = StoreReader(RecordStore(path))
     names = [f.name for f in reader.store.fields]
     if len(names) != 2:
+        fields = ", ".join(names)
         raise DataError(
-            f"data.path: {path} has fields ({', '.join(names)}); training needs two "
-            "(inputs, targets)"
+            f"data.path: {path} has fields ({fields}); training needs two (inputs, targets)"
         )
     return reader
