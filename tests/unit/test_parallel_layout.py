@@ -131,7 +131,7 @@ def test_bubble_fraction_in_theory() -> None:
 def torch_2_13(monkeypatch: pytest.MonkeyPatch) -> None:
     """The layout checks below hold on any torch; the zero-bubble schedules are refused by
     version first on older ones (torch 2.11 on the GPU machine), so pretend 2.13 there."""
-    from phalanx.parallel import schedules
+    from phalanx.parallel import pipeline_schedules as schedules
 
     monkeypatch.setattr(schedules, "_torch_version", lambda: "2.13.0")
 
@@ -187,7 +187,7 @@ def test_schedule_constraints_are_one_line_errors(
 def test_a_schedule_this_torch_lacks_is_refused_by_name(
     monkeypatch: pytest.MonkeyPatch, torch_2_13: None
 ) -> None:
-    from phalanx.parallel import schedules
+    from phalanx.parallel import pipeline_schedules as schedules
 
     older = {k: v for k, v in schedules._torch_schedules().items() if k != "ScheduleDualPipeV"}
     monkeypatch.setattr(schedules, "_torch_schedules", lambda: older)
@@ -202,7 +202,7 @@ def test_a_schedule_this_torch_lacks_is_refused_by_name(
 def test_zero_bubble_schedules_on_an_older_torch_are_refused_by_version(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from phalanx.parallel import schedules
+    from phalanx.parallel import pipeline_schedules as schedules
 
     monkeypatch.setattr(schedules, "_torch_version", lambda: "2.11.0")
     for name in ("zbv", "dualpipev", "interleaved_zb"):

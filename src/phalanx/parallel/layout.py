@@ -1,23 +1,13 @@
-"""The ``[parallel]`` layout: D data-parallel replicas of a P-stage pipeline (F6, F7).
-
-World = D x P processes, one per device. Rank ``r`` is replica ``r // P``, pipeline rank
-``r % P``: the P ranks of one replica (a worker group) are neighbours, so on a multi-GPU node
-the transfers between its stages stay on the node's links while the exchange between replicas
-crosses the slower network once per step.
-
-Stages are contiguous runs of layers. ``stage = k`` on each ``[[model.layers]]`` table gives
-them by hand; ``split = "auto"`` balances them by each layer's measured forward + backward time
-(phalanx.parallel.split). Schedules with virtual stages (``interleaved``, ``zbv``, ...) cut the
-model into P x ``virtual_stages`` stages; stage ``s`` runs on pipeline rank ``s % P``, or, for
-V-shaped schedules (``zbv``, ``dualpipev``), rank r runs stages r and 2P-1-r.
-"""
+"""The ``[parallel]`` layout: D data-parallel replicas of a P-stage pipeline (F6, F7); rank
+``r`` is replica ``r // P``, pipeline rank ``r % P``, so a replica's transfers stay on a node's
+links (docs/parallel.md: stages, splits, placements)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Literal, cast
 
-from phalanx.fields import ConfigValueError, option, require
+from phalanx.fields import ConfigValueError, option, require, require_choice
 from phalanx.parallel.pipeline_schedules import SCHEDULES, schedule_kind
 
 SPLITS = ("layers", "auto", "even")
@@ -47,16 +37,9 @@ class ParallelConfig:
         require(self.data >= 0, "data", f"must be >= 0, got {self.data}")
         require(self.pipeline >= 1, "pipeline", f"must be >= 1, got {self.pipeline}")
         require(self.microbatches >= 0, "microbatches", f"must be >= 0, got {self.microbatches}")
-        require(
-            self.schedule in SCHEDULES,
-            "schedule",
-            f"got {self.schedule!r}; allowed: {', '.join(SCHEDULES.names())}",
-        )
-        require(
-            self.virtual_stages >= 1,
-            "virtual_stages",
-            f"must be >= 1, got {self.virtual_stages}",
-        )
+        require_choice(self.schedule, "schedule", SCHEDULES.names())
+        v = self.virtual_stages
+        require(v >= 1, "virtual_stages", f"must be >= 1, got {v}")
         if self.enabled:  # pipeline = 1 runs no schedule (and skips importing torch's)
             schedule_kind(self.schedule).check(
                 self.pipeline, self.num_microbatches, self.virtual_stages
@@ -69,7 +52,6 @@ class ParallelConfig:
     @property
     def stages_per_rank(self) -> int:
         """Stages each pipeline rank runs: ``virtual_stages`` for multi-stage schedules."""
-
         return schedule_kind(self.schedule).num_local_stages(self.virtual_stages)
 
     @property
@@ -111,10 +93,8 @@ class ParallelConfig:
 
 
 def stages_from_layers(layers: list[dict], num_stages: int) -> list[int] | None:
-    """Each layer's stage from its ``stage`` key (None when no layer has one).
-
-    Errors: some layers without a stage, numbers out of order or with gaps, a count that is
-    not ``num_stages``, more stages than layers."""
+    """Each layer's stage from its ``stage`` key (None when no layer has one); every layer has
+    one, from 0 up without gaps, ``num_stages`` in all, or ConfigValueError."""
     given = [spec.get("stage") for spec in layers]
     if all(k is None for k in given):
         return None

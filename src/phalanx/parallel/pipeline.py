@@ -1,19 +1,9 @@
 """Model parallelism: this rank's stages of a pipelined model, run by torch's schedules (F6, F7).
 
-``PipelineParallel`` takes the whole model as a sequence of layers and the stage of each layer,
-and keeps only what this rank runs:
-
-  Phase 1 (layout): a DeviceMesh with ("data", "pipeline") axes over the world; this rank's
-    data-parallel group (the same stage in every replica) is what the Engine exchanges
-    gradients over, with any strategy, as if it were the world.
-  Phase 2 (trace): one sample micro-batch runs through the whole model (no gradients) to learn
-    each boundary's activation shape and dtype, and to refuse a boundary a tensor cannot cross.
-  Phase 3 (stages): this rank's stages become ``nn.Sequential``s whose children keep the
-    model's own names (layer ``7`` is ``7`` everywhere, so state dicts of the stages merge
-    into the one-process model's) and end in a TransferLayer when they feed another rank.
-  Phase 4 (step): torch.distributed.pipelining's schedule runs the micro-batches; before each
-    backward the Engine is told whether it is the last one of this rank's stage, so gradient
-    buckets launch their exchange during the last micro-batch's backward (overlap).
+Phase 1 (layout): a ("data", "pipeline") DeviceMesh; the data group is the Engine's world.
+Phase 2 (trace): a sample micro-batch through the model gives each boundary's shape, dtype.
+Phase 3 (stages): this rank's stages, layers under the model's own names, + TransferLayers.
+Phase 4 (step): torch's schedule runs the micro-batches; the Engine hears of the last backward.
 """
 
 from __future__ import annotations
@@ -56,9 +46,8 @@ class Boundary:
 
 
 class LocalLayers(nn.Module):
-    """This rank's layers under the whole model's names (``"3"``, ``"4"``, ...), so its state
-    dict holds exactly this rank's part of the one-process model's state dict. Forward runs
-    through the pipeline, never here."""
+    """This rank's layers under the whole model's names, so its state dict is its part of the
+    one-process model's; forward runs through the pipeline, never here."""
 
     def __init__(self, named: list[tuple[str, nn.Module]]) -> None:
         super().__init__()
@@ -70,9 +59,8 @@ class LocalLayers(nn.Module):
 
 
 def trace_boundaries(layers: list[nn.Module], stage_of: list[int], sample: Any) -> list[Boundary]:
-    """Phase 2: run ``sample`` (one micro-batch) through every layer without gradients and
-    describe what crosses each stage boundary, then the model's output (the last entry);
-    ConfigError for a layer whose output is not a single tensor where a boundary follows it."""
+    """Phase 2: what crosses each stage boundary for ``sample``, then the model's output;
+    ConfigError where a boundary follows an output that is not a single tensor."""
     boundaries, x = [], sample
     with torch.no_grad():
         for i, layer in enumerate(layers):
@@ -95,8 +83,7 @@ def trace_boundaries(layers: list[nn.Module], stage_of: list[int], sample: Any) 
 def describe_stages(
     stage_of: list[int], boundaries: list[Boundary], rank_of: Callable[[int], int]
 ) -> str:
-    """One line per stage: its layers, its pipeline rank (``rank_of(stage)``), and the
-    transfer leaving it, or that the next stage runs on the same rank."""
+    """One line per stage: its layers, its pipeline rank and the transfer leaving it."""
     lines = []
     for s in range(max(stage_of) + 1):
         members = [i for i, k in enumerate(stage_of) if k == s]
@@ -116,9 +103,8 @@ def pipelined_view(
     boundaries: list[Boundary],
     rank_of: Callable[[int], int] | None = None,
 ) -> nn.Sequential:
-    """The whole model as printed for a pipeline: its layers under their own names with a
-    TransferLayer at every stage boundary between ranks (``rank_of(stage)``; None: each
-    stage on its own rank), for display; training runs the stages."""
+    """The whole model for display, a TransferLayer at each boundary between ranks
+    (``rank_of`` None: each stage on its own rank)."""
     children: OrderedDict[str, nn.Module] = OrderedDict()
     for i, layer in enumerate(layers):
         children[str(i)] = layer
@@ -130,8 +116,7 @@ def pipelined_view(
 
 
 def _crosses(stage: int, rank_of: Callable[[int], int] | None) -> bool:
-    """Whether ``stage``'s output goes to another rank (V-shaped placements keep the middle
-    boundary on one rank: torch hands that activation over in memory)."""
+    """Whether ``stage``'s output goes to another rank (not a V's middle, handed in memory)."""
     return rank_of is None or rank_of(stage + 1) != rank_of(stage)
 
 
@@ -158,11 +143,8 @@ _NO_LISTENER: BackwardListener = _Deaf()
 
 
 class PipelineParallel:
-    """This rank's part of a P-stage pipeline replicated D times (see the module docstring).
-
-    ``layers``: the whole model in order (every rank builds it, so initial weights equal the
-    one-process model's); ``stage_of[i]``: layer i's stage; ``sample``: one micro-batch of
-    inputs for the trace (CPU or device)."""
+    """This rank's part of a P-stage pipeline replicated D times. ``layers``: the whole model
+    (built alike on every rank); ``stage_of[i]``: layer i's stage; ``sample``: one micro-batch."""
 
     def __init__(
         self,
@@ -221,8 +203,7 @@ class PipelineParallel:
         self._loss_fn = loss_fn
         self._agreement_sends: tuple[torch.Tensor | None, list[Any]] = (None, [])
         self._listener: BackwardListener = _NO_LISTENER  # the current ``step``'s
-        # Benchmarks: time spent computing (forward and backward of this rank's stages) per
-        # step, which makes the bubble measurable; off in training (on CUDA it synchronizes).
+        # Benchmarks: compute time per step (the bubble measurable); on CUDA it synchronizes.
         self.measure_busy = False
         self.busy_s = 0.0
         # The same time per pass kind ("forward", and torch's backward types "full", "input",
@@ -277,8 +258,7 @@ class PipelineParallel:
         return time.perf_counter()
 
     def transfer_bytes(self) -> int:
-        """Bytes that crossed this rank's outgoing links since the step began (activations
-        forward, their gradients backward)."""
+        """Bytes across this rank's outgoing links this step, both directions."""
         return sum(t.bytes_forward + t.bytes_backward for t in self.transfers)
 
     # -- Phase 4: one step --------------------------------------------------------------------
@@ -289,11 +269,8 @@ class PipelineParallel:
         scale: float,
         listener: BackwardListener | None = None,
     ) -> torch.Tensor:
-        """Forward and backward of one replica batch, split into micro-batches; gradients
-        accumulate in the parameters' ``.grad`` multiplied by ``scale / micro-batches``.
-        ``listener`` hears of each stage backward pass (the Engine's pipeline driver).
-        Returns the mean loss over the micro-batches on the rank holding the last stage
-        (zero elsewhere)."""
+        """One replica batch in micro-batches; ``.grad`` accumulates x ``scale / micro-batches``;
+        the mean loss on the last stage's rank (zero elsewhere)."""
         if self._schedule is None:
             self._schedule = self._build_schedule()
         self._scale = scale / self.num_microbatches
@@ -310,20 +287,15 @@ class PipelineParallel:
         return torch.stack(self._losses).mean()
 
     def losses_finite(self) -> bool:
-        """On the last stage's rank: whether every micro-batch loss computed so far this
-        ``step`` is finite (True where there are none)."""
+        """Whether every micro-batch loss so far this step is finite (True where none)."""
         return not self._losses or bool(torch.isfinite(torch.stack(self._losses)).all())
 
     def sum_over_stages(self, values: torch.Tensor) -> torch.Tensor:
-        """``values`` (a small float64 vector on this rank's device) summed over this
-        replica's pipeline ranks; the same result on each.
+        """``values`` (small float64, this device) summed over the replica's pipeline ranks.
 
-        Rooted at pipeline rank 0, which holds stage 0 and so runs every schedule's final
-        backward: the others send theirs as soon as they finish and wait (they would wait for
-        stage 0's next forward anyway), and the root adds what has already arrived and sends
-        the sum on without waiting for it to land. An all-reduce would put a round trip on
-        the root's path to its optimizer step.
-        """
+        Rooted at pipeline rank 0, which runs every schedule's final backward: the others send
+        as they finish; the root sends the sum without waiting for it to land (an all-reduce
+        would put a round trip on its path to the optimizer step)."""
         group, size = self.pipe_group, dist.get_world_size(self.pipe_group)
         self._wait_agreement_sends()
         if dist.get_rank(group) != 0:
@@ -361,12 +333,12 @@ class PipelineParallel:
     def _build_schedule(self) -> Any:
         stages = [
             _notifying_stage_class()(
+                self,
                 self.stages[s],
                 s,
                 self.num_stages,
                 self.world.device,
-                self.pipe_group,
-                self,
+                group=self.pipe_group,
                 input_args=_example(self.sample_meta if s == 0 else self.boundaries[s - 1]),
                 output_args=_example(self.boundaries[s]) if s < len(self.boundaries) else None,
             )
@@ -377,10 +349,8 @@ class PipelineParallel:
     # -- forward only (validation) --------------------------------------------------------------
     @torch.no_grad()
     def forward(self, x: torch.Tensor) -> torch.Tensor | None:
-        """The model's output for ``x`` (any batch size, the same on every rank of this
-        replica) on the rank holding the last stage, None elsewhere: stage by stage, the
-        activation sent point to point to the next stage's rank. Layers run in eval mode (their
-        own modes restored after)."""
+        """The model's output for ``x`` (any batch size, same on the replica's ranks) in eval
+        mode on the last stage's rank, None elsewhere."""
         with evaluating(self.local):
             return self._forward(x)
 
@@ -419,8 +389,7 @@ class PipelineParallel:
 
 
 def _example(meta: Boundary) -> torch.Tensor:
-    """A tensor on the meta device (no memory) with a boundary's shape and dtype: torch's
-    stages take their send/receive shapes from it instead of running an inference pass."""
+    """A meta tensor of a boundary's shape: torch's stages take shapes from it, not a pass."""
     example = torch.empty(meta.shape, dtype=meta.dtype, device="meta")
     # A floating activation that left a stage carries a gradient back (the model's input
     # does not); the stage reads that from requires_grad.
@@ -428,8 +397,7 @@ def _example(meta: Boundary) -> torch.Tensor:
 
 
 def _mesh_groups(world: Context, num_replicas: int, num_ranks: int) -> tuple[Any, Any]:
-    """(data group, pipeline group) of this rank from a DeviceMesh over the world: rank r is
-    replica r // P, pipeline rank r % P."""
+    """(data group, pipeline group) of this rank: rank r is replica r // P, stage rank r % P."""
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(
@@ -440,8 +408,7 @@ def _mesh_groups(world: Context, num_replicas: int, num_ranks: int) -> tuple[Any
 
 @functools.cache
 def _notifying_stage_class() -> type:
-    """``_NotifyingStage``, defined on first use: torch.distributed.pipelining takes ~1.7 s to
-    import (it loads torch._dynamo), which every process importing phalanx would pay."""
+    """``_NotifyingStage``, defined on first use (pipelining takes ~1.7 s to import)."""
     from torch.distributed.pipelining import PipelineStage
 
     # Releases before last_backward existed never say which backward is the last: the
@@ -451,29 +418,10 @@ def _notifying_stage_class() -> type:
     )
 
     class _NotifyingStage(PipelineStage):
-        """A PipelineStage that tells its PipelineParallel before each backward whether it is
-        this stage's last micro-batch (where torch itself prepares DDP's reduction)."""
+        """A PipelineStage that tells its owner before each backward whether it is the last."""
 
-        def __init__(
-            self,
-            module: nn.Module,
-            index: int,
-            num_stages: int,
-            device: torch.device,
-            group: Any,
-            owner: PipelineParallel,
-            input_args: torch.Tensor,
-            output_args: torch.Tensor | None,
-        ) -> None:
-            super().__init__(
-                module,
-                index,
-                num_stages,
-                device,
-                input_args=input_args,
-                output_args=output_args,
-                group=group,
-            )
+        def __init__(self, owner: PipelineParallel, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
             self._owner = owner
 
         def backward_maybe_with_nosync(
@@ -514,9 +462,8 @@ def build_pipeline(
     sample_input: Any,
     stages: list[int] | None,
 ) -> PipelineParallel:
-    """The Engine's entry: ``model`` is an ``nn.Sequential`` or a list of modules (the whole
-    model, built alike on every rank); ``stages`` gives each layer's stage, or None to
-    follow ``parallel.split``; ``sample_input`` is one micro-batch of inputs."""
+    """The Engine's entry: ``model`` an ``nn.Sequential`` or list of modules; ``stages``: each
+    layer's stage (None: ``parallel.split``); ``sample_input``: one micro-batch of inputs."""
     layers = list(model.children()) if isinstance(model, nn.Module) else list(model)
     if isinstance(model, nn.Module) and not isinstance(model, nn.Sequential):
         raise ConfigError(
@@ -540,9 +487,8 @@ def build_pipeline(
 def choose_split(
     layers: list[nn.Module], parallel: ParallelConfig, world: Context, sample: Any
 ) -> tuple[list[int], str]:
-    """(stage of each layer, what 'auto' measured) by ``parallel.split``, cut on rank 0 and
-    broadcast so every rank cuts the model in the same place (measured costs differ between
-    processes)."""
+    """(stage of each layer, what 'auto' measured), cut on rank 0 and broadcast (measured costs
+    differ between processes)."""
     box: list[Any] = [None]
     if world.rank == 0:
         box = [split_here(layers, parallel, sample)]
@@ -556,8 +502,7 @@ def choose_split(
 def split_here(
     layers: list[nn.Module], parallel: ParallelConfig, sample: Any
 ) -> tuple[list[int], str]:
-    """(stage of each layer, what 'auto' measured) in this process: 'even' counts, or ('auto',
-    and 'layers' with no stage keys) the measured per-layer cost, balanced."""
+    """(stage of each layer, what 'auto' measured) in this process: even, or balanced cost."""
     if parallel.split == "even":
         return even_split(len(layers), parallel.num_stages), ""
     costs = profile_layers(layers, sample)
@@ -566,9 +511,8 @@ def split_here(
 
 
 def _standard_strides(x: Any) -> Any:
-    """``x`` with the row-major strides of its shape. torch 2.11's stages compare each
-    micro-batch's strides with the traced sample's, size-1 dims included: a batch whose
-    size-1 dim has another stride (a view, a resumed loader's batch) is copied once."""
+    """``x`` with row-major strides: torch 2.11's stages compare strides with the traced
+    sample's, size-1 dims included (a view's batch is copied once)."""
     if not isinstance(x, torch.Tensor):
         return x
     if x.stride() == torch.empty(x.shape, device="meta").stride():

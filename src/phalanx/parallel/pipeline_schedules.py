@@ -1,10 +1,5 @@
-"""Pipeline schedules, registered by name, each backed by torch.distributed.pipelining.
-
-A schedule kind knows which torch class runs it, how many stages a rank holds and where they
-sit (round-robin, or a V: rank r holds stages r and 2P-1-r), what micro-batch counts it
-accepts, whether torch splits its backward into input-gradient and weight-gradient passes
-(zero bubble), and its theoretical bubble fraction for the benchmark.
-"""
+"""Pipeline schedules, registered by name, each backed by torch.distributed.pipelining: its
+class, stage placement, accepted micro-batch counts and theoretical bubble."""
 
 from __future__ import annotations
 
@@ -19,30 +14,18 @@ from phalanx.registry import Registry
 
 @dataclass(frozen=True, kw_only=True)
 class ScheduleKind:
-    """One pipeline schedule: ``torch_class`` names the class in
-    torch.distributed.pipelining.schedules; ``multi_stage`` schedules take a list of stages
-    per rank (``virtual_stages`` of them, or exactly ``stages_per_rank`` when that is set).
-
-    ``placement``: "loop" puts stage s on pipeline rank s % P; "v" puts stages r and 2P-1-r
-    on rank r, so the model's middle (stages P-1 and P) stays on the last rank and the last
-    stage comes back to rank 0. ``microbatches_per_rank``: torch needs M >= that x P.
-    ``whole_rounds``: torch cuts the micro-batches into rounds of about P and needs M to be a
-    multiple of max(1, M // P). ``split_backward``: backward runs as an input-gradient pass,
-    then a weight-gradient pass later (which fills the bubble). ``bubble_share``: the share
-    of the 1F1B bubble the schedule claims when forward, input and weight backward take
-    equal time (1/3 for ZB-H1, 0 for ZB-V and DualPipeV).
-    """
+    """One pipeline schedule (docs/parallel.md describes each)."""
 
     name: str
-    torch_class: str
-    multi_stage: bool
+    torch_class: str  # in torch.distributed.pipelining.schedules
+    multi_stage: bool  # takes a list of stages per rank
     description: str
-    placement: Literal["loop", "v"] = "loop"
-    stages_per_rank: int = 0
-    microbatches_per_rank: int = 0
-    whole_rounds: bool = False
-    split_backward: bool = False
-    bubble_share: float = 1.0
+    placement: Literal["loop", "v"] = "loop"  # stage s on rank s % P; or r and 2P-1-r on rank r
+    stages_per_rank: int = 0  # exactly this many (0: virtual_stages)
+    microbatches_per_rank: int = 0  # torch needs M >= this x P
+    whole_rounds: bool = False  # torch needs M a multiple of max(1, M // P) (rounds of about P)
+    split_backward: bool = False  # input-gradient pass, then a weight-gradient pass in the bubble
+    bubble_share: float = 1.0  # of 1F1B's bubble claimed with F = B = W (ZB-H1 1/3, ZB-V 0)
     # The oldest torch release it runs on here: torch 2.11's split-backward schedules stop
     # at their first step on Gloo ("Pair is not connected"); 2.13's run and are tested.
     min_torch: tuple[int, int] = (0, 0)
@@ -59,8 +42,7 @@ class ScheduleKind:
 
     @property
     def available(self) -> bool:
-        """Whether the installed torch has this schedule's class (newer schedules are missing
-        from older releases)."""
+        """Whether the installed torch has this schedule's class and is new enough."""
         return self.torch_class in _torch_schedules() and self.new_enough
 
     @property
@@ -81,8 +63,7 @@ class ScheduleKind:
         return stage % num_ranks
 
     def check(self, num_ranks: int, num_microbatches: int, virtual_stages: int) -> None:
-        """This schedule's constraints on the layout, each a one-line ConfigValueError
-        naming the ``[parallel]`` key to change (torch raises them mid-build otherwise)."""
+        """Each constraint on the layout as a ConfigValueError (torch raises them mid-build)."""
         p, m, name = num_ranks, num_microbatches, self.name
         others = ", ".join(n for n in SCHEDULES.names() if schedule_kind(n).available)
         require(
@@ -96,8 +77,7 @@ class ScheduleKind:
             self.available,
             "schedule",
             f"{name!r} needs torch.distributed.pipelining.schedules.{self.torch_class}, which "
-            f"torch {_torch_version()} lacks; upgrade torch or choose one of: "
-            f"{', '.join(n for n in SCHEDULES.names() if schedule_kind(n).available)}",
+            f"torch {_torch_version()} lacks; upgrade torch or choose one of: {others}",
         )
         require(
             not self.stages_per_rank or virtual_stages == self.stages_per_rank,
@@ -122,9 +102,8 @@ class ScheduleKind:
         )
 
     def bubble_fraction(self, num_ranks: int, num_microbatches: int, virtual: int = 1) -> float:
-        """The idle share of a step in theory: (P-1)/(M+P-1) for GPipe and 1F1B; virtual
-        stages divide the bubble's length by ``virtual`` (interleaved 1F1B); zero-bubble
-        schedules keep ``bubble_share`` of it (their claim, with F = B = W)."""
+        """The idle share of a step in theory: (P-1)/(M+P-1) for 1F1B, bubble / ``virtual``
+        stages, times ``bubble_share``."""
         p, m, v = num_ranks, num_microbatches, self.num_local_stages(virtual)
         bubble = self.bubble_share * (p - 1) / v
         return bubble / (m + bubble)
@@ -156,76 +135,27 @@ def _torch_version() -> str:
     return torch.__version__
 
 
-_register(
-    ScheduleKind(
-        name="gpipe",
-        torch_class="ScheduleGPipe",
-        multi_stage=False,
-        description="all forwards, then all backwards",
-    )
-)
-_register(
-    ScheduleKind(
-        name="1f1b",
-        torch_class="Schedule1F1B",
-        multi_stage=False,
-        description="one forward, one backward (less memory)",
-        microbatches_per_rank=1,
-    )
-)
-_register(
-    ScheduleKind(
-        name="interleaved",
-        torch_class="ScheduleInterleaved1F1B",
-        multi_stage=True,
-        description="1F1B over virtual stages (smaller bubble)",
-        whole_rounds=True,
-    )
-)
-_register(
-    ScheduleKind(
-        name="looped_bfs",
-        torch_class="ScheduleLoopedBFS",
-        multi_stage=True,
-        description="breadth-first over virtual stages",
-    )
-)
-_register(
-    ScheduleKind(
-        name="interleaved_zb",
-        torch_class="ScheduleInterleavedZeroBubble",
-        multi_stage=True,
-        description="interleaved 1F1B whose weight gradients fill the bubble (ZB-H1)",
-        whole_rounds=True,
-        split_backward=True,
-        bubble_share=1 / 3,
-        min_torch=(2, 13),
-    )
-)
-_register(
-    ScheduleKind(
-        name="zbv",
-        torch_class="ScheduleZBVZeroBubble",
-        multi_stage=True,
-        description="zero bubble over two stages per rank in a V (ZB-V)",
-        placement="v",
-        stages_per_rank=2,
-        split_backward=True,
-        bubble_share=0.0,
-        min_torch=(2, 13),
-    )
-)
-_register(
-    ScheduleKind(
-        name="dualpipev",
-        torch_class="ScheduleDualPipeV",
-        multi_stage=True,
-        description="DeepSeek's DualPipe cut in half: a V with forward and backward paired",
-        placement="v",
-        stages_per_rank=2,
-        microbatches_per_rank=2,
-        split_backward=True,
-        bubble_share=0.0,
-        min_torch=(2, 13),
-    )
-)
+# fmt: off
+for _kind in (
+    ScheduleKind(name="gpipe", torch_class="ScheduleGPipe", multi_stage=False,
+                 description="all forwards, then all backwards"),
+    ScheduleKind(name="1f1b", torch_class="Schedule1F1B", multi_stage=False,
+                 description="one forward, one backward (less memory)", microbatches_per_rank=1),
+    ScheduleKind(name="interleaved", torch_class="ScheduleInterleaved1F1B", multi_stage=True,
+                 description="1F1B over virtual stages (smaller bubble)", whole_rounds=True),
+    ScheduleKind(name="looped_bfs", torch_class="ScheduleLoopedBFS", multi_stage=True,
+                 description="breadth-first over virtual stages"),
+    ScheduleKind(name="interleaved_zb", torch_class="ScheduleInterleavedZeroBubble",
+                 multi_stage=True, whole_rounds=True, split_backward=True, bubble_share=1 / 3,
+                 description="interleaved 1F1B whose weight gradients fill the bubble (ZB-H1)",
+                 min_torch=(2, 13)),
+    ScheduleKind(name="zbv", torch_class="ScheduleZBVZeroBubble", multi_stage=True,
+                 description="zero bubble over two stages per rank in a V (ZB-V)", placement="v",
+                 stages_per_rank=2, split_backward=True, bubble_share=0.0, min_torch=(2, 13)),
+    ScheduleKind(name="dualpipev", torch_class="ScheduleDualPipeV", multi_stage=True, description=
+                 "DeepSeek's DualPipe cut in half: a V with forward and backward paired",
+                 placement="v", stages_per_rank=2, microbatches_per_rank=2, split_backward=True,
+                 bubble_share=0.0, min_torch=(2, 13)),
+):
+    _register(_kind)
+# fmt: on

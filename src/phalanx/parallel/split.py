@@ -1,10 +1,5 @@
-"""Where the stage boundaries go: given by hand, even, or balanced by measured cost.
-
-``auto`` takes each layer's forward + backward time from the one per-layer profiler
-(``phalanx.memory.profile``: a few steps of one sample micro-batch on one process after a
-warm-up, medians) and cuts the layer sequence into contiguous stages so that the slowest stage
-is as fast as possible; parameter memory is reported per stage.
-"""
+"""Where the stage boundaries go: given by hand, even, or balanced (``auto``) by the per-layer
+profiler's forward + backward times so the slowest stage is fastest (docs/parallel.md)."""
 
 from __future__ import annotations
 
@@ -21,10 +16,7 @@ PROFILE_REPEATS = 3  # timed steps after one warm-up
 def even_split(num_layers: int, num_stages: int) -> list[int]:
     """Stage of each layer: equal counts, the first stages one layer longer when uneven."""
     base, extra = divmod(num_layers, num_stages)
-    stages = []
-    for s in range(num_stages):
-        stages += [s] * (base + (1 if s < extra else 0))
-    return stages
+    return [s for s in range(num_stages) for _ in range(base + (s < extra))]
 
 
 def balanced_split(costs: list[float], num_stages: int) -> list[int]:
@@ -32,9 +24,7 @@ def balanced_split(costs: list[float], num_stages: int) -> list[int]:
     (dynamic programming over cut points, O(layers^2 x stages))."""
     n = len(costs)
     assert 1 <= num_stages <= n, "more stages than layers is checked by the caller"
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
+    prefix = [0.0, *itertools.accumulate(costs)]
     inf = float("inf")
     # best[k][i]: the smallest max-stage cost of the first i layers cut into k stages.
     best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
@@ -55,12 +45,9 @@ def balanced_split(costs: list[float], num_stages: int) -> list[int]:
 
 
 def profile_layers(layers: list[nn.Module], sample: torch.Tensor) -> list[LayerCost]:
-    """Each layer's cost on ``sample`` (one micro-batch of inputs, shape (micro-batch, ...), any
-    device) from the one profiler, ``phalanx.memory.profile.profile_model``, run where the
-    layers are: forward and backward seconds (medians of ``PROFILE_REPEATS`` steps after a
-    warm-up), parameter and output bytes. No targets, so no loss (backward starts from a
-    gradient of ones) and no optimizer: the parameters are left as they were and their
-    gradients None; no allocator peak either (the split reads times only)."""
+    """Each layer's cost on ``sample`` (one micro-batch of inputs, any device) from
+    ``profile_model`` where the layers are: no targets, so backward starts from ones and no
+    optimizer step (parameters untouched, gradients None), no allocator peak."""
     from phalanx.memory.profile import profile_model
 
     batches = [(sample, None)] * (PROFILE_REPEATS + 1)
@@ -70,8 +57,7 @@ def profile_layers(layers: list[nn.Module], sample: torch.Tensor) -> list[LayerC
 
 
 def _device_of(layers: list[nn.Module], sample: torch.Tensor) -> torch.device:
-    """Where the layers are (the profiler moves them to its device: here, nowhere), or the
-    sample's device when they hold no tensors."""
+    """Where the layers are, or the sample's device when they hold no tensors."""
     for layer in layers:
         for t in itertools.chain(layer.parameters(), layer.buffers()):
             return t.device

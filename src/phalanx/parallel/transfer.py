@@ -1,11 +1,5 @@
-"""Transfer layers (F6): where two adjacent layers run on different devices.
-
-A TransferLayer closes each stage that feeds another rank. Its forward hands the activation to
-torch.distributed.pipelining, which sends it point to point to the next stage's rank (NCCL P2P
-on GPUs, Gloo over the network on CPUs); in backward the same link carries the gradient of that
-activation back. The layer counts what crosses it, so ``engine.stats`` reports transfer bytes
-next to exchange bytes, and it makes the boundary visible when the model is printed.
-"""
+"""Transfer layers (F6): the end of a stage that feeds another rank (torch.distributed.pipelining
+sends its output point to point); they count the bytes crossing and show the cut when printed."""
 
 from __future__ import annotations
 
@@ -14,11 +8,8 @@ from torch import nn
 
 
 class TransferLayer(nn.Module):
-    """Identity at the end of stage ``src`` whose output goes to stage ``dst`` on another rank.
-
-    ``shape`` and ``dtype`` describe one micro-batch's activation (from a trace of the model
-    on a sample micro-batch); ``nbytes`` is its size, moved forward once per micro-batch and,
-    when it carries a gradient, once more backward."""
+    """Identity at the end of stage ``src`` whose output goes to stage ``dst`` on another rank;
+    ``shape``, ``dtype``: one micro-batch's activation (``nbytes`` each way per micro-batch)."""
 
     def __init__(self, src: int, dst: int, shape: tuple[int, ...], dtype: torch.dtype) -> None:
         super().__init__()
