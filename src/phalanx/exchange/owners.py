@@ -1,10 +1,5 @@
-"""What strategies that update parameter shards at their owners share (``partitioned``, ``ps``).
-
-Updated parameters travel back in the background after each step; every submodule waits, in a
-forward pre-hook, only for the bucket(s) holding its own parameters, so the next forward
-overlaps the send-back. Optimizer state is checkpointed in the canonical per-parameter format
-(phalanx.exchange.sharding), whatever the world size.
-"""
+"""What strategies that update parameter shards at their owners share (``partitioned``, ``ps``):
+forward pre-hooks wait only for their own buckets' send-back (docs/exchange.md)."""
 
 from __future__ import annotations
 
@@ -23,12 +18,8 @@ from phalanx.runtime.context import Context
 
 
 class OwnerUpdateStrategy(Strategy):
-    """Base of owner-update strategies: pending parameter arrivals, hooks, state, counters.
-
-    Subclasses build ``self.sharded`` (this layout's shards) in their constructor; each
-    bucket's background send-back (a Work or a CommThread Future) goes into
-    ``self._pending_params[bucket index]``.
-    """
+    """Base of owner-update strategies: subclasses build ``self.sharded``; each bucket's
+    send-back (a Work or a Future) goes into ``self._pending_params[bucket index]``."""
 
     optimizer_follows_layout = True  # the optimizer steps this layout's shard Parameters
     sharded: ShardedParameters  # set by the subclass's constructor
@@ -41,9 +32,7 @@ class OwnerUpdateStrategy(Strategy):
 
     # -- parameters arriving while the next forward runs --------------------------------------
     def register_module(self, module: torch.nn.Module) -> None:
-        """Make each submodule that holds parameters wait, before its forward, for those of
-        its subtree only (containers wait for nothing: their children do; a compiled layer
-        waits for its whole subtree, phalanx.compile)."""
+        """Each submodule holding parameters waits before its forward for its subtree's."""
         bucket_of = {id(p): b.index for b in self.sharded.buckets for p in b.params}
 
         def waiter(params: list) -> Any:
@@ -83,11 +72,8 @@ class OwnerUpdateStrategy(Strategy):
 
     # -- the optimizer across bucket rebuilds ---------------------------------------------------
     def carry_optimizer_state(self, optimizer: Optimizer, params: list) -> Any:
-        """This rank's shards' state per parameter (views, no copy, no message) and the
-        groups' hyperparameters: the new layout's ``rebind_optimizer`` moves what changes
-        owner. The update spent the gradient buffers (no rank holds a mean gradient here):
-        they are freed now, and the heap's free pages given back, so the new layout's buffers
-        never sit beside them and the last step's freed activations."""
+        """This rank's shards' state (views); the spent gradient buffers are freed and the
+        heap trimmed now, so the new layout's buffers never sit beside them."""
         self.sync()
         carried = self.sharded.carry(optimizer, params)
         _free_gradients(self.sharded.buckets)
@@ -95,18 +81,14 @@ class OwnerUpdateStrategy(Strategy):
         return carried
 
     def adopt_optimizer(self, optimizer: Optimizer, params: list) -> Optimizer:
-        """Point the user's optimizer (built over the model's parameters) at this rank's
-        shards, group by group: each shard keeps the hyperparameters of the group its
-        elements came from. The object stays the user's (schedulers attached to it act)."""
+        """Point the user's optimizer at this rank's shards, group by group."""
         del params
         self._point_at_shards(optimizer)
         measure.trim()  # the parameters' own storages, freed when this layout's buffers took over
         return optimizer
 
     def rebind_optimizer(self, optimizer: Optimizer, params: list, carried: Any) -> None:
-        """Point the optimizer's groups at this layout's shard Parameters, then load the
-        carried state into them (collective; hyperparameters a scheduler changed travel in
-        ``carried``)."""
+        """Point the optimizer at this layout's shards, then load ``carried`` (collective)."""
         self._point_at_shards(optimizer)
         self.sharded.load_carried(optimizer, params, carried, self.ctx.group)
         measure.trim()  # the previous layout's parameter buffers and optimizer state
@@ -152,8 +134,7 @@ class OwnerUpdateStrategy(Strategy):
 
 
 def _free_gradients(buckets: list[Bucket]) -> None:
-    """Free the buckets' buffers (every view of them: gradients, usage flags) and drop the
-    parameters' ``.grad``, which viewed them."""
+    """Free the buckets' buffers and drop the parameters' ``.grad``, which viewed them."""
     for bucket in buckets:
         for p in bucket.params:
             p.grad = None

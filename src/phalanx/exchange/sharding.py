@@ -1,15 +1,6 @@
-"""Owner-side updates over flat parameter shards (F4, F5, F19): the machinery that
-``partitioned`` and ``ps`` share.
-
-Each bucket gets a flat *parameter* buffer with the bucket's layout; the model's parameters
-become views of it (``p.data``), so updating a contiguous range of the buffer updates the
-parameters that overlap it. A partition is a contiguous range of the bucket; the rank that owns
-it keeps the only optimizer state for that range (``torch.nn.Parameter`` views of the buffer,
-handed to any elementwise optimizer). A shard never spans two parameters: a parameter no rank
-used in a step gets ``grad = None`` on its shards, which torch's optimizers skip (no decay, no
-momentum, no step count), as in one process. Checkpoints use a canonical per-parameter
-optimizer state (the format a plain optimizer over the full parameters would have), so a run
-saved with one world size and strategy resumes under another.
+"""Owner-side updates over flat parameter shards (F4, F5, F19), shared by ``partitioned`` and
+``ps``: each bucket's parameters become views of a flat buffer, and an owner's optimizer steps
+``Parameter`` views of its ranges, cut at parameters and groups (docs/exchange.md).
 """
 
 from __future__ import annotations
@@ -44,9 +35,8 @@ def bounds(length: int, num_parts: int) -> list[tuple[int, int]]:
 
 @dataclass
 class Shard:
-    """One owned range of one bucket within one parameter (``slot``: its index in the
-    bucket's ``params``), of the user's optimizer parameter group ``group``: ``param`` views
-    the parameter buffer (1-D, the bucket's dtype and device)."""
+    """One owned range of one bucket within one parameter (``slot`` in the bucket) and
+    optimizer group; ``param`` views the parameter buffer (1-D, the bucket's dtype and device)."""
 
     bucket: int
     start: int
@@ -65,9 +55,8 @@ Piece = tuple[int, int, int]  # (lo, hi, rank): a rank's flat range [lo, hi) of 
 
 @dataclass
 class Carried:
-    """One rank's shards' state across a bucket rebuild (``ShardedParameters.carry``): its
-    ``held_state`` (views), every rank's owned ranges per parameter (``piece_owners``) and
-    the groups' hyperparameters (a scheduler may have changed them)."""
+    """One rank's shards' state across a bucket rebuild: ``held_state`` (views), every rank's
+    ranges (``piece_owners``) and the groups' hyperparameters (a scheduler may change them)."""
 
     state: ShardState
     owners: dict[int, list[Piece]]
@@ -75,9 +64,8 @@ class Carried:
 
 
 class _Moves:
-    """Copies of state pieces between ranks over ``group``: every message posted at once (in
-    one order on every rank, so each pair's messages match), then waited for together.
-    Tensors travel on ``device`` (the group's: a host master's state goes through it)."""
+    """Copies of state pieces between ranks, all posted at once in one order on every rank;
+    tensors travel on ``device`` (the group's)."""
 
     def __init__(self, group: Any, device: torch.device | None) -> None:
         self.group, self.device = group, device
@@ -128,9 +116,7 @@ class ShardedParameters:
         self.owners = owners  # per bucket: partition -> owning rank
         self.rank = rank
         self.host_master = host_master  # keep owned ranges (and their state) in CPU memory
-        # id(parameter) -> index of the user's optimizer group holding it (None: one group);
-        # a parameter in no group is never updated, as in one process.
-        self.group_of = group_of
+        self.group_of = group_of  # id(parameter) -> optimizer group (None: one; -1: none)
         self.flats = [self._adopt(bucket) for bucket in buckets]
         self.shards = self._make_shards()
 
@@ -161,8 +147,7 @@ class ShardedParameters:
         return shards
 
     def _param_runs(self, bucket: Bucket, start: int, end: int) -> list[tuple[int, int, int, int]]:
-        """[start, end) of ``bucket`` cut at every parameter: (lo, hi, group, slot) runs,
-        leaving out parameters in no optimizer group."""
+        """[start, end) cut at every parameter: (lo, hi, group, slot), groupless ones left out."""
         runs = []
         for slot, (p, offset) in enumerate(zip(bucket.params, bucket.offsets)):
             lo, hi = max(start, offset), min(end, offset + p.numel())
@@ -172,16 +157,14 @@ class ShardedParameters:
         return runs
 
     def group_params(self, num_groups: int) -> list[Params]:
-        """This rank's shard Parameters per optimizer group; a group with nothing here gets
-        one empty placeholder, so every group keeps its place (and steps nothing)."""
+        """This rank's shard Parameters per group (an empty placeholder keeps a group's place)."""
         out: list[Params] = [[] for _ in range(num_groups)]
         for shard in self.shards:
             out[shard.group].append(shard.param)
         return [params or [torch.nn.Parameter(torch.empty(0))] for params in out]
 
     def groups_of(self, params: Params, num_groups: int) -> list[list[int]]:
-        """Per optimizer group: the indices in ``params`` of the parameters it holds (the
-        canonical format's ``param_groups``, as an optimizer over ``params`` would have)."""
+        """Per optimizer group: the indices in ``params`` of the parameters it holds."""
         if self.group_of is None:
             return [list(range(len(params)))] + [[] for _ in range(num_groups - 1)]
         out: list[list[int]] = [[] for _ in range(num_groups)]
@@ -197,17 +180,11 @@ class ShardedParameters:
             with torch.no_grad():
                 target.copy_(shard.param, non_blocking=True)
 
-    def shard_params(self) -> Params:
-        """This rank's shard Parameters; a rank that owns nothing gets one empty placeholder,
-        so any torch optimizer can be built (and steps nothing)."""
-        return [s.param for s in self.shards] or [torch.nn.Parameter(torch.empty(0))]
-
     def attach_grads(
         self, grads_of: dict[int, torch.Tensor], offset_of: dict[int, int], used: list[list[bool]]
     ) -> None:
-        """Point each shard's ``.grad`` at its reduced gradients: ``grads_of[b]`` holds bucket b's
-        range starting at flat index ``offset_of[b]``; a shard of a parameter no rank used
-        (``used[b][slot]`` False) gets None, so the optimizer skips it."""
+        """Point each shard's ``.grad`` at ``grads_of[b]`` (from flat index ``offset_of[b]``);
+        None where no rank used the parameter (``used[b][slot]``), so the optimizer skips it."""
         for shard in self.shards:
             if not used[shard.bucket][shard.slot]:
                 shard.param.grad = None
@@ -218,8 +195,7 @@ class ShardedParameters:
 
     # -- canonical optimizer state ------------------------------------------------------------
     def canonical_state(self, optimizer: Optimizer, params: Params, group: Any) -> dict[str, Any]:
-        """Gather every owner's shard state into per-parameter state keyed by index in
-        ``params`` (collective: every rank calls it and gets the same result)."""
+        """Every owner's shard state as per-parameter state by index in ``params`` (collective)."""
         local = {}
         for shard in self.shards:
             shard_state = optimizer.state.get(shard.param, {})
@@ -254,8 +230,7 @@ class ShardedParameters:
 
     # -- this rank's part, for checkpoints that every rank writes ------------------------------
     def _overlaps(self, params: Params) -> Any:
-        """(shard, parameter index, flat start and end within the parameter, the parameter's
-        offset in the bucket) for each of this rank's shards (each within one parameter)."""
+        """(shard, parameter index, start and end within it, its offset in the bucket)."""
         index = {id(p): i for i, p in enumerate(params)}
         for shard in self.shards:
             bucket = self.buckets[shard.bucket]
@@ -269,9 +244,8 @@ class ShardedParameters:
         return ranges
 
     def held_state(self, optimizer: Optimizer, params: Params) -> ShardState:
-        """This rank's shards' state per parameter (index in ``params``; a parameter never
-        stepped has none): per-element values as ``(flat start within the parameter, 1-D
-        view)`` pieces, no copy, no message; other values (a step count) as they are."""
+        """This rank's shards' state per parameter index, per-element values as ``(flat
+        start, 1-D view)`` pieces (no copy, no message)."""
         out: ShardState = {}
         for shard, i, lo, hi, offset in self._overlaps(params):
             for key, value in optimizer.state.get(shard.param, {}).items():
@@ -298,8 +272,7 @@ class ShardedParameters:
         return out
 
     def piece_owners(self, params: Params) -> dict[int, list[Piece]]:
-        """Per parameter (index in ``params``), every rank's shards of it as ``(lo, hi, rank)``
-        flat ranges within the parameter: from the layout alone, no message."""
+        """Per parameter index, every rank's shards as ``(lo, hi, rank)`` (no message)."""
         position = {id(p): i for i, p in enumerate(params)}
         out: dict[int, list[Piece]] = {}
         for b, bucket in enumerate(self.buckets):
@@ -318,11 +291,9 @@ class ShardedParameters:
     def load_carried(
         self, optimizer: Optimizer, params: Params, carried: Carried, group: Any
     ) -> None:
-        """Load what every rank's shards of another layout held (``carry``) into this layout's
-        shards (collective). A range whose owner changed travels point to point from the old
-        owner straight into the new state; one that stays is copied, or taken over where the
-        shard is the same. The transient is at most the old state, where gathering the whole
-        state on every rank cost several times it."""
+        """Load another layout's ``carry`` into this layout's shards (collective): a range whose
+        owner changed travels point to point, straight into the new state, so the transient
+        is at most the old state (gathering it all on every rank cost several times that)."""
         kinds = _agree(_kinds(carried.state), group)
         fresh, targets = self._fresh_state(params, kinds, carried.state)
         moves = _Moves(group, self.buckets[0].flat.device if self.buckets else None)
@@ -348,11 +319,8 @@ class ShardedParameters:
     def _fresh_state(
         self, params: Params, kinds: ShardState, held: dict
     ) -> tuple[ShardState, dict[int, list[tuple[int, dict[str, Any]]]]]:
-        """State for this rank's shards of parameters that have state (``kinds``), to be
-        filled: ``({id(shard param): entry}, {parameter index: [(flat start within it,
-        entry)]})``. Per-parameter values (a step count) are in already, and a per-element
-        value this rank held for exactly the same range is taken over as it is (the layouts of
-        one world often keep an owner's ranges: no second copy of its state)."""
+        """State to fill for this rank's shards: ``({id(shard param): entry}, {parameter index:
+        [(flat start, entry)]})``; a value held for exactly the same range is taken over."""
         position = {id(p): i for i, p in enumerate(params)}
         fresh: ShardState = {}
         targets: dict[int, list[tuple[int, dict[str, Any]]]] = {}
@@ -379,8 +347,7 @@ class ShardedParameters:
     def load_local_state(
         self, optimizer: Optimizer, params: Params, state: ShardState, groups: Groups
     ) -> None:
-        """Load per-parameter pieces covering this rank's shards (``owned_ranges``), and
-        refresh host master copies from the (just loaded) parameter buffers."""
+        """Load pieces covering ``owned_ranges``; refresh host masters from the buffers."""
         shard_state: ShardState = {}
         number = optimizer_positions(optimizer)
         for shard, i, lo, hi, offset in self._overlaps(params):
@@ -415,14 +382,12 @@ class ShardedParameters:
 
 
 def used_flags(summed: torch.Tensor) -> list[bool]:
-    """Per parameter, from a bucket's usage flags summed over ranks: whether any rank used it
-    (NaN, a poisoned step, counts as used: the guard skips that step anyway)."""
+    """Per parameter, from summed usage flags: whether any rank used it (NaN counts)."""
     return (summed < 0.5).logical_not().tolist()
 
 
 def hyperparameters(sharded: ShardedParameters, optimizer: Optimizer, params: list) -> Groups:
-    """The optimizer's groups in the canonical format: each group's hyperparameters, and as
-    ``params`` the indices in ``params`` of the model parameters the user put in it."""
+    """The optimizer's groups: hyperparameters, ``params`` as indices in ``params``."""
     members = sharded.groups_of(params, len(optimizer.param_groups))
     return [
         {**{k: v for k, v in g.items() if k != "params"}, "params": members[n]}
@@ -437,8 +402,7 @@ def optimizer_positions(optimizer: Optimizer) -> dict[int, int]:
 
 
 def merged_groups(optimizer: Optimizer, saved: list[dict]) -> Groups:
-    """``param_groups`` for ``load_state_dict``: group k's hyperparameters from saved group k
-    (or the first, when fewer were saved) over the current ones; ``params`` numbered in order."""
+    """``param_groups`` for ``load_state_dict``: group k's from saved group k (or the first)."""
     groups, start = [], 0
     for k, g in enumerate(optimizer.param_groups):
         stored = saved[k] if k < len(saved) else (saved[0] if saved else {})
@@ -449,8 +413,7 @@ def merged_groups(optimizer: Optimizer, saved: list[dict]) -> Groups:
 
 
 def copy_pieces(pieces: list[tuple[int, torch.Tensor]], lo: int, out: torch.Tensor) -> int:
-    """Copy into ``out`` (a flat range starting at ``lo``) what ``(start, 1-D tensor)`` pieces
-    of the same flat index space hold of it; returns how many elements they covered."""
+    """Copy into ``out`` (flat, from ``lo``) what the pieces hold of it; returns the count."""
     hi, covered = lo + out.numel(), 0
     for start, flat in pieces:
         a, b = max(lo, start), min(hi, start + flat.numel())
@@ -461,8 +424,7 @@ def copy_pieces(pieces: list[tuple[int, torch.Tensor]], lo: int, out: torch.Tens
 
 
 def _slice_of(pieces: list[tuple[int, torch.Tensor]], lo: int, hi: int) -> Any:
-    """The view of [lo, hi) in the ``(flat start, 1-D tensor)`` piece that holds all of it, or
-    None."""
+    """The view of [lo, hi) in the piece that holds all of it, or None."""
     for start, flat in pieces:
         if start <= lo and hi <= start + flat.numel():
             return flat[lo - start : hi - start]
@@ -470,15 +432,13 @@ def _slice_of(pieces: list[tuple[int, torch.Tensor]], lo: int, hi: int) -> Any:
 
 
 def _owns_storage(t: torch.Tensor, device: torch.device) -> bool:
-    """Whether ``t`` (1-D, on ``device``) is the whole of its storage, so keeping it keeps
-    nothing more alive."""
+    """Whether ``t`` is on ``device`` and the whole of its storage (keeps nothing else alive)."""
     whole = t.storage_offset() == 0 and t.nbytes == t.untyped_storage().nbytes()
     return whole and t.device == device
 
 
 def _kinds(held: ShardState) -> ShardState:
-    """Per parameter and key of ``held_state``: the dtype of per-element pieces, or the value
-    itself (a step count)."""
+    """Per parameter and key: the dtype of per-element pieces, or the value (a step count)."""
     return {
         i: {k: v[0][1].dtype if isinstance(v, list) else v for k, v in entry.items()}
         for i, entry in held.items()
@@ -504,8 +464,7 @@ def _cpu(value: Any) -> Any:
 
 
 def _own(value: Any) -> Any:
-    """A private copy of a per-parameter scalar state (e.g. Adam's ``step`` tensor): optimizers
-    update it in place, so it must never be shared between parameters or shards."""
+    """A private copy of a scalar state (Adam's ``step``: updated in place, never shared)."""
     return value.clone() if isinstance(value, torch.Tensor) else value
 
 
