@@ -1,20 +1,12 @@
-"""Link calibration: the process group's per-message latency alpha and bandwidth beta (F12 inputs).
+"""Link calibration: the group's per-message latency alpha and bandwidth beta (F12 inputs),
+fitted to the ring allreduce T(n) = 2 (p-1) alpha + 2 (p-1)/p * n / beta (docs/exchange.md).
 
-``calibrate(group, device)`` times the group's allreduce over a short sweep of message sizes and
-fits the ring allreduce cost model (F14) of p ranks moving n bytes:
-
-    T(n) = 2 (p-1) alpha + 2 (p-1)/p * n / beta  =  A + B n,
-
-so alpha = A / (2 (p-1)) and beta = 2 (p-1) / (p B). Phases:
-  Phase 1 (warm-up): one allreduce of every size, so connections and buffers exist before timing.
-  Phase 2 (sweep): ``repeats`` rounds of one timed allreduce per size. Before each timed op an
-    untimed one-element allreduce lines the ranks up: after a large message one rank may leave
-    the collective a little earlier, and the next (small) message would time that skew.
-  Phase 3 (agree): rank 0's timings are broadcast, so every rank fits the same numbers and gets
-    bit-identical alpha and beta (every rank must choose the same fusion threshold).
+``calibrate``'s phases:
+  Phase 1 (warm-up): one allreduce of every size, so connections and buffers exist.
+  Phase 2 (sweep): ``repeats`` rounds of one timed allreduce per size, each after an untimed
+    one-element allreduce that lines the ranks up (else a small message times the skew).
+  Phase 3 (agree): rank 0's timings broadcast: every rank gets bit-identical alpha and beta.
   Phase 4 (fit): the median time per size, then a least-squares line through them.
-
-With p = 1 nothing crosses a wire: no sweep, alpha = 0, beta = inf, every prediction is 0.
 """
 
 from __future__ import annotations
@@ -57,14 +49,8 @@ def ring_bandwidth_factor(world_size: int) -> float:
 
 @dataclass(frozen=True)
 class LinkModel:
-    """Fitted latency and bandwidth of one process group, with the sweep they came from.
-
-    ``sizes`` are message bytes; ``samples_s[i]`` the timed allreduces of ``sizes[i]`` (rank 0's).
-    ``message_samples_s``: one-way times of a ``MESSAGE_PROBE_BYTES`` point-to-point message
-    sent from a thread after a pause (``measure_message_s``; empty when not measured).
-    ``handoff_samples_s``: latencies of handing a job to the communication thread and of
-    resuming after it (``phalanx.exchange.comm.measure_handoff_s``; empty when not measured).
-    """
+    """Fitted latency and bandwidth of one process group, with the sweep (rank 0's samples per
+    size) and the probes (``measure_message_s``, ``comm.measure_handoff_s``; empty: not run)."""
 
     alpha_s: float
     beta_bytes_per_s: float
@@ -82,13 +68,11 @@ class LinkModel:
 
     @property
     def handoff_s(self) -> float | None:
-        """The median of ``handoff_samples_s`` (None when not measured; why the median:
-        ``measure_handoff_s``)."""
+        """The median of ``handoff_samples_s`` (None when not measured)."""
         return statistics.median(self.handoff_samples_s) if self.handoff_samples_s else None
 
     def predict(self, nbytes: float, world_size: int | None = None) -> float:
-        """Seconds of one ring allreduce of ``nbytes`` over ``world_size`` ranks (default: the
-        calibrated group's size): alpha f(p) + n g(p) / beta."""
+        """Seconds of one ring allreduce of ``nbytes``: alpha f(p) + n g(p) / beta."""
         p = self.world_size if world_size is None else world_size
         bandwidth = ring_bandwidth_factor(p) * nbytes / self.beta_bytes_per_s
         return ring_latency_factor(p) * self.alpha_s + bandwidth
@@ -121,11 +105,9 @@ class LinkModel:
 
     @classmethod
     def median_of(cls, links: list[LinkModel]) -> LinkModel:
-        """One model from several calibrations of the same group (rounds a few seconds or
-        minutes apart, on a machine whose state moves): the median alpha and beta, and each
-        probe's samples from the round whose statistic (the probe's mean or median) is the
-        median (lower median for an even count), so one round's burst of slow wake-ups does
-        not set the whole model."""
+        """One model from several calibrations: the median alpha and beta, and each probe's
+        samples from the round whose statistic is the (lower) median, so one round's burst of
+        slow wake-ups does not set the whole model."""
         assert links, "median_of: no calibrations"
 
         def middle(samples: str, statistic: str) -> tuple[float, ...]:
@@ -173,8 +155,7 @@ class LinkModel:
 
     @classmethod
     def load(cls, path: Path | str) -> LinkModel:
-        """Read a ``link.json`` written by ``save`` (a directory means its link.json), or the
-        ``--json`` file of ``phalanx bench link`` (its median model)."""
+        """Read a ``link.json`` (or a directory holding one, or ``bench link --json``)."""
         path = Path(path)
         if path.is_dir():
             path = path / LINK_FILE
@@ -189,12 +170,8 @@ class LinkModel:
 
 # -- the fit ----------------------------------------------------------------------------------
 def fit_line(sizes: Sequence[float], seconds: Sequence[float]) -> tuple[float, float]:
-    """(A, B) of T(n) = A + B n by least squares on relative residuals ((A + B n - t) / t).
-
-    Relative residuals weigh every size alike: plain residuals would let the noise of the largest
-    message (milliseconds) swamp the latency the small ones measure (microseconds). A negative
-    intercept or slope (noise) is refitted with that term fixed at 0.
-    """
+    """(A, B) of T(n) = A + B n by least squares on relative residuals, which weigh every size
+    alike; a negative term (noise) is refitted as 0."""
     if len(sizes) != len(seconds) or len(set(sizes)) < 2:
         raise ValueError("fit_line: needs at least two distinct sizes, one time per size")
     scale = max(sizes)  # sizes in units of the largest keep the normal equations well scaled
@@ -233,12 +210,8 @@ def calibrate(
     sizes: Sequence[int] = DEFAULT_SIZES,
     repeats: int = DEFAULT_REPEATS,
 ) -> LinkModel:
-    """Measure ``group``'s allreduce over ``sizes`` (bytes) and fit alpha and beta.
-
-    Collective: every rank of ``group`` must call it with the same arguments. Messages are
-    float32 tensors on ``device`` (1-D, sizes rounded down to whole elements). Every rank
-    returns the same LinkModel (rank 0's timings). About 0.3 s on 2 Gloo ranks over loopback.
-    """
+    """Measure ``group``'s allreduce over ``sizes`` (bytes, float32 on ``device``) and fit
+    alpha and beta (collective, the same model on every rank)."""
     sizes = tuple(int(n) for n in sizes)
     if len(set(sizes)) < 2 or min(sizes) < 4:
         raise ValueError(f"calibrate: sizes needs two distinct sizes >= 4 bytes, got {sizes}")
@@ -281,8 +254,7 @@ def calibrate(
 def broadcast_from_rank0(
     values: torch.Tensor, group: dist.ProcessGroup | None, device: torch.device
 ) -> torch.Tensor:
-    """Rank 0's ``values`` on every rank (float64 CPU tensor of the same shape in and out; it
-    travels on ``device``, as NCCL needs). Every rank must pass the same shape."""
+    """Rank 0's ``values`` (float64, CPU, one shape everywhere) on every rank, via ``device``."""
     assert values.dtype == torch.float64, "values travel as float64"
     on_device = values.to(device)
     # The group's rank 0 as a global rank: broadcast by group rank needs torch >= 2.6.
@@ -298,17 +270,12 @@ def measure_message_s(
     repeats: int = MESSAGE_REPEATS,
     pause_s: float = MESSAGE_PAUSE_S,
 ) -> tuple[float, ...]:
-    """One-way times of a small point-to-point message as the strategies send theirs: from a
-    communication thread, after a pause (the threads of both ranks asleep, as between a step's
-    phases), rank 0 and rank 1 of ``group`` ping-pong ``nbytes``; each sample is half a round
-    trip. Collective over ``group`` (ranks above 1 only join the agreement). Every rank returns
-    rank 0's samples (seconds). Their mean is what steps pay: on a shared CPU the samples are
-    heavy-tailed (a wake-up that waits for a core), so a median would hide the cost.
-
-      Phase 1 (warm-up): two round trips, so the connection and buffers exist.
+    """One-way times of a small message between ranks 0 and 1, sent from a thread after a
+    pause, as the strategies send theirs (collective; rank 0's samples everywhere). Their mean
+    is what steps pay: the samples are heavy-tailed, and a median would hide the cost.
+      Phase 1 (warm-up): two round trips.
       Phase 2 (ping-pong): ``repeats`` round trips, each after ``pause_s`` of sleep.
       Phase 3 (agree): rank 0's samples are broadcast."""
-
     device = torch.device(device)
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     if world_size == 1:

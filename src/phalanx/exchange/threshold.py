@@ -1,28 +1,14 @@
 """The fusion threshold (F12) from measurements: backward profile x link model -> bucket bytes.
 
-The threshold reads the one per-layer cost type, ``phalanx.costs.LayerCost`` (layers in backward
-order: each one's backward seconds and the bytes of the gradients ready when it ends), from
-either producer: the one per-layer profiler (``memory/profile.py``, what ``phalanx plan`` uses)
-or, in a live run, ``BackwardRecorder``, which notes during the first steps when each
-parameter's gradient became ready and how many bytes it has (one ``LayerCost`` per gradient).
-``BackwardProfile`` is the replay form of those layers (E_b, L, bytes and ready time per
-gradient; ``from_layers`` / ``layer_costs`` convert). ``choose_bucket_bytes(layers, link, P)``
-replays them through the bucket planner of ``phalanx.exchange.buckets`` for a set of candidate
-thresholds b and predicts, for each, how long the exchange runs past the end of backward:
-
-  - a bucket is ready when its last gradient is (the profile's measured ready times);
-  - the link serves buckets one at a time, in bucket order; a bucket of s bytes takes
-    c(s) = alpha f(P) + s g(P) / beta (ring: f = 2(P-1), g = 2(P-1)/P; ``phalanx.exchange.link``);
-  - exposed(b) = (when the last bucket finishes) - (when backward ends), at least 0.
-
-The smallest predicted exposed time wins; near-ties (within 1 % or 1 us) go to the larger b,
-which sends fewer messages (per-bucket costs the model omits: hooks, launches). The closed form
-of the same model for uniformly produced gradients is ``uniform_optimum`` (derived in
-docs/exchange.md, "The fusion threshold (F12)").
+Layers (``phalanx.costs.LayerCost``, from ``memory/profile.py`` or ``BackwardRecorder``) are
+replayed through ``buckets.plan_buckets`` for each candidate threshold; the least predicted
+exposed exchange wins, ties to the larger. Model and closed form: docs/exchange.md, "The fusion
+threshold (F12)".
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -51,13 +37,8 @@ TIE_ABSOLUTE_S = 1e-6
 # -- the backward profile ---------------------------------------------------------------------
 @dataclass(frozen=True)
 class BackwardProfile:
-    """When each gradient became ready during backward, averaged over the profiled steps.
-
-    ``ready_s[i]``: seconds from the start of backward until gradient i was accumulated
-    (ascending, within [0, backward_s]); ``nbytes[i]``: its bytes; ``param_indices[i]``: which
-    parameter (the Engine's index into its trainable parameters). ``backward_s`` is E_b, the mean
-    backward time. L (``num_layers``) counts parameters with gradients: the unit the buckets hold.
-    """
+    """When each gradient became ready during backward (seconds since it began, ascending),
+    its bytes and parameter index; ``backward_s`` is E_b, ``num_layers`` L (gradients)."""
 
     ready_s: tuple[float, ...]
     nbytes: tuple[int, ...]
@@ -100,8 +81,7 @@ class BackwardProfile:
 
     @classmethod
     def from_layers(cls, layers: Sequence[LayerCost]) -> BackwardProfile:
-        """Layers in backward order: each gradient is ready when its layer's backward ends;
-        E_b is the layers' backward in all (a layer without gradients only adds time)."""
+        """Layers in backward order: each gradient is ready when its layer's backward ends."""
         ready, sizes, clock = [], [], 0.0
         for layer in layers:
             clock += layer.backward_s
@@ -113,10 +93,8 @@ class BackwardProfile:
         return cls(ready_s=tuple(ready), nbytes=tuple(sizes), backward_s=max(clock, ready[-1]))
 
     def layer_costs(self, forward_s: float = 0.0) -> list[LayerCost]:
-        """One ``LayerCost`` per gradient, in backward order, whose backward runs from the
-        previous gradient's ready time to its own; backward left after the last gradient (the
-        input gradient of the first layer) is a layer without gradients. ``forward_s`` (which
-        this profile does not measure) is split in proportion to the backward times."""
+        """One ``LayerCost`` per gradient (backward since the previous one), then a tail
+        without gradients; ``forward_s`` (not measured) split as the backward times."""
         layers, previous = [], 0.0
         backward_total = max(self.backward_s, 1e-12)
         for index, ready, nbytes in zip(_indices(self), self.ready_s, self.nbytes):
@@ -160,15 +138,8 @@ class BackwardProfile:
 
 
 class BackwardRecorder:
-    """Records the backward profile of the first steps, for the Engine's hooks to feed.
-
-    Per step: ``start()`` right before ``backward()``; ``record(param_index, nbytes)`` from the
-    post-accumulate-grad hook (no-op while not started or once done, so the hook may call it
-    unconditionally); ``stop()`` when backward returned. The first ``skip_steps`` steps are
-    discarded (first-step allocations and lazy initialisation are not the steady state); after
-    ``num_steps`` kept steps ``done`` is True and ``profile()`` averages them: E_b is the mean
-    backward time, each gradient's ready time the mean over the steps that produced it.
-    """
+    """Records the backward profile of the first steps: ``start()``, ``record`` from the hook
+    (a no-op when not started), ``stop()``; the first ``skip_steps`` are not the steady state."""
 
     def __init__(
         self,
@@ -193,10 +164,6 @@ class BackwardRecorder:
     @property
     def done(self) -> bool:
         return len(self._steps) >= self.num_steps
-
-    @property
-    def active(self) -> bool:
-        return self._start is not None
 
     def start(self) -> None:
         if self.done:
@@ -246,11 +213,7 @@ class BackwardRecorder:
 def agree_profile(
     profile: BackwardProfile | None, group: dist.ProcessGroup | None, device: torch.device
 ) -> BackwardProfile:
-    """Rank 0's profile on every rank of ``group`` (collective), so all choose the same b.
-
-    Ranks without a backward of their own (e.g. dedicated parameter servers) pass None; rank 0
-    must pass a profile.
-    """
+    """Rank 0's profile on every rank of ``group`` (collective; servers pass None)."""
     if profile is None and dist.get_rank(group) == 0:
         raise ValueError("agree_profile: rank 0 has no backward profile to share")
     mine: list[float] = []
@@ -316,22 +279,10 @@ class Choice:
         )
 
     def to_dict(self) -> dict[str, Any]:
-        beta = self.beta_bytes_per_s
-        return {
-            "bucket_bytes": self.bucket_bytes,
-            "predicted_exposed_s": self.predicted_exposed_s,
-            "tied_from_bytes": self.tied_from_bytes,
-            "reference_bytes": self.reference_bytes,
-            "reference_exposed_s": self.reference_exposed_s,
-            "world_size": self.world_size,
-            "num_layers": self.num_layers,
-            "total_bytes": self.total_bytes,
-            "backward_s": self.backward_s,
-            "alpha_s": self.alpha_s,
-            "beta_bytes_per_s": None if math.isinf(beta) else beta,
-            "first_bucket_bytes": self.first_bucket_bytes,
-            "candidates": [{"bytes": b, "exposed_s": x} for b, x in self.candidates],
-        }
+        data = {k: v for k, v in dataclasses.asdict(self).items() if k != "candidates"}
+        if math.isinf(self.beta_bytes_per_s):
+            data["beta_bytes_per_s"] = None
+        return {**data, "candidates": [{"bytes": b, "exposed_s": x} for b, x in self.candidates]}
 
 
 def choose_bucket_bytes(
@@ -342,13 +293,8 @@ def choose_bucket_bytes(
     first_bucket_bytes: int | None = FIRST_BUCKET_BYTES,
     reference_bytes: int = REFERENCE_BYTES,
 ) -> Choice:
-    """The candidate threshold with the smallest predicted exposed exchange (see module doc).
-
-    ``layers``: in backward order (``BackwardProfile.from_layers``). ``candidates`` (bytes)
-    default to ``default_candidates``: log-spaced from the smallest gradient to the whole model.
-    ``first_bucket_bytes`` caps the first bucket as ``GradientBuckets`` does (None:
-    no cap). Deterministic: equal inputs give equal choices on every rank.
-    """
+    """The candidate threshold with the smallest predicted exposed exchange, deterministic
+    (``layers`` in backward order; ``first_bucket_bytes`` None: no cap)."""
     if world_size < 1:
         raise ValueError(f"choose_bucket_bytes: world_size must be >= 1, got {world_size}")
     profile = BackwardProfile.from_layers(layers)
@@ -400,12 +346,8 @@ def predict_exposed(
     first_bucket_bytes: int | None = FIRST_BUCKET_BYTES,
     grads: list[torch.Tensor] | None = None,
 ) -> float:
-    """Predicted seconds the exchange runs past backward with threshold ``bucket_bytes``.
-
-    Buckets come from ``plan_buckets`` over the gradients in ready order: the grouping the
-    Engine builds (``first_bucket_bytes`` None: no cap). ``grads`` are the stand-ins of
-    ``_stand_ins(profile)``, passed in to reuse them across candidates.
-    """
+    """Predicted seconds the exchange runs past backward with threshold ``bucket_bytes``
+    (``grads``: ``_stand_ins(profile)``, reused across candidates)."""
     grads = _stand_ins(profile) if grads is None else grads
     first = bucket_bytes if first_bucket_bytes is None else first_bucket_bytes
     groups = plan_buckets(grads, bucket_bytes, first)
@@ -425,11 +367,8 @@ def uniform_exposed(
     beta_bytes_per_s: float,
     world_size: int,
 ) -> float:
-    """The closed form of ``predict_exposed`` for G bytes produced at an even pace over E_b,
-    in n = G/b equal buckets without a first-bucket cap (exact when n is a whole number):
-
-        exposed(b) = max(c(b), n c(b) - (1 - 1/n) E_b),  c(b) = alpha f(P) + b g(P) / beta.
-    """
+    """The closed form of ``predict_exposed`` for gradients produced at an even pace (no cap):
+    max(c(b), n c(b) - (1 - 1/n) E_b) with n = G/b, c(b) = alpha f(P) + b g(P) / beta."""
     cost = alpha_s * ring_latency_factor(world_size) + (
         bucket_bytes * ring_bandwidth_factor(world_size) / beta_bytes_per_s
     )
@@ -445,11 +384,7 @@ def _stand_ins(profile: BackwardProfile) -> list[torch.Tensor]:
 def uniform_optimum(
     total_bytes: float, backward_s: float, alpha_s: float, beta_bytes_per_s: float, world_size: int
 ) -> float:
-    """b* of the closed form for gradients produced at an even pace (no first-bucket cap):
-
-    with a = alpha f(P) and w = G g(P) / beta,  b* = G min(sqrt(a / E_b), a / (E_b - w)), the
-    second term only when E_b > w; clipped to at most G. See docs/exchange.md for the algebra.
-    """
+    """b* = G min(1, sqrt(a / E_b), a / (E_b - w)) of the closed form (docs/exchange.md)."""
     latency = alpha_s * ring_latency_factor(world_size)
     wire = total_bytes * ring_bandwidth_factor(world_size) / beta_bytes_per_s
     if latency <= 0:
