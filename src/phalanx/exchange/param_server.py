@@ -1,26 +1,11 @@
-"""``ps``: a parameter server (F8, F9, F19 first half).
+"""``ps``: a parameter server (F8, F9, F19 first half); servers keep their partitions' master
+copy and optimizer state in CPU memory (options and costs: docs/exchange.md).
 
-Each bucket is split into one partition per server. ``servers = k`` makes the last k ranks
-dedicated servers (world = workers + servers); ``servers = 0`` makes every rank serve one
-partition. A server keeps the master copy of its partitions and their optimizer state in CPU
-memory.
-
-Per bucket, one job on the communication thread: launched in the Engine's Phase 2 as soon as
-backward fills the bucket, so buckets are served layer by layer while backward continues (F8);
-the Engine's Phase 4 waits for every push, its Phase 5 for every update (pulls end in the
-background). The job's stages:
-  Push: every worker sends each partition to its server, either directly (``star``:
-    every worker's messages to every server at once) or summed pairwise up a binary tree rooted
-    at the server (``tree``, F9, one partition after another).
-  Update: the server steps the optimizer on that partition only, as soon as every
-    worker's gradient for it has arrived. Before the push, one all-reduce of the bucket's
-    usage flags (a few bytes) tells every server which parameters any worker used: a
-    parameter no rank used is not stepped (``grad = None``), as in one process.
-  Pull: the server sends the updated partition back to every worker (``star``: all
-    servers to all workers at once) or down the same tree. A layer's next forward waits only
-    for its own bucket's pull. ``step`` returns once every server stepped (Update), so a
-    learning-rate scheduler stepped afterwards never changes the rate of an update still in
-    flight.
+Per bucket, one job on the communication thread, launched in the Engine's Phase 2 (Phase 4
+waits for every push, Phase 5 for every update; pulls end in the background):
+  Push: each partition to its server, directly (``star``) or summed up a tree (``tree``, F9).
+  Update: the server steps the optimizer on that partition as soon as it is summed.
+  Pull: the updated partition back to every worker; a layer's forward waits for its own.
 """
 
 from __future__ import annotations
@@ -72,16 +57,13 @@ class ParamServerConfig:
 
 
 def star_turn(server: int, worker: int, num_servers: int) -> int:
-    """When worker ``worker`` and the ``server``-th of ``num_servers`` servers exchange in a
-    star push or pull (the strategy posts its messages in this order; the planner models it):
-    turn t pairs every worker w with server (w + t) mod k, so a turn's messages use distinct
-    ports."""
+    """The turn of worker ``worker`` and the ``server``-th server in a star push or pull: turn t
+    pairs worker w with server (w + t) mod k, so a turn's messages use distinct ports."""
     return (server - worker) % num_servers
 
 
 def roles(config: ParamServerConfig, world_size: int) -> tuple[list[int], list[int]]:
-    """(servers, workers) of ``world_size`` ranks: the last ``servers`` serve and the others
-    work; with ``servers = 0`` every rank works and serves one partition."""
+    """(servers, workers): the last ``servers`` ranks serve (0: every rank does both)."""
     workers = list(range(world_size - config.servers))
     return (workers if config.servers == 0 else list(range(len(workers), world_size))), workers
 
@@ -90,9 +72,8 @@ def roles(config: ParamServerConfig, world_size: int) -> tuple[list[int], list[i
 def ps_rounds(
     world: int, owners: tuple[int, ...], workers: tuple[int, ...], reduce: str, pull: bool
 ) -> RoundTable:
-    """The push (or pull) of one bucket: star: one round, every worker sending each partition
-    to its server at once (pull: every server to every worker), in ``star_turn`` order; tree:
-    partition by partition in owner order, up (or down) a binary tree rooted at the owner."""
+    """The push (or pull) of one bucket: star: one round in ``star_turn`` order; tree: partition
+    by partition, up (or down) a binary tree rooted at the owner."""
     b = Builder()
     share = 1.0 / len(owners)
     if reduce == "tree":
@@ -113,9 +94,7 @@ def ps_rounds(
 
 
 class ParameterServerSchedule(MessageSchedule):
-    """Per bucket: push each partition to its server, the server updates it, pull it back.
-    ``servers = k`` dedicated ranks (the last k; 0: every rank serves one partition);
-    ``reduce``: ``star`` (direct messages, incast at the server) or ``tree``."""
+    """Per bucket: push each partition to its server, the server updates it, pull it back."""
 
     config: ParamServerConfig
 
@@ -137,7 +116,7 @@ class ParameterServerSchedule(MessageSchedule):
 
 @STRATEGIES.register("ps")
 class ParameterServer(OwnerUpdateStrategy):
-    """Push, update at the server, pull, per bucket (see the module docstring)."""
+    """Push, update at the server, pull, per bucket."""
 
     Config = ParamServerConfig
     Messages = ParameterServerSchedule
@@ -157,19 +136,15 @@ class ParameterServer(OwnerUpdateStrategy):
             host_master=True,
             group_of=self.group_of,
         )
-        # this rank's shards per (bucket, partition): what one server update steps
-        self._shards_of: dict[tuple[int, int], list[Shard]] = {}
+        self._shards_of: dict[tuple[int, int], list[Shard]] = {}  # (bucket, partition)
         for shard in self.sharded.shards:
             m = _partition_of(self.ranges[shard.bucket], shard.start)
             self._shards_of.setdefault((shard.bucket, m), []).append(shard)
-        # The optimizer the servers step (the user's, pointed at the shards by
-        # adopt_optimizer / rebind_optimizer)
-        self.optimizer: Optimizer | None = None
+        self.optimizer: Optimizer | None = None  # the user's, pointed at the shards
         self._pushed: list[tuple[threading.Event, Any]] = []
         self._updated: list[tuple[threading.Event, Any]] = []
         # partition updates the servers skipped (inf/NaN), over the run
-        previous = parts.previous
-        self.num_nonfinite_partitions = getattr(previous, "num_nonfinite_partitions", 0)
+        self.num_nonfinite_partitions = getattr(parts.previous, "num_nonfinite_partitions", 0)
 
     # -- roles --------------------------------------------------------------------------------
     @classmethod
@@ -210,8 +185,7 @@ class ParameterServer(OwnerUpdateStrategy):
     def inspect_gradients(
         self, want_norm: bool, riders: torch.Tensor | None = None
     ) -> tuple[bool, float | None]:
-        """A bad loss was agreed before the exchange; gradients that turn inf/NaN under a finite
-        loss are caught by each server on its own partitions (see ``_update``)."""
+        """A bad loss was agreed before the exchange; servers check their partitions."""
         assert not want_norm, "updates_during_exchange: the Engine refuses max_grad_norm"
         assert riders is None, "no all-reduce here to ride in"
         return False, None
@@ -231,7 +205,6 @@ class ParameterServer(OwnerUpdateStrategy):
     def _serve_bucket(
         self, bucket: Bucket, pushed: threading.Event, updated: threading.Event
     ) -> None:
-        """Runs on the communication thread."""
         owners = self._owners()
         grads = self._host(bucket.flat)
         used = self._agree_usage(bucket)
@@ -263,17 +236,14 @@ class ParameterServer(OwnerUpdateStrategy):
         self.thread_spans.append(span)
 
     def _agree_usage(self, bucket: Bucket) -> list[bool]:
-        """Per parameter of ``bucket``, whether any rank used it this step: its usage flags
-        summed over every rank (a server's are zeros) in one all-reduce of a few bytes. (Sent
-        beside each push message instead, the flags cost more here: two more messages per
-        worker and server against one small collective, 52 vs 49 ms a step on a 16-bucket
-        MLP at 2 processes.)"""
+        """Per parameter of ``bucket``, whether any rank used it: one all-reduce of the flags
+        (beside each push instead: 52 vs 49 ms a step, 16-bucket MLP, 2 processes)."""
         flags = self._host(bucket.flags).to(torch.float64, copy=True)
         dist.all_reduce(flags, group=self.comm_thread().group)
         return used_flags(flags)
 
     def _host(self, flat: torch.Tensor) -> torch.Tensor:
-        """Gradients as CPU tensors: servers keep everything in host memory."""
+        """As a CPU tensor: servers keep everything in host memory."""
         return flat if flat.device.type == "cpu" else flat.to("cpu")
 
     def _participants(self, owner: int) -> list[int]:
@@ -281,9 +251,8 @@ class ParameterServer(OwnerUpdateStrategy):
         return [owner] + [w for w in range(self.num_workers) if w != owner]
 
     def _push_star(self, b: int, grads: torch.Tensor) -> dict[int, torch.Tensor]:
-        """Every worker sends each partition of bucket ``b``'s gradients (``grads``: 1-D, on
-        the host) to its server, all at once; each server receives every worker's at once and
-        sums them in worker order. Returns {partition: sum} of the partitions this rank owns."""
+        """Every worker's partitions of ``grads`` (1-D, host) to their servers at once, summed
+        there in worker order; returns {partition: sum} of those this rank owns."""
         rank, group, codec = self.ctx.rank, self.comm_thread().group, self.codec
         owners, ranges = self._owners(), self.ranges[b]
         trainer = rank < self.num_workers
@@ -325,8 +294,7 @@ class ParameterServer(OwnerUpdateStrategy):
         return summed
 
     def _push_tree(self, b: int, grads: torch.Tensor, m: int) -> torch.Tensor:
-        """Partition m of bucket ``b``'s gradients summed up a binary tree rooted at its
-        server (returned there; other ranks get their partial sum)."""
+        """Partition m of bucket ``b``'s gradients summed up a tree rooted at its server."""
         owner = self._owners()[m]
         lo, hi = self.ranges[b][m]
         chunk = grads[lo:hi]
@@ -343,8 +311,7 @@ class ParameterServer(OwnerUpdateStrategy):
         return total
 
     def _update(self, bucket: Bucket, m: int, summed: torch.Tensor, used: list[bool]) -> None:
-        """Step the optimizer on partition m of this bucket only (others have no gradient),
-        on the parameters some rank used (``used``: per parameter of the bucket)."""
+        """Step the optimizer on partition m of this bucket, its parameters some rank used."""
         assert self.optimizer is not None, "adopt_optimizer first"
         lo, hi = self.ranges[bucket.index][m]
         if holds_nonfinite([summed]):
@@ -368,8 +335,7 @@ class ParameterServer(OwnerUpdateStrategy):
         self._record_span("optimizer", f"update b{bucket.index}", bucket, started)
 
     def _pull_star(self, b: int, flat: torch.Tensor) -> None:
-        """Every server sends its updated partitions of bucket ``b`` (``flat``: the bucket's
-        parameters, 1-D) to every worker, all at once; each worker receives them at once."""
+        """Every server's updated partitions of ``flat`` (1-D) to every worker, all at once."""
         rank, group = self.ctx.rank, self.comm_thread().group
         owners = self._owners()
         pairs = [(m, w) for m, o in enumerate(owners) for w in range(self.num_workers) if w != o]
@@ -393,8 +359,7 @@ class ParameterServer(OwnerUpdateStrategy):
                 flat[lo:hi].copy_(piece)
 
     def _pull_tree(self, flat: torch.Tensor, lo: int, hi: int, owner: int) -> None:
-        """The updated partition [lo, hi) travels from ``owner`` down the tree to every
-        worker."""
+        """The updated partition [lo, hi) from ``owner`` down the tree to every worker."""
         rank, group = self.ctx.rank, self.comm_thread().group
         ranks = self._participants(owner)
         if rank not in ranks:
@@ -409,8 +374,7 @@ class ParameterServer(OwnerUpdateStrategy):
             flat[lo:hi].copy_(piece)
 
     def _pull_links(self, ranks: list[int]) -> tuple[int | None, list[int]]:
-        """Who this rank receives the updated partition from, and whom it forwards it to
-        (star: the owner sends to every worker; tree: down the tree rooted at the owner)."""
+        """(the rank this one receives the partition from, the ranks it forwards it to)."""
         me = ranks.index(self.ctx.rank)
         if self.config.reduce == "tree":
             parent = tree_parent(me)
@@ -439,18 +403,15 @@ class ParameterServer(OwnerUpdateStrategy):
         self._pushed = []
 
     def update(self, optimizer: Optimizer) -> None:
-        """Wait until the servers stepped every bucket (so the step used this step's learning
-        rate, whatever a scheduler does next); pulls finish in the background and each
-        layer's forward waits for its own."""
+        """Wait until the servers stepped every bucket (a scheduler stepped next cannot change
+        an update in flight); pulls finish in the background."""
         del optimizer
         _wait_events(self._updated)
         self._updated = []
 
 
 def _own_sum(chunk: torch.Tensor, trainer: bool) -> torch.Tensor:
-    """Where a partition's sum accumulates: this rank's own gradients for it, in place (the
-    bucket is not read again before the next backward, which waits for the update), or zeros
-    on a dedicated server."""
+    """Where a partition's sum accumulates: this rank's gradients in place, or zeros (server)."""
     return chunk if trainer else chunk.zero_()
 
 

@@ -1,24 +1,10 @@
 """``partitioned``: reduce each partition to its owner, update there, send it back (F4, F5).
+Schedules ``cyclic`` and ``native``, and why native is not Gloo's reduce_scatter: docs/exchange.md.
 
 Phases per bucket (the Engine's step numbers, as in phalanx.exchange.base):
-  Phase 2 (launch, during backward): reduce every partition to its owner, as a job on the
-    communication thread, so it runs while backward continues.
-  Phase 4 (finish): wait until every owned partition is fully reduced.
-  Phase 5 (update): each owner steps the optimizer on its partitions only (optimizer state
-    lives only there), then each bucket's partitions are sent back to every rank in the
-    background: a layer's forward pre-hook waits only for the bucket(s) holding its own
-    parameters, so the next forward overlaps the send-back.
-
-Schedules (option ``schedule``):
-  ``cyclic``: the documents' schedule (phalanx.exchange.messages): floor(p/2) partitions hop
-    around the ring, each rank only sending or only receiving in a cycle; p-1 cycles per phase.
-  ``native``: p partitions, one per rank, with the backend's fastest primitives: NCCL's
-    reduce_scatter + all_gather; on Gloo, whose reduce_scatter and all_gather measured twice
-    as slow as its allreduce (docs/exchange.md), a full-duplex ring reduce-scatter over
-    point-to-point messages and one broadcast per owner.
-A parameter no rank used in a step is not stepped (``grad = None`` on its shards), as in one
-process: the owners' summed usage flags ride in the verdict's all-reduce (Phase 4), or in one
-of their own where the Engine asks for no verdict.
+  Phase 2 (launch): reduce every partition to its owner, a job on the communication thread.
+  Phase 4 (finish): wait until every owned partition is reduced (usage flags: in the verdict).
+  Phase 5 (update): owners step their partitions, then send them back in the background.
 """
 
 from __future__ import annotations
@@ -64,10 +50,8 @@ class Layout:
 
 
 class PartitionSchedule(ABC):
-    """How one bucket's partitions reach their owners and travel back (run on the comm thread).
-
-    Tensors are 1-D and share the bucket's dtype and device.
-    """
+    """How one bucket's partitions reach their owners and travel back (on the comm thread);
+    tensors are 1-D, the bucket's dtype and device."""
 
     def __init__(self, rank: int, world_size: int, group: Any, codec: Codec) -> None:
         self.rank, self.world_size, self.group = rank, world_size, group
@@ -81,8 +65,7 @@ class PartitionSchedule(ABC):
 
     @abstractmethod
     def reduce(self, flat: torch.Tensor, layout: Layout, count: Count) -> tuple[torch.Tensor, int]:
-        """Sum ``flat`` over ranks into this rank's partitions; returns the buffer holding them
-        and the flat index its element 0 corresponds to."""
+        """Sum ``flat`` into this rank's partitions; returns (buffer, flat index of its 0)."""
 
     @abstractmethod
     def send_back(self, flat: torch.Tensor, layout: Layout) -> None:
@@ -90,7 +73,7 @@ class PartitionSchedule(ABC):
 
     @abstractmethod
     def send_back_bytes(self, layout: Layout, itemsize: int) -> tuple[int, int]:
-        """(sent, received) bytes of this rank's part of ``send_back``, message by message."""
+        """(sent, received) bytes of this rank's part of ``send_back``."""
 
 
 class CyclicSchedule(PartitionSchedule):
@@ -131,21 +114,14 @@ class CyclicSchedule(PartitionSchedule):
 
 
 class RingSchedule(PartitionSchedule):
-    """p partitions (rank r owns r): full-duplex ring reduce-scatter, then a broadcast per owner.
-
-    Step s (s = 0..p-2): send partition (r-s-1) mod p to r+1 while receiving partition
-    (r-s-2) mod p from r-1 and adding it; after p-1 steps partition r is complete at rank r.
-    """
+    """p partitions (rank r owns r): full-duplex ring reduce-scatter, then a broadcast per owner."""
 
     def layout(self, numel: int) -> Layout:
         return Layout(bounds(numel, self.world_size), list(range(self.world_size)))
 
     def reduce(self, flat: torch.Tensor, layout: Layout, count: Count) -> tuple[torch.Tensor, int]:
-        count(
-            *ring_reduce_scatter(
-                flat, layout.ranges, self.rank, self.world_size, self.group, self.codec
-            )
-        )
+        ranges, p = layout.ranges, self.world_size
+        count(*ring_reduce_scatter(flat, ranges, self.rank, p, self.group, self.codec))
         return flat, 0
 
     def send_back(self, flat: torch.Tensor, layout: Layout) -> None:
@@ -198,9 +174,7 @@ class PartitionedConfig:
 
 
 class PartitionedSchedule(MessageSchedule):
-    """Reduce each partition to its owner, the owner updates its shard, then sends it back
-    while the next forward runs. ``cyclic``: the documents' half-duplex schedule with
-    floor(p/2) owners; ``native``: p owners, ring reduce-scatter and all-gather (NCCL)."""
+    """Reduce each partition to its owner, which updates it and sends it back during forward."""
 
     config: PartitionedConfig
 
@@ -229,7 +203,7 @@ class PartitionedSchedule(MessageSchedule):
 
 @STRATEGIES.register("partitioned")
 class Partitioned(OwnerUpdateStrategy):
-    """Owner-update exchange over partitions of every bucket (see the module docstring)."""
+    """Owner-update exchange over partitions of every bucket."""
 
     Config = PartitionedConfig
     Messages = PartitionedSchedule
@@ -246,8 +220,7 @@ class Partitioned(OwnerUpdateStrategy):
         self.sharded = ShardedParameters(buckets, ranges, owners, ctx.rank, group_of=self.group_of)
         self._pending_reduce: dict[int, Any] = {}
         self._reduced: dict[int, tuple[torch.Tensor, int]] = {}
-        # per bucket, where its parameters' usage flags sit in the usage message
-        self._flag_base = [0]
+        self._flag_base = [0]  # per bucket, where its usage flags sit in the usage message
         for bucket in buckets[:-1]:
             self._flag_base.append(self._flag_base[-1] + len(bucket.params))
         self._used: list[list[bool]] | None = None  # this step's, per bucket and parameter
@@ -278,17 +251,9 @@ class Partitioned(OwnerUpdateStrategy):
     def inspect_gradients(
         self, want_norm: bool, riders: torch.Tensor | None = None
     ) -> tuple[bool, float | None]:
-        """Each owner checks the partitions it reduced (a bad loss elsewhere arrives as NaN
-        usage flags in the last partition) and, for clipping, sums the squares of their
-        gradients; one small all-reduce makes both global, since no rank holds the whole
-        gradient. The Engine's ``riders`` (its global loss) and the owners' summed usage
-        flags (which parameters any rank used) travel in the same message.
-
-        With ``want_norm`` one pass per partition does both: a float64 sum of squares is
-        inf/NaN exactly where an element is (one read of the gradients instead of a sum for
-        the check and a square per shard for the norm: 0.75 -> 0.15 ms per step on the GPT
-        of ``bench port``). The norm covers every gradient of the partition, as the
-        whole-gradient strategies' does (parameters in no optimizer group included)."""
+        """Owners check their partitions and sum their squares (with ``want_norm``, one float64
+        pass does both: 0.75 -> 0.15 ms a step, GPT of ``bench port``); one all-reduce makes
+        verdict and norm global, with ``riders`` and the owners' summed usage flags."""
         num_riders = 0 if riders is None else riders.numel()
         usage = self._owned_usage()
         local = usage.new_zeros(2 + num_riders + usage.numel())
@@ -308,8 +273,7 @@ class Partitioned(OwnerUpdateStrategy):
         return bool(local[0].item() > 0), (float(local[1].sqrt()) if want_norm else None)
 
     def _owned_ranges(self) -> Iterator[tuple[Bucket, int, torch.Tensor]]:
-        """(bucket, flat start, reduced view) of each partition this rank reduced; the view is
-        1-D, the bucket's dtype and device."""
+        """(bucket, flat start, reduced 1-D view) of each partition this rank reduced."""
         for b, (buffer, offset) in self._reduced.items():
             layout = self.layouts[b]
             for (lo, hi), owner in zip(layout.ranges, layout.owners):
@@ -317,8 +281,7 @@ class Partitioned(OwnerUpdateStrategy):
                     yield self.sharded.buckets[b], lo, buffer[lo - offset : hi - offset]
 
     def _owned_usage(self) -> torch.Tensor:
-        """Every bucket's usage flags, one float64 per parameter in bucket order: the summed
-        flags where this rank owns them, zeros elsewhere (summed over ranks: all of them)."""
+        """Every bucket's usage flags (float64, per parameter): the summed ones this rank owns."""
         total = self._flag_base[-1] + len(self.buckets[-1].params) if self.buckets else 0
         usage = torch.zeros(total, dtype=torch.float64, device=self.ctx.device)
         for bucket, lo, view in self._owned_ranges():
@@ -330,8 +293,7 @@ class Partitioned(OwnerUpdateStrategy):
         return usage
 
     def _usage_of(self, summed: torch.Tensor) -> list[list[bool]]:
-        """Per bucket and parameter, whether any rank used it (``summed``: every bucket's
-        flags summed over ranks, as ``_owned_usage`` lays them out)."""
+        """Per bucket and parameter, whether any rank used it (``summed``: ``_owned_usage``'s)."""
         return [
             used_flags(summed[base : base + len(bucket.params)])
             for base, bucket in zip(self._flag_base, self.buckets)
@@ -383,9 +345,8 @@ class Partitioned(OwnerUpdateStrategy):
 def _schedule_class(
     config: PartitionedConfig, backend: str, compressed: bool
 ) -> type[PartitionSchedule]:
-    """The schedule of ``config`` on ``backend``. Backend collectives cannot sum messages with
-    per-rank scales: compressed runs use the point-to-point ring, which decodes and adds in
-    full precision at every hop."""
+    """The schedule of ``config`` on ``backend`` (backend collectives cannot sum messages with
+    per-rank scales: compressed runs use the point-to-point ring)."""
     if config.schedule == "cyclic":
         return CyclicSchedule
     return CollectiveSchedule if backend == "nccl" and not compressed else RingSchedule
