@@ -1,16 +1,5 @@
-"""Scaled low-precision gradients on the wire (F13).
-
-Before a gradient message is sent it is multiplied by a scale factor chosen from its value range
-against the target dtype's range, cast to fp16 or bf16 and packed with its scale into one byte
-buffer; the receiver unpacks, casts back to the gradient's dtype (fp32) and unscales before it
-adds, so partial sums always accumulate in full precision. The scale is a power of two
-(multiplying by it is exact) that maps the largest magnitude to about half the dtype's largest
-finite value: large gradients cannot overflow, and small ones keep as many significant bits as
-the range allows instead of flushing to zero.
-
-Only gradients are compressed; parameters sent back by owners and servers stay exact.
-A message that already holds inf or NaN is sent as is (they survive the cast) and counted in
-``Codec.num_nonfinite``, so the problem shows in the step statistics instead of being hidden.
+"""Scaled low-precision gradients on the wire (F13): a power-of-two scale per message, cast to
+fp16 or bf16, summed in fp32 at the receiver (docs/exchange.md, "Compression").
 """
 
 from __future__ import annotations
@@ -39,9 +28,7 @@ class Codec:
         self._local = threading.local()  # per-thread work buffer and message arenas
 
     def scratch_message(self, like: torch.Tensor, slot: str = "recv") -> torch.Tensor:
-        """A reusable buffer for ``like``'s message, private to the calling thread (no
-        multi-MB allocation per message). The same ``slot`` returns the same memory, so a
-        message must be consumed before its slot is asked for again."""
+        """A reusable per-thread buffer for ``like``'s message (consume before reusing ``slot``)."""
         return self.message_views(slot, [like.numel()], like)[0]
 
     def message_nbytes(self, numel: int, like: torch.Tensor) -> int:
@@ -49,8 +36,7 @@ class Codec:
         return -(-numel * like.element_size() // 4) * 4
 
     def message_views(self, slot: str, numels: list[int], like: torch.Tensor) -> list[torch.Tensor]:
-        """Message buffers for pieces of ``numels`` elements each, packed into one reusable
-        per-thread byte arena named ``slot`` (grown on demand, on ``like``'s device)."""
+        """Message buffers for pieces of ``numels`` elements in one per-thread arena ``slot``."""
         sizes = [self.message_nbytes(n, like) for n in numels]
         arenas: dict[str, torch.Tensor] = self._local.__dict__.setdefault("arenas", {})
         arena = arenas.get(slot)
@@ -68,8 +54,7 @@ class Codec:
         return raw[: numel * like.element_size()].view(like.dtype)
 
     def work_buffer(self, like: torch.Tensor) -> torch.Tensor:
-        """A reusable 1-D buffer of ``like``'s numel, dtype and device, private to the calling
-        thread (grown on demand, so no multi-MB allocation per message)."""
+        """A reusable per-thread 1-D buffer of ``like``'s numel, dtype and device."""
         buffer = getattr(self._local, "buffer", None)
         if (
             buffer is None
@@ -82,8 +67,7 @@ class Codec:
         return buffer[: like.numel()]
 
     def encode(self, t: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The message for ``t`` (1-D): here ``t`` itself. ``out``: a buffer from
-        ``message_views`` to write the message into (codecs that copy; else a new one)."""
+        """The message for ``t`` (1-D), into ``out`` (from ``message_views``) where it copies."""
         del out
         return t
 
@@ -106,9 +90,7 @@ class Codec:
             t.copy_(message)
 
     def send_buffer(self, like: torch.Tensor) -> torch.Tensor | None:
-        """Where to encode ``like``'s message before a blocking send: this thread's reusable
-        "send" arena (a fresh multi-MB message per send costs its page faults every time);
-        None when the message is ``like`` itself (no codec)."""
+        """Where to encode before a blocking send: the "send" arena (None: no codec)."""
         return None if self.wire_dtype is None else self.scratch_message(like, "send")
 
     # -- point-to-point helpers used by the strategies ----------------------------------------
@@ -132,19 +114,10 @@ class Codec:
         dist.recv(message, global_rank(group, src), group=group)
         return message
 
-    def recv_into(self, t: torch.Tensor, src: int, group: Any) -> int:
-        """Receive a message and store its values in ``t``."""
-        message = self.recv_message(t, src, group)
-        self.decode_into(message, t)
-        return message.nbytes
-
 
 class ScaledCodec(Codec):
-    """Power-of-two scaling + cast to ``wire_dtype``, packed with the scale (see module doc).
-
-    Message layout (uint8, 1-D): payload (numel x itemsize of wire_dtype, padded to 4 bytes)
-    then the scale as one float32.
-    """
+    """Power-of-two scaling + cast to ``wire_dtype``. Message (uint8, 1-D): the payload padded
+    to 4 bytes, then the scale as one float32."""
 
     wire_dtype: torch.dtype = torch.float16
     target: float = torch.finfo(torch.float16).max / 2  # largest magnitude after scaling
@@ -226,8 +199,7 @@ class Fp16Codec(ScaledCodec):
 
 @CODECS.register("bf16")
 class Bf16Codec(ScaledCodec):
-    """bf16 has float32's exponent range: scaling only centres values (largest near 1), which
-    keeps tiny gradients out of the subnormals; precision is 8 bits either way."""
+    """bf16: largest magnitude near 1, keeping tiny gradients out of the subnormals; 8 bits."""
 
     name = "bf16"
     wire_dtype = torch.bfloat16

@@ -1,18 +1,11 @@
-"""Ring reduce-scatter and allreduce over point-to-point messages, pipelined in pieces.
+"""Ring reduce-scatter and allreduce over point-to-point messages, pipelined in pieces, where
+the backend cannot sum (compressed messages carry per-rank scales; docs/exchange.md).
 
-Used where a backend collective cannot do the job: compressed messages carry a per-rank scale,
-so they cannot be summed by the backend; every hop here decodes and adds in full precision.
-
-Each ring step moves one chunk to the next rank while receiving another from the previous one.
-A chunk travels as several pieces (``PIECE_NUMEL`` elements, each its own message with its own
-scale), so that decoding overlaps the wire:
+A ring step moves a chunk as pieces of ``PIECE_NUMEL``, so decoding overlaps the wire:
   Phase 1: post the receives of every piece of the incoming chunk;
-  Phase 2: encode the outgoing chunk piece by piece, then post every piece's send (posting
-    each piece as soon as it was encoded measured slower on two shared cores: the backend's
-    copying thread then competes with the encoder, docs/exchange.md);
-  Phase 3: fold each incoming piece into ``flat`` as it arrives, in order.
-Message buffers come from the codec's per-thread arenas: no multi-MB allocation
-per message. Gloo and NCCL deliver messages between a pair of ranks in the order they were posted.
+  Phase 2: encode the outgoing pieces, then post every send (sending each as it was encoded
+    measured slower on two shared cores);
+  Phase 3: fold each incoming piece into ``flat`` as it arrives, in order (pairs deliver in order).
 """
 
 from __future__ import annotations
@@ -55,9 +48,8 @@ class RingLink:
         recv_slot: str,
         outgoing: list[torch.Tensor] | None = None,
     ) -> list[torch.Tensor]:
-        """Send ``flat[send]`` (or the ready ``outgoing`` messages of its pieces), receive the
-        pieces of ``flat[recv]`` into arena ``recv_slot`` and ``combine`` each into ``flat``.
-        Returns the received messages (valid until ``recv_slot`` is used again)."""
+        """Send ``flat[send]`` (or ready ``outgoing`` messages), receive ``flat[recv]``'s pieces
+        into arena ``recv_slot`` and ``combine`` them in; returns the received messages."""
         codec, p = self.codec, self.world_size
         nxt, prev = (self.rank + 1) % p, (self.rank - 1) % p
         send_pieces, recv_pieces = pieces(*send), pieces(*recv)
@@ -89,11 +81,8 @@ class RingLink:
 def ring_reduce_scatter(
     flat: torch.Tensor, chunks: list[Range], rank: int, p: int, group: Any, codec: Codec
 ) -> tuple[int, int]:
-    """Sum ``flat`` (1-D) over the ring so that chunk ``rank`` of ``chunks`` is complete at this
-    rank; returns this rank's (sent, received) bytes. Other chunks are left as partial sums.
-
-    Step s = 0..p-2: send chunk (r-s-1) mod p, receive chunk (r-s-2) mod p and add it.
-    """
+    """Sum ``flat`` (1-D) so chunk ``rank`` is complete here; returns (sent, received) bytes.
+    Step s = 0..p-2: send chunk (r-s-1) mod p, receive chunk (r-s-2) mod p and add it."""
     link = RingLink(rank, p, group, codec)
     for s in range(p - 1):
         link.step(
@@ -106,11 +95,8 @@ def ring_allreduce(
     flat: torch.Tensor, rank: int, p: int, group: Any, codec: Codec
 ) -> tuple[int, int]:
     """Sum ``flat`` (1-D) over the ring in place; returns this rank's (sent, received) bytes.
-
-    Phase 1 (reduce-scatter): ``ring_reduce_scatter``; afterwards chunk r is complete at rank r.
-    Phase 2 (all-gather), step s = 0..p-2: pass on the messages received in the previous step
-      (first: chunk r, encoded once), receive chunk (r-s-1) mod p and store it. Every rank ends
-      with what the owners' messages decode to, so replicas stay bit-identical.
+    Phase 1 (reduce-scatter): ``ring_reduce_scatter``; chunk r is complete at rank r.
+    Phase 2 (all-gather): pass the owners' encoded chunks on unchanged (bit-identical replicas).
     """
     chunks = bounds(flat.numel(), p)
     # Phase 1: reduce-scatter.
@@ -130,17 +116,11 @@ def ring_allreduce(
 
 
 class GatherExchange:
-    """Sum ``flat`` (1-D) in place by sending this rank's whole message to every other rank and
-    adding all p decoded messages in rank order (so every rank computes the same sum).
-
-    One round instead of the ring's 2(p-1), for (p-1) messages per rank instead of about 2:
-    the better trade at p = 2 (equal bytes) and for small buckets, where latency dominates.
-    ``start`` returns as soon as everything is posted, so the wire works while the caller
-    goes on; ``finish`` completes:
+    """Sum ``flat`` (1-D) in place: every rank's whole message to every other, all p added in
+    rank order (one round; the better trade at p = 2). ``start`` returns once all is posted:
       Phase 1 (start): post the receives of every piece from every other rank;
       Phase 2 (start): encode this rank's pieces, then send each to every other rank;
-      Phase 3 (finish): per piece, once all p messages are there, decode them into ``flat`` in
-        rank order.
+      Phase 3 (finish): per piece, once all p messages are there, decode them in rank order.
     """
 
     def __init__(self, flat: torch.Tensor, rank: int, p: int, group: Any, codec: Codec) -> None:
@@ -200,19 +180,14 @@ GATHER_MAX_BYTES = 2 << 20  # messages up to this go by gather at p = 2 (measure
 
 
 def prefers_gather(flat: torch.Tensor, p: int, codec: Codec) -> bool:
-    """Whether ``p2p_allreduce`` sums ``flat`` by gather rather than by ring: at p = 2 both send
-    the same bytes and the gather needs one round instead of two. Measured on loopback Gloo, it
-    wins up to messages of ~8 MiB (600 KB: 0.86 vs 1.42 ms) and loses beyond (32 MiB buckets:
-    50 vs 41 ms). At p > 2 it would send (p-1) messages per rank instead of the ring's
-    ~2(p-1)/p, so the ring always runs there."""
+    """Whether ``p2p_allreduce`` sums ``flat`` by gather (p = 2, small) rather than by ring."""
     return p == 2 and codec.message_nbytes(flat.numel(), flat) <= GATHER_MAX_BYTES
 
 
 def p2p_allreduce(
     flat: torch.Tensor, rank: int, p: int, group: Any, codec: Codec
 ) -> tuple[int, int]:
-    """Sum ``flat`` in place over point-to-point messages, by the cheaper algorithm for its
-    size (``prefers_gather``: the same choice on every rank, buckets have the same sizes)."""
+    """Sum ``flat`` in place over point-to-point messages, by the cheaper algorithm."""
     if prefers_gather(flat, p, codec):
         return gather_allreduce(flat, rank, p, group, codec)
     return ring_allreduce(flat, rank, p, group, codec)
