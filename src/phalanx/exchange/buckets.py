@@ -1,17 +1,8 @@
-"""Fusion buckets filled by backward hooks (F8, F11).
-
-Gradients of trainable parameters live in flat per-bucket buffers (one dtype and device per
-bucket). Each parameter's ``.grad`` is a view into its bucket: the first gradient of a step is
-copied in by the hook, later micro-steps accumulate straight into the buffer.
-
-Phases of one step, as seen from here:
-  Phase 1 (arm): clear the per-step flags; gradients start as None (the first accumulation
-    is copied into the view).
-  Phase 2 (backward): a post-accumulate-grad hook marks the parameter ready; when a bucket's last
-    parameter is ready, it and every ready bucket after the last launched one are handed to the
-    exchange, strictly in bucket order so all ranks issue collectives in the same order.
-  Phase 3 (flush): after backward returns, buckets not yet launched (unused parameters) are
-    launched in order with zeros where gradients are missing.
+"""Fusion buckets filled by backward hooks (F8, F11); why and how: docs/exchange.md, "Buckets
+and overlap". Phases of one step, as seen from here:
+  Phase 1 (arm): clear the per-step flags; gradients start as None (copied into the view).
+  Phase 2 (backward): the hook marks a parameter ready; full buckets launch strictly in order.
+  Phase 3 (flush): after backward, buckets held back by unused parameters launch with zeros.
 """
 
 from __future__ import annotations
@@ -29,11 +20,8 @@ FIRST_BUCKET_BYTES = 1 << 20  # a small first bucket starts communication early,
 
 @dataclass
 class Bucket:
-    """One fusion buffer: ``flat`` (1-D, the dtype and device of its parameters) is what the
-    strategy exchanges. Its head, ``grads``, holds the parameters' gradients (``views`` are
-    their shapes); its tail, ``flags`` (one element per parameter), holds 1 where this rank
-    produced that gradient, so summing buckets also tells which parameters any rank used.
-    """
+    """One fusion buffer ``flat`` (1-D, its parameters' dtype and device): ``grads`` (``views``
+    shaped as the parameters), then ``flags`` (1 per parameter this rank produced a gradient)."""
 
     index: int
     params: list[torch.nn.Parameter]
@@ -50,9 +38,7 @@ class Bucket:
     done_time: float = 0.0  # perf_counter when its exchange completed (stamped by strategies)
     pending_grads_at_launch: int = 0  # parameters of the model still waiting for backward
     extra: dict = field(default_factory=dict)  # strategy-owned per-bucket state
-    # The last bucket's slots after ``flags`` (``riders`` of GradientBuckets; else None): values
-    # another component sums over the ranks in this bucket's exchange (the global loss).
-    riders: torch.Tensor | None = None
+    riders: torch.Tensor | None = None  # the last bucket's slots after flags (the global loss)
 
     @property
     def nbytes(self) -> int:
@@ -62,11 +48,8 @@ class Bucket:
 def plan_buckets(
     params: Sequence[torch.Tensor], bucket_bytes: int, first_bucket_bytes: int
 ) -> list[list[int]]:
-    """Split parameters (given in expected backward order) into buckets of about bucket_bytes.
-
-    Returns lists of indices into ``params``. A bucket holds one dtype and device; the first
-    bucket is capped at ``first_bucket_bytes`` so the first exchange starts early.
-    """
+    """Indices of ``params`` (in backward order) in buckets of about ``bucket_bytes``, one dtype
+    and device each, the first capped at ``first_bucket_bytes``."""
     groups: list[list[int]] = []
     size = 0
     cap = min(first_bucket_bytes, bucket_bytes)
@@ -100,8 +83,7 @@ class GradientBuckets:
         align: int = 1,
         riders: int = 0,
     ) -> None:
-        """``riders``: slots the last bucket carries after its flags (``Bucket.riders``), for
-        a strategy that sums whole buckets over the ranks (0: none)."""
+        """``riders``: slots the last bucket carries after its flags (``Bucket.riders``)."""
         # Hooks fire in backward order, which is roughly the reverse of registration order.
         self.params = list(params)
         self.riders = riders
@@ -168,13 +150,7 @@ class GradientBuckets:
 
     # -- per step -----------------------------------------------------------------------------
     def zero(self) -> None:
-        """Phase 1: before the first micro-step, clear usage flags and detach gradients.
-
-        Gradients are not zeroed: with ``grad = None`` autograd hands over its new gradient and
-        ``_on_grad`` copies it into the view (one read, one write), where zeroing the buffer
-        and accumulating into it would cost a write, then two reads and a write. Parameters
-        that get no gradient have their views zeroed when their bucket is flushed.
-        """
+        """Phase 1: clear usage flags and set ``grad = None`` (not zeroed: docs/exchange.md)."""
         for bucket in self.buckets:
             bucket.flat[bucket.grads.numel() :].zero_()  # flags and alignment padding
             for p in bucket.params:
@@ -222,11 +198,8 @@ class GradientBuckets:
                 self._launch_ready()
 
     def written(self, params: list[torch.nn.Parameter]) -> None:
-        """Phase 2 for gradients written past autograd's accumulation (a zero-bubble
-        pipeline's weight-gradient pass assigns or adds to ``.grad`` itself, so the hooks never
-        fire): what the hook does, for each of ``params`` this rank trains whose hook has not
-        fired since the last ``arm`` (a torch that does accumulate through autograd must not
-        count a gradient twice)."""
+        """Phase 2 for gradients written past autograd (a zero-bubble pipeline's weight pass):
+        the hook's work for each of ``params`` whose hook has not fired since ``arm``."""
         fired = set(self.ready_order)
         for p in params:
             entry = self._bucket_of.get(id(p))

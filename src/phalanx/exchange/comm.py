@@ -1,10 +1,5 @@
-"""A background communication thread with its own process group.
-
-Multi-round exchanges (tree, cyclic, parameter server) are chains of dependent point-to-point
-transfers; a thread runs them so the chain progresses while backward (or the next forward)
-continues on the main thread. The thread owns a dedicated process group, so its messages never
-interleave with collectives the main thread issues (e.g. a logged loss), and it runs jobs in
-submission order, which is the same on every rank.
+"""A background communication thread with its own process group: chains of point-to-point
+messages progress while backward runs, never interleaving with the main thread's collectives.
 """
 
 from __future__ import annotations
@@ -21,11 +16,8 @@ import torch.distributed as dist
 
 
 class CommThread:
-    """Runs submitted jobs one at a time, in order, on a daemon thread.
-
-    On CUDA each job runs on a side stream that first waits for the compute stream's work up
-    to the moment of submission (an event), so gradients are complete before they are sent.
-    """
+    """Runs submitted jobs in order on a daemon thread (on CUDA, a side stream that waits for
+    the compute stream's work submitted before)."""
 
     def __init__(
         self,
@@ -87,10 +79,8 @@ def global_rank(group: Any, rank: int) -> int:
 
 
 def mirror_group(group: Any = None) -> Any:
-    """A new process group with the members of ``group`` (default: the world), in the same
-    order, so ranks within it are ``group``'s ranks. Only the members take part in creating
-    it (``use_local_synchronization``): the data-parallel groups of different pipeline
-    stages are created independently, each by its own members."""
+    """A new process group with ``group``'s members in order, created by its members only
+    (pipeline stages' data groups are created independently)."""
     ranks = None if group is None else dist.get_process_group_ranks(group)
     if ranks is None or len(ranks) == dist.get_world_size():
         return dist.new_group(backend=dist.get_backend())
@@ -114,22 +104,10 @@ PROBE_MATRIX = 160  # the probe's work: matrix products of this size (~0.1 ms on
 def measure_handoff_s(
     repeats: int = HANDOFF_REPEATS, work_s: float = HANDOFF_WORK_S, pause_s: float = HANDOFF_PAUSE_S
 ) -> tuple[float, ...]:
-    """Latencies of the two hand-overs of a strategy's job between this process's compute
-    thread and a sleeping ``CommThread``, as at the end of backward (seconds): how long after
-    ``submit`` the thread starts the job, and how long after the job ends the submitter,
-    waiting for it, resumes. The threads' work is CPU matrix products (whatever the device:
-    the hand-over is the host's), during which the GIL is free, as in backward. Every rank
-    measures its own, at the same time as the others when called together (as the bench
-    commands do), so the cores are shared as in a step.
-
-    The cluster's ``handoff_s`` is the samples' median (``LinkModel.handoff_s``): inside
-    steps here the hand-overs' mean was close to this probe's median (tree on the digits CNN,
-    2 processes: 80-98 and 41-48 us), while the probe's own mean carries a tail of
-    vCPU wake-ups (0.1-1 ms) that steps did not show.
-
+    """Latencies (s) of handing a job to a sleeping ``CommThread`` and of resuming after it,
+    the threads busy with CPU matrix products (GIL free, as in backward); docs/planner.md.
       Phase 1 (warm-up): two hand-overs, so the thread and its queue exist.
-      Phase 2 (probe): ``repeats`` hand-overs, each after ``pause_s`` of the submitter's
-        work (the thread falls asleep meanwhile)."""
+      Phase 2 (probe): ``repeats`` hand-overs, each after ``pause_s`` of the submitter's work."""
     comm = CommThread(torch.device("cpu"), own_group=False, name="phalanx-handoff-probe")
     n = PROBE_MATRIX
     a, b = torch.randn(n, n), torch.randn(n, n)
@@ -165,16 +143,14 @@ PACK_ALIGN = 16  # bytes: every tensor starts aligned in the packed buffer, so v
 
 @torch.no_grad()
 def broadcast_together(tensors: list[torch.Tensor], group: dist.ProcessGroup) -> None:
-    """Rank 0's values of ``tensors`` (any dtypes and shapes, one device) on every rank with a
-    single broadcast: their bytes travel packed in one uint8 buffer."""
+    """Rank 0's values of ``tensors`` (one device) on every rank in one packed broadcast."""
     start_broadcast_together(tensors, group)()
 
 
 def start_broadcast_together(
     tensors: list[torch.Tensor], group: dist.ProcessGroup
 ) -> Callable[[], None]:
-    """``broadcast_together`` started: returns the function that waits for it and writes rank
-    0's values into ``tensors`` (until then they keep their own)."""
+    """``broadcast_together`` started; returns the function that waits and writes it in."""
     if not tensors or dist.get_world_size(group) == 1:
         return lambda: None
     sizes = [t.numel() * t.element_size() for t in tensors]
