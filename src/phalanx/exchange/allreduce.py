@@ -1,12 +1,6 @@
-"""``allreduce``: each bucket is summed over ranks as soon as backward fills it (F14).
-
-Uncompressed, it is the backend's asynchronous allreduce (a ring on Gloo and NCCL): each rank
-sends about 2 (p-1)/p times the bucket's bytes, the volume ``bytes_sent`` reports since the
-backend does not expose its own wire counters. With ``compress`` set, a backend allreduce
-cannot sum messages that carry different per-rank scales, so buckets are summed over
-point-to-point messages (``exchange/ring.py``: a ring, or a one-round gather for small buckets
-at p = 2) where every hop decodes and adds in full precision, on the communication thread —
-except the last bucket, which arrives as backward ends and runs on the main thread and group.
+"""``allreduce``: each bucket is summed over ranks as soon as backward fills it (F14): the
+backend's allreduce, or with ``compress`` point-to-point messages (exchange/ring.py) on the
+communication thread, the last bucket on the main thread (docs/exchange.md).
 """
 
 from __future__ import annotations
@@ -31,16 +25,14 @@ if TYPE_CHECKING:
 
 @functools.lru_cache(maxsize=64)
 def gather_rounds(world: int) -> RoundTable:
-    """Every rank sends its whole message to every other rank in one round (the gather of
-    small compressed buckets at p = 2, exchange/ring.py)."""
+    """Every rank's whole message to every other in one round (``ring.GatherExchange``)."""
     b = Builder()
     b.round((s, d, 1.0, GRAD) for s in range(world) for d in range(world) if s != d)
     return b.table("gather", world)
 
 
 class AllReduceSchedule(MessageSchedule):
-    """The backend's ring allreduce; compressed: phalanx's point-to-point ring, or the
-    one-round gather at p = 2 for messages up to 2 MiB (exchange/ring.py)."""
+    """The backend's ring allreduce; compressed: phalanx's ring or gather (exchange/ring.py)."""
 
     def bucket_phases(self, world: int, codec: WireCodec, nbytes: float) -> list[Phase]:
         if world < 2:
@@ -58,7 +50,7 @@ class AllReduceSchedule(MessageSchedule):
 
 @STRATEGIES.register("allreduce")
 class AllReduce(Strategy):
-    """Average gradients per bucket, overlapped with backward (see the module docstring)."""
+    """Average gradients per bucket, overlapped with backward."""
 
     Messages = AllReduceSchedule
 

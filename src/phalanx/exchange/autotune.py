@@ -1,18 +1,7 @@
-"""The second half of ``bucket_mb = "auto"``: the cost model proposes, measurement decides.
-
-On CPU ranks the model's assumption that overlapped communication is free does not hold (the
-backend's threads share the cores with backward), so a layout the model prefers can be slower
-in practice. The Engine therefore runs each candidate layout for a few steps and keeps the
-fastest.
-
-Phases:
-  Phase 1: visit the candidates (the model's choice, the 25 MiB default, one bucket for the
-    whole model) in turn, ``visits`` times round-robin: rebuild the buckets, skip one step
-    (fresh buffers), time ``steps_per_visit`` steps. Interleaving, as the benchmarks alternate
-    their contenders, spreads drift (warm-up, other load) over every candidate; consecutive
-    blocks once picked a layout 10% slower because the first block ran cold.
-  Phase 2: every rank contributes its median step time per candidate; the maximum over ranks
-    (the step is as slow as its slowest rank) decides, identically everywhere.
+"""The second half of ``bucket_mb = "auto"``: the cost model proposes, measurement decides
+(on CPU ranks overlapped communication is not free; docs/exchange.md, "Then measure").
+  Phase 1: visit the candidates round-robin, ``visits`` times: rebuild, one untimed step, time.
+  Phase 2: the slowest rank's median step time per candidate decides, identically everywhere.
 """
 
 from __future__ import annotations
@@ -34,7 +23,7 @@ class Trial:
 
 
 class LayoutTrials:
-    """Steps through the candidates (see the module docstring); the same on every rank."""
+    """Steps through the candidates; the same on every rank."""
 
     def __init__(
         self, candidates: list[tuple[int, int]], steps_per_visit: int = 3, visits: int = 3

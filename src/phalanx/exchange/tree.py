@@ -1,14 +1,8 @@
-"""``tree``: binary-tree reduction to rank 0 and back down the same tree (F9).
+"""``tree``: binary-tree reduction to rank 0 and back down the same tree (F9), any world size.
 
 Phases per bucket (a job on the communication thread, so it runs while backward continues):
-  Phase 1 (up): in round s (s = 0 .. ceil(log2 p) - 1), a rank whose lowest set bit is s sends
-    its partial sum to rank - 2^s and is done; a rank with bits 0..s clear receives from
-    rank + 2^s (if that rank exists) and adds. After ceil(log2 p) rounds rank 0 holds the sum.
-  Phase 2 (down): the root encodes the sum once; each other rank receives that message from
-    the rank it sent to, forwards it unchanged to the ranks it received from (farthest first),
-    then decodes it.
-Any world size works: a missing partner is skipped. Each rank sends and receives the bucket at
-most 1 + (number of its children) times; rank 0 is the busiest (ceil(log2 p) sends down).
+  Phase 1 (up): in round s a rank whose lowest set bit is s sends its partial sum to rank - 2^s.
+  Phase 2 (down): the root encodes the sum once; every rank forwards that message unchanged.
 """
 
 from __future__ import annotations
@@ -51,8 +45,7 @@ def tree_parent(rank: int) -> int | None:
 def tree_allreduce(
     flat: torch.Tensor, rank: int, world_size: int, group: Any, codec: Codec | None = None
 ) -> tuple[int, int]:
-    """Sum ``flat`` (1-D, any dtype/device) over the group in place; returns (sent, received)
-    bytes of this rank. ``codec`` may compress the messages; sums stay in ``flat``'s dtype."""
+    """Sum ``flat`` (1-D, any dtype/device) in place; returns this rank's (sent, received)."""
     codec = codec or Codec()
     sent = received = 0
     children, parent = tree_children(rank, world_size), tree_parent(rank)
@@ -61,10 +54,8 @@ def tree_allreduce(
         received += codec.recv_add(flat, child, group)
     if parent is not None:
         sent += codec.send(flat, parent, group)
-    # Phase 2: down the tree. The root encodes the sum once and every other rank passes the
-    # message it received on as it is: all ranks decode the same bytes (identical results),
-    # and no rank re-encodes what it decoded. A rank decodes after forwarding, so its own
-    # decode is not on its children's path.
+    # Phase 2: down the tree, the root's encoding passed on as it is: all ranks decode the
+    # same bytes; a rank decodes after forwarding, off its children's path.
     if parent is None:
         message = codec.encode(flat, out=codec.send_buffer(flat))
     else:
@@ -79,8 +70,7 @@ def tree_allreduce(
 
 # -- the messages, for the planner -----------------------------------------------------------------
 def tree_up(ranks: list[int], share: float, b: Builder) -> None:
-    """Rounds of the reduction to ranks[0] over positions 0..n-1 (``tree_allreduce``'s Phase
-    1): in round s, position i whose lowest set bit is s sends its partial sum to its parent."""
+    """Rounds of ``tree_allreduce``'s Phase 1 over positions in ``ranks``, to ranks[0]."""
     depth = math.ceil(math.log2(len(ranks))) if len(ranks) > 1 else 0
     for s in range(depth):
         b.round(
@@ -93,10 +83,8 @@ def tree_up(ranks: list[int], share: float, b: Builder) -> None:
 def tree_down(
     ranks: list[int], share: float, kind: int, b: Builder, passed_on: int | None = None
 ) -> None:
-    """Back down the same tree: each position forwards what it received to its children,
-    farthest first (a binomial broadcast from ranks[0], ceil(log2 n) rounds). ``kind``: the
-    first round's messages; ``passed_on`` (default ``kind``): the later rounds', whose message
-    the sender already holds in wire form (the root's encoding, sent again or forwarded)."""
+    """Back down the same tree, farthest child first. ``kind``: the first round's messages;
+    ``passed_on`` (default ``kind``): the later rounds', already in wire form."""
     n = len(ranks)
     depth = math.ceil(math.log2(n)) if n > 1 else 0
     for t in range(depth):
@@ -111,9 +99,7 @@ def tree_down(
 
 @functools.lru_cache(maxsize=64)
 def tree_rounds(world: int) -> RoundTable:
-    """Reduce to rank 0 up a binary tree, then back down (F9). The root encodes the sum once
-    (GRAD: encoded there, decoded at the child); every later message is that encoding passed
-    on (FORWARD: decoded only), as ``tree_allreduce`` sends it."""
+    """Up the tree, then down: the root's message GRAD, every later one FORWARD."""
     b = Builder()
     tree_up(list(range(world)), 1.0, b)
     tree_down(list(range(world)), 1.0, GRAD, b, passed_on=FORWARD)
