@@ -1,10 +1,6 @@
-"""F19 as the document builds it: fp32 master parameters, the optimizer's state and its
-arithmetic on the host; gradients stream to the host chunk by chunk (as each bucket's exchange
-ends, with ``allreduce`` and ``tree``), updated parameters stream back, and each layer waits for
-its own parameters in a forward pre-hook. The optimizer must be elementwise per parameter.
-docs/memory.md (``mirror``) has the phases of ``step``; on a CPU-only machine the copies are
-synchronous and the masters only matter for bf16/fp16 parameters.
-"""
+"""F19 as the document builds it: fp32 masters, the optimizer's state and step on the host;
+gradients stream out chunk by chunk, parameters back (an elementwise optimizer; docs/memory.md,
+``mirror``, has the phases)."""
 
 from __future__ import annotations
 
@@ -80,9 +76,8 @@ class HostMirror(StepMirror):
             self._register_hooks(self._module)
 
     def _master(self, p: torch.Tensor, kept: torch.Tensor | None) -> torch.Tensor:
-        """The fp32 master of ``p``: the one kept from before ``resident()`` while ``p`` still
-        holds its value rounded to ``p``'s dtype (bf16/fp16 parameters keep their fp32
-        precision across checkpoints and rebuilds), else a copy of ``p``."""
+        """The fp32 master of ``p``: the one kept from before ``resident()`` while ``p`` holds it
+        rounded (bf16/fp16 keep fp32 precision across checkpoints), else a copy of ``p``."""
         if kept is not None and kept.shape == p.shape:
             if torch.equal(kept.to(p.dtype), p.detach().cpu()):
                 return kept
@@ -121,9 +116,7 @@ class HostMirror(StepMirror):
 
     # -- gradients as the exchange finishes them ----------------------------------------------
     def listen(self, strategy: Any) -> None:
-        """Copy each bucket's gradients to the host as soon as ``strategy`` has exchanged it
-        (``Strategy.bucket_listeners``; allreduce and tree call them), while later buckets are
-        still on the wire: Phase 1 then has only the rest left."""
+        """Copy each bucket's gradients to the host as its exchange ends (allreduce, tree)."""
         if self.defers:
             strategy.bucket_listeners.append(lambda bucket: self.gradients_ready(bucket.params))
 
@@ -191,9 +184,8 @@ class HostMirror(StepMirror):
     def _step_chunks(
         self, grad_events: list[Any], has_grad: list[bool], early: set[int], factor: float
     ) -> None:
-        """Phases 2-3 for every chunk in order (on the worker thread when deferring).
-        ``early``: gradients copied as their bucket finished; ``factor``: what the device
-        scaled them by afterwards."""
+        """Phases 2-3 for every chunk; ``early``: gradients copied as their bucket finished;
+        ``factor``: what the device scaled them by afterwards."""
         for c, idx in enumerate(self.chunks):
             try:
                 # Phase 2: this chunk's gradients are on the host; step it alone.
@@ -283,9 +275,8 @@ class HostMirror(StepMirror):
         return state + sum(4 * m.numel() for m in self.masters) * 2
 
     def close(self) -> None:
-        """Wait for the last step, give the device optimizer its state and its own ``step``
-        back, remove the hooks (the optimizer then works without the mirror). At interpreter
-        exit the state is left on the host: the process is ending."""
+        """Wait for the last step, hand the optimizer back its state and ``step``, remove the
+        hooks (at interpreter exit the state stays on the host)."""
         try:
             self.materialize()
         except RuntimeError as e:

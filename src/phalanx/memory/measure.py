@@ -1,10 +1,6 @@
-"""Peak memory, counted honestly: the process's resident set (and its cgroup's, where readable),
-or the CUDA allocator's peak on GPUs; and the CPU allocator's peak over a block of code
-(``AllocatorPeak``). ``StepPeak`` is the one meaning of "peak" a memory budget is held to.
-
-Freed tensors only lower RSS when glibc returns them to the kernel, which its dynamic mmap
-threshold stops doing for blocks under 32 MiB: ``release_freed_memory()`` fixes it at 64 KiB.
-"""
+"""Peak memory, counted honestly: RSS (and the cgroup's), the CUDA allocator's peak, the CPU
+allocator's over a block; ``StepPeak`` is what a budget is held to; glibc's thresholds in
+docs/memory.md."""
 
 from __future__ import annotations
 
@@ -70,9 +66,7 @@ _THP_ENV = "THP_MEM_ALLOC_ENABLE"  # torch CPU allocator (c10 alloc_cpu): read a
 
 
 def huge_pages_for_large_tensors() -> bool:
-    """Ask torch's CPU allocator to back tensors of 2 MiB and more with transparent huge pages
-    (a fresh block faults in per 2 MiB, not per 4 KiB); torch reads it at its first such block.
-    Returns whether it is in force."""
+    """Back CPU tensors of 2 MiB and more with transparent huge pages; whether it is in force."""
     if not _SMAPS.is_file():
         return False
     os.environ.setdefault(_THP_ENV, "1")
@@ -98,9 +92,8 @@ REUSE_TRIM_THRESHOLD = 64 << 20  # free heap above this goes back to the kernel
 
 
 def reuse_freed_memory() -> bool:
-    """From now on, freed host tensors up to 32 MiB stay in the heap for the next step (a
-    10.6 M-parameter MLP with Adam: 20 instead of 28 ms a step); a user's setting is left
-    alone. Returns whether the setting is in force."""
+    """Keep freed host tensors up to 32 MiB in the heap (a user's setting is left alone);
+    whether it is in force."""
     if "MALLOC_MMAP_THRESHOLD_" in os.environ or "MALLOC_TRIM_THRESHOLD_" in os.environ:
         return False
     return set_malloc(REUSE_MMAP_THRESHOLD, REUSE_TRIM_THRESHOLD)

@@ -1,8 +1,5 @@
-"""Activation offload with prefetch (F18): after a layer's forward its saved tensors move to the
-next memory tier; during backward those of the layer before the one computing come back ahead
-of need. Built on torch's hooks (saved-tensor hooks, module hooks, a pre-hook on the node that
-produced a layer's output), not a fork of autograd.
-"""
+"""Activation offload with prefetch (F18), on torch's hooks: a layer's saved tensors go to the
+tier after its forward and come back one layer ahead in backward (docs/memory.md)."""
 
 from __future__ import annotations
 
@@ -85,10 +82,8 @@ def _in_backward() -> bool:
 
 
 class ActivationOffloader:
-    """Moves the saved tensors of the ``offload`` layers to ``tier`` and prefetches them for
-    backward (bit-identical; docs/memory.md has the phases). A storage saved twice is written
-    once; beyond ``max_inflight_bytes`` queued, forward waits for the oldest write. ``step()``
-    goes around forward and backward (no hook outside it); ``close()`` closes the tier too."""
+    """The ``offload`` layers' saved tensors to ``tier`` and back (bit-identical); beyond
+    ``max_inflight_bytes`` queued, forward waits; ``step()`` goes around forward + backward."""
 
     def __init__(
         self,
@@ -330,9 +325,8 @@ class ActivationOffloader:
 
 
 def _storage_bytes(tensor: torch.Tensor, nbytes: int) -> torch.Tensor:
-    """The whole storage of ``tensor`` as a flat uint8 tensor (every view can be rebuilt from
-    it). A view of a detached alias where possible: it shares the tensor's version counter, so
-    an in-place change during the write shows."""
+    """The storage of ``tensor`` as flat uint8, sharing its version counter where possible (an
+    in-place change during the write shows)."""
     itemsize = tensor.element_size()
     if nbytes % itemsize == 0:
         flat = tensor.detach().as_strided((nbytes // itemsize,), (1,), 0)

@@ -116,9 +116,8 @@ def make_plan(
     offload_overhead_bytes: int = 0,
     margin: float = 0.0,
 ) -> Plan:
-    """The cheapest plan whose predicted peak fits ``budget_bytes`` less ``margin`` of it (None:
-    only the choices given by name). ``offload``/``recompute`` name layers that must take that
-    choice."""
+    """The cheapest plan fitting ``budget_bytes`` less ``margin`` (None: only the named choices);
+    ``offload``/``recompute``: layers that must take that choice."""
     fit_bytes = None if budget_bytes is None else int(budget_bytes * (1 - margin))
     names = [layer.name for layer in layers]
     choices = {name: KEEP for name in names}

@@ -1,11 +1,5 @@
-"""The one per-layer profiler (F16): per layer, time and memory; every saved tensor's lifetime.
-
-Every per-layer measurement in phalanx is this one, read through ``MemoryProfile.layer_costs``;
-docs/memory.md describes what it records. Saved tensors are seen through
-``saved_tensors_hooks``: the pack hook's wrapper is dropped when autograd frees the node's saved
-variables, so its ``__del__`` is the moment of release; a hook on each layer's output marks
-where that layer's backward begins.
-"""
+"""The one per-layer profiler (F16): per layer, time and memory; every saved tensor's lifetime
+(the pack hook wrapper's ``__del__`` is its release); docs/memory.md describes what it records."""
 
 from __future__ import annotations
 
@@ -65,10 +59,8 @@ _COST_FIELDS = ("name", "forward_s", "backward_s", "param_bytes", "output_bytes"
 
 @dataclass(kw_only=True)
 class SavedTensor:
-    """One storage autograd saved during the traced step, counted once however often saved.
-
-    It is in the timeline's events ``created <= k < released``; ``released`` is None only if
-    it outlived the step (autograd still held it after the optimizer step)."""
+    """One storage autograd saved in the traced step, in events ``created <= k < released``
+    (None: it outlived the step)."""
 
     layer: int | None  # the layer whose forward saved it first; None: the loss function
     users: list[int | None]  # every layer whose backward needs it, in forward order (None: loss)
@@ -84,10 +76,8 @@ class SavedTensor:
 
 @dataclass(kw_only=True)
 class MemoryEvent:
-    """Bytes by category right after one event of the traced step.
-
-    ``phase``: start (gradients just set to None), forward, backward, optimizer; ``layer``: the
-    layer index, or None for the loss (and for start/optimizer)."""
+    """Bytes by category right after one event of the traced step (phase start, forward,
+    backward, optimizer; ``layer`` None: the loss, start, optimizer)."""
 
     phase: str
     layer: int | None

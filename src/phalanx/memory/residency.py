@@ -1,6 +1,5 @@
-"""Where the optimizer lives between steps (``[memory] optimizer``): the one surface the Engine
-uses for both ``OptimizerMirror`` (state streamed from a memory tier, chunk by chunk) and
-``HostMirror`` (fp32 masters, state and the step on the host)."""
+"""Where the optimizer lives between steps (``[memory] optimizer``): the Engine's one surface for
+``OptimizerMirror`` (stream) and ``HostMirror`` (mirror)."""
 
 from __future__ import annotations
 

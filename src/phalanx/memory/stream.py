@@ -1,10 +1,5 @@
-"""F19: the optimizer's state lives in the next tier and streams through memory chunk by chunk.
-
-``OptimizerMirror`` keeps every parameter's large state tensors in a tier between steps (small
-ones such as step counters stay resident) and steps the optimizer once per chunk with only that
-chunk's gradients visible, so the optimizer must be elementwise per parameter; docs/memory.md
-(``stream``) has the step. Tensors cross the tier as 1-D uint8, each at a 64-byte aligned offset.
-"""
+"""F19: the optimizer's large state lives in the next tier and streams through memory chunk by
+chunk, one (elementwise) step per chunk (docs/memory.md, ``stream``); 64-byte aligned uint8."""
 
 from __future__ import annotations
 
@@ -160,9 +155,8 @@ class OptimizerMirror(StepMirror):
         self._loaded[i] = data
 
     def _evict_chunk(self, i: int) -> None:
-        """Queue chunk ``i``'s state for writing and drop it from the optimizer. The optimizer
-        updates state in place, so the buffer loaded for this step usually holds the new state
-        already and is written as is; otherwise the tensors are packed into a new one."""
+        """Queue chunk ``i``'s state for writing and drop it from the optimizer (the loaded buffer,
+        updated in place, is written as is; otherwise a new one is packed)."""
         entries, tensors, offset = [], [], 0
         for piece in self._chunks[i]:
             for key, value in self.optimizer.state.get(piece.view, {}).items():

@@ -1,10 +1,5 @@
-"""Memory tiers (F18): where a tensor's bytes go while they are not needed, and how they come back.
-
-A tier moves 1-D uint8 buffers out of device memory and back, asynchronously, reusing its space
-across steps: ``pinned_host`` (CUDA) and ``spill_file`` (CPU), as docs/memory.md describes.
-Every request is logged (``tier.log``) in submission order, so tests can check *when* a transfer
-was asked for without timing anything.
-"""
+"""Memory tiers (F18): ``pinned_host`` (CUDA), ``spill_file`` (CPU) move 1-D uint8 buffers out
+and back asynchronously (docs/memory.md); ``tier.log`` lets tests check *when* without timing."""
 
 from __future__ import annotations
 
@@ -60,9 +55,7 @@ class Slot:
 
 @dataclass(eq=False)
 class Loaded:
-    """Bytes back from a tier: ``data`` is 1-D uint8 (``nbytes``) on the tier's device. On CUDA
-    the copy may still run on the tier's stream until ``event``; ``use()`` orders the caller's
-    stream after it."""
+    """Bytes back: ``data`` 1-D uint8 on the tier's device, on CUDA ready at ``event``."""
 
     data: torch.Tensor
     event: Any = None

@@ -1,10 +1,5 @@
-"""Start local workers through torch's elastic launcher (the engine behind ``torchrun``).
-
-Each worker runs ``python -m phalanx <args>`` with RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
-MASTER_PORT set, exactly as under ``torchrun``, so one entry point serves both. Several machines
-use the static rendezvous: every node gets the same ``--nnodes``, ``--master-addr`` and
-``--master-port`` and its own ``--node-rank``.
-"""
+"""Start local workers through torch's elastic launcher (``torchrun``'s engine), with torchrun's
+environment, so one entry point serves both; several machines use the static rendezvous."""
 
 from __future__ import annotations
 

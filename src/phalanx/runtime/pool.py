@@ -1,10 +1,5 @@
-"""WorkerPool (F15): a controller drives one persistent worker process per device through pipes.
-
-Each worker is a fresh interpreter (``python -c``), so nothing of the controller's ``__main__``
-is re-imported (notebooks work); functions travel by value with cloudpickle; the controller
-never touches CUDA. A frame is an 8-byte little-endian length and a pickle; a worker that dies
-closes its output pipe, and exit codes are polled every ``POLL_S``. docs/pool.md has the API.
-"""
+"""WorkerPool (F15): a controller drives one persistent worker process per device through pipes
+(docs/pool.md: the API, and the frames and processes under it)."""
 
 from __future__ import annotations
 
@@ -338,12 +333,8 @@ def _forward(stream: IO[bytes], rank: int, target: str) -> threading.Thread:
 
 class WorkerPool:
     """A controller and ``num_workers`` persistent worker processes, one per device (F15).
-
     ``device``: "auto", "cpu", "cuda" (cuda:RANK) or one per worker; ``error_grace_s``: after a
-    worker raised, how long the others may take before they are presumed stuck and the pool
-    closes. A worker's exception is raised as TaskError, a death as WorkerDied (the pool then
-    closes); ``close()`` is idempotent and also runs at garbage collection and exit.
-    """
+    worker raised, how long the others may take before the pool presumes them stuck."""
 
     def __init__(
         self,

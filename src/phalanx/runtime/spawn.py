@@ -1,12 +1,6 @@
-"""``run_ranks``: run one function in ``world_size`` fresh processes joined in one process group.
-
-    results = run_ranks(fn, 2, arg)   # fn(ctx, arg) in ranks 0 and 1; results in rank order
-
-The process runner of the benchmarks and the tests (the WorkerPool is the persistent one).
-Ranks rendezvous through a file in a private temporary directory (no ports, so parallel runs
-don't race); results and errors travel as files there. A rank that raises or dies is raised as
-``RankFailed`` and every other rank is stopped at once; the cause is chosen as the launcher
-does. No process outlives the call.
+"""``run_ranks``: one function in ``world_size`` fresh processes in one process group, the runner
+of the benchmarks and tests; file rendezvous in a private directory (no ports: parallel runs
+don't race); a failing rank is ``RankFailed``, the others stopped; no process outlives the call.
 """
 
 from __future__ import annotations
