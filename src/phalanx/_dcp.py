@@ -1,10 +1,6 @@
-"""torch.distributed.checkpoint and what phalanx adds to it: planners that save and load
-``phalanx.slices.Slices`` (pieces of a tensor that several ranks hold parts of), write each
-value several ranks hold from the lowest of them (rank 0's, as DDP's rank-0 ``torch.save``),
-keep non-tensor values whole where DCP's flattening would garble them, refuse at save time
-what ``weights_only=True`` loading would refuse, and load into ``None`` placeholders; and a
-file writer with the fault point ``checkpoint``. Imported on first use by phalanx.checkpoint
-(importing DCP is slow)."""
+"""torch.distributed.checkpoint and what phalanx adds: planners for ``Slices``, shared values
+from the lowest rank, non-tensor values whole, ``weights_only`` refusals at save time, ``None``
+placeholders; a writer with the fault point ``checkpoint``. Imported on first use (DCP is slow)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""The composition root: every run built from a ``RunConfig`` is assembled here, in one place.
-
-``phalanx train`` (the Trainer), ``--dry-run``, ``phalanx profile`` and ``phalanx plan`` call
-these functions; no other module turns a config into a model, data, a loss, an optimizer, a
-strategy, a memory manager or an Engine. Each function builds one part from the config and the
-parts it needs, so a caller takes only what it uses (a dry run starts no process group).
-"""
+"""The composition root: no other module turns a ``RunConfig`` into a model, data, optimizer,
+strategy, memory manager or Engine; one part per function, so a caller (a dry run starts no
+process group) takes only what it uses."""
 
 from __future__ import annotations
 
@@ -79,9 +75,8 @@ def strategy(config: RunConfig) -> StrategyFactory:
 
 
 def shape_error(config: RunConfig, inputs: torch.Tensor) -> ConfigError | None:
-    """Why the config's model cannot take ``inputs`` (a batch), in one line naming the layer,
-    or None: a fresh copy of the model on the CPU, run one layer at a time (no hooks of the
-    run's strategy and no collectives, so one rank may ask alone)."""
+    """Why the model cannot take ``inputs``, naming the layer, or None: a fresh CPU copy (no
+    strategy hooks or collectives, so one rank may ask alone)."""
     if not config.model.layers:
         return None
     try:
@@ -100,11 +95,9 @@ def sample_microbatch(config: RunConfig, data: Dataset) -> torch.Tensor | None:
 
 
 def step_peak(config: RunConfig, device: torch.device) -> measure.StepPeak:
-    """The meter of the peak ``[memory] budget_mb`` is held to, started now (before the memory
-    manager profiles): with the memory manager on, freed host memory goes back to the OS from
-    here on (``release_host_memory``), so the process's resident peak is the step's; with a
-    budget on a CPU device, freed tensors are kept for reuse under it (``[memory] host_cache``,
-    memory/host_cache.py)."""
+    """The meter of the peak ``[memory] budget_mb`` is held to, started before the manager
+    profiles; freed host memory goes back to the OS from here on (or, with a CPU budget, to
+    the host cache), so the resident peak is the step's."""
     if config.memory.releases_host_memory:
         measure.release_freed_memory()
         measure.trim()
@@ -121,9 +114,8 @@ def step_peak(config: RunConfig, device: torch.device) -> measure.StepPeak:
 def memory_manager(
     config: RunConfig, model: nn.Module, data: Dataset, device: torch.device, world_size: int = 1
 ) -> MemoryManager | None:
-    """``[memory]``'s plan applied to the model (profiled with one micro-batch), or None. Under
-    a strategy that shards the parameters (``fsdp``) the plan counts this rank's share of the
-    gradients and optimizer state over ``world_size`` ranks."""
+    """``[memory]``'s plan applied to the model (profiled with one micro-batch), or None; under
+    ``fsdp`` it counts this rank's share over ``world_size`` ranks."""
     if not config.memory.enabled:
         return None
     if not isinstance(model, nn.Sequential):
@@ -230,12 +222,9 @@ def _as_a_worker(config: RunConfig, where: torch.device) -> None:
 
 
 def profile_run(config: RunConfig, steps: int | None = None, device: str = "auto") -> MemoryProfile:
-    """Profile a run's model, data, optimizer and precision on this process as ``phalanx
-    train`` runs a step: intra-op threads as ``phalanx.init`` sets them, the config's
-    optimizer, batches from the run's input pipeline (rank 0 of one), its input wait measured.
-    ``steps``: that many steps, the first a warm-up; None: until the steps' times are stable
-    (see AUTO_WARMUP). The model must be a layer sequence (``[model] layers``, or a zoo model
-    that is an nn.Sequential); any other module is profiled as one layer."""
+    """Profile a run's step on this process as ``phalanx train`` runs it (threads, optimizer,
+    input pipeline). ``steps``: that many, the first a warm-up; None: until stable (AUTO_WARMUP).
+    A model that is not an nn.Sequential is profiled as one layer."""
     if steps is not None and steps < 1:
         raise ConfigError(f"--steps: must be >= 1, got {steps}")
     where = pick_device(device)
@@ -278,18 +267,10 @@ ENGINE_PHASES = ("forward", "backward", "optimizer", "loop")
 
 
 def engine_phases(configs: Sequence[RunConfig], device: str = "auto") -> list[dict[str, float]]:
-    """Each config's Engine on this one process (world 1: no exchange) over its input
-    pipeline, timed as ``phalanx train`` times a step: the medians (seconds) of its forward,
-    backward and optimizer phases and of the whole loop step (``loop``: batch, step, the
-    loop's own work). What the per-layer profile misses: the Engine's hooks, bookkeeping and
-    gradient checks.
-
-    The configs (one per exchange strategy, say) are measured in ``ENGINE_PASSES`` passes, their
-    order reversed every other pass, each pass at least ``ENGINE_STEPS`` steps and
-    ``ENGINE_MIN_S`` seconds per config (a fresh Engine each pass): a shared machine's slow
-    second then lands in every config's steps, not in one config's whole measurement. (One
-    pass of 20 steps, 0.2 s on a small CNN, read the same world-1 step of two strategies 25%
-    apart on this project's VM, and the plan printed 125% efficiency at one device.)"""
+    """Each config's Engine at world 1 over its input pipeline: medians (s) of its forward,
+    backward, optimizer and whole ``loop`` step (what the per-layer profile misses). Measured
+    in ``ENGINE_PASSES`` passes, order reversed every other one, so a shared machine's slow
+    second lands in every config's steps (docs/planner.md)."""
     where = pick_device(device)
     samples: list[dict[str, list[float]]] = [{k: [] for k in ENGINE_PHASES} for _ in configs]
     for p in range(ENGINE_PASSES):

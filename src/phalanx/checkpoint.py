@@ -1,11 +1,6 @@
-"""Checkpoints that survive crashes and corruption, in ``RUN_DIR/checkpoints``, written with
-torch.distributed.checkpoint (DCP).
-
-A checkpoint is ``step-NNNNNNN/`` (what ``dcp.save`` writes; state keyed by name, sharded
-optimizer state as ``Slices`` so a run resumes on any world size), its integrity record
-``step-NNNNNNN.json`` (every file's SHA-256 and size) and ``latest.json`` (a copy of the newest
-record). docs/reliability.md has the save order that makes a crash harmless and how ``restore``
-falls back past damaged checkpoints; single-file ``step-NNNNNNN.pt`` checkpoints still load.
+"""Checkpoints that survive crashes and corruption, written with torch.distributed.checkpoint:
+``step-NNNNNNN/``, its integrity record ``step-NNNNNNN.json`` and ``latest.json``;
+docs/reliability.md has the layout, the save order and the fall-back past damaged ones.
 """
 
 from __future__ import annotations
@@ -201,9 +196,8 @@ def _write(states: dict[str, Any], writer: Any, distributed: bool, group: Any) -
 def save(
     directory: Path, step: int, state: Mapping[str, Any], keep: int = 2, group: Any = None
 ) -> Path:
-    """Write ``state`` (Stateful objects give their ``state_dict()``) as the checkpoint of
-    ``step``; every rank of ``group`` calls it and writes its part; returns its directory once
-    complete. A value loading would refuse (``weights_only``) is refused first, in one line."""
+    """Write ``state`` as the checkpoint of ``step`` (every rank of ``group`` its part); its
+    directory once complete. A value ``weights_only`` loading would refuse is refused first."""
     _check_keep(keep)
     return _save(Path(directory), step, _states(state), keep, group, barrier=True)
 
@@ -294,9 +288,8 @@ def _has_payload(kinds: Mapping[str, Path]) -> bool:
 
 
 def _prune(directory: Path, step: int, keep: int) -> None:
-    """Keep ``step`` and the keep-1 newest earlier checkpoints; later ones are stale (an old run
-    in the same directory) and go too, as do sidecars without a checkpoint and temporary files
-    and directories (left by a crash mid-write)."""
+    """Keep ``step`` and the keep-1 newest earlier checkpoints; later ones (stale), orphan
+    sidecars and temporary files go."""
     entries = _step_entries(directory)
     earlier = sorted(s for s, kinds in entries.items() if s < step and _has_payload(kinds))
     kept = {step, *earlier[max(0, len(earlier) - keep + 1) :]}
@@ -357,9 +350,8 @@ def _pointed_step(directory: Path) -> int | None:
 
 
 def _candidates(directory: Path) -> list[_Candidate]:
-    """Checkpoints in the order ``choose`` tries them: latest.json's first, then the others
-    newest first. Only steps with a record count: a checkpoint without one is an interrupted
-    write (latest.json stands in for the record of a pre-sidecar ``.pt``)."""
+    """Checkpoints with a record, in ``choose``'s order: latest.json's first, then newest first
+    (latest.json is the record of a pre-sidecar ``.pt``)."""
     entries = _step_entries(directory)
     pointed = _pointed_step(directory)
     steps = sorted((s for s, kinds in entries.items() if ".json" in kinds), reverse=True)
@@ -541,8 +533,7 @@ def restore(
     legacy: Callable[[dict[str, Any]], None] | None = None,
 ) -> Found:
     """Load the newest good checkpoint into ``state`` (Stateful objects in place, other values
-    replaced; None: whatever is there) on every rank of ``group``: rank 0 chooses and tells
-    the others. A legacy ``.pt`` payload goes to ``legacy``."""
+    replaced) on every rank of ``group``, as rank 0 chose; a legacy ``.pt`` goes to ``legacy``."""
     _check_state_argument(state)
     directory = Path(directory)
     distributed, group, rank = _distributed(group)
@@ -646,9 +637,8 @@ def optimizer_to_dcp(
     params: list[torch.nn.Parameter],
     names: list[str],
 ) -> dict[str, Any]:
-    """A strategy's ``optimizer_shards`` keyed by parameter name for DCP: per-element state as
-    the parameter's shape (a plain tensor where this rank holds all of it, else ``Slices``),
-    the hyperparameter groups as one value (parameters by name)."""
+    """A strategy's ``optimizer_shards`` by parameter name for DCP: per-element state in the
+    parameter's shape (a tensor, or ``Slices`` where this rank holds part), groups by name."""
     out = {names[i]: {k: _to_dcp(v, params[i]) for k, v in e.items()} for i, e in state.items()}
     hyper = tuple({**g, "params": [names[i] for i in g["params"]]} for g in groups)
     return {"state": out, "param_groups": hyper}

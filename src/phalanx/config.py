@@ -1,9 +1,5 @@
-"""RunConfig: the nested per-component Config dataclasses of one run; TOML loading; overrides.
-
-Each component owns its ``Config`` (validated in ``__post_init__``); this module only assembles
-them, converts TOML tables into them with type checks, and applies ``--set section.key=value``.
-Every error is a one-line ConfigError naming the key path and what is allowed.
-"""
+"""RunConfig: the per-component Config dataclasses of one run (each validated in its own
+``__post_init__``), TOML loading and ``--set`` overrides; errors name the key path."""
 
 from __future__ import annotations
 
@@ -38,9 +34,8 @@ else:  # pragma: no cover - exercised only on 3.10
 
 @dataclass(kw_only=True)
 class TrainConfig(StepConfig):
-    """The loop: how long, how often to validate, log and where the run directory is; the
-    step's own keys (StepConfig: micro-batches, precision, the non-finite guard) go to the
-    Engine as they are."""
+    """The loop: how long, how often to validate and log, the run directory; StepConfig's keys
+    go to the Engine as they are."""
 
     steps: int = option(0, "optimizer steps to run (0: use epochs)")
     epochs: int = option(10, "epochs to run when steps = 0")

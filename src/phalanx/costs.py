@@ -1,11 +1,6 @@
-"""One layer's measured cost: the one per-layer type that the pipeline split
-(``parallel/split.py``), the memory plan (``memory/plan.py``), the fusion threshold
-(``exchange/threshold.py``) and the planner's step (``planner/step.py``) read. Measured costs
-come from the one per-layer profiler (``memory/profile.py``) through
-``MemoryProfile.layer_costs``, or, for the live ``auto`` threshold, from the gradient-ready
-times of the run's own first steps (``BackwardProfile.layer_costs``: one per gradient); the
-planner also makes them from published figures. Each consumer reads the fields it needs; a producer
-leaves what it did not measure at 0."""
+"""One layer's measured cost, the one per-layer type that the pipeline split, the memory plan,
+the fusion threshold and the planner read (from the profiler, the live gradient-ready times or
+published figures); a producer leaves what it did not measure at 0."""
 
 from __future__ import annotations
 

@@ -1,21 +1,6 @@
-"""Fault injection for the fault suite and for drills on a real cluster.
-
-``PHALANX_FAULT="ACTION@POINT:step=S[:rank=R][:attempt=A]"`` makes rank R (default every rank)
-perform ACTION when it reaches POINT of step S (1-based, as ``step`` in metrics.jsonl; for
-``checkpoint``, the checkpoint written after step S), on elastic restart attempt A only
-(default 0, the first start, so a restarted group runs clean).
-Several faults are separated by commas.
-
-Points: ``forward`` (before a step's forward), ``exchange`` (after backward, while the exchange
-is in flight), ``checkpoint`` (this rank's shard file of a checkpoint written, before the
-checkpoint is complete).
-Actions: ``kill`` (SIGKILL this process, as the out-of-memory killer does), ``term`` (SIGTERM
-this process, as a scheduler's preemption does), ``nan`` (the loss becomes NaN).
-
-With ``PHALANX_FAULT_LOG=FILE`` each fault appends "UNIX_TIME ACTION POINT STEP RANK" to FILE
-just before it acts, so a drill can measure how long the survivors take to stop.
-Unset (the default), ``fault_at`` costs one list check per point.
-"""
+"""Fault injection for the fault suite and drills: ``PHALANX_FAULT="ACTION@POINT:step=S[:rank=R]
+[:attempt=A]"`` and ``PHALANX_FAULT_LOG`` as docs/reliability.md describes; unset, ``fault_at``
+costs one list check per point."""
 
 from __future__ import annotations
 

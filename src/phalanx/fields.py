@@ -111,9 +111,7 @@ def _type_name(value: Any) -> str:
 
 
 def with_options(config: C, options: dict[str, Any]) -> C:
-    """``config`` (a Config dataclass instance) with ``options`` (field name -> value)
-    replaced: each value type-checked as a TOML value would be, then the whole validated again
-    by the Config's ``__post_init__``. A one-line ConfigError names a bad key."""
+    """``config`` with ``options`` replaced, type-checked as TOML values and validated again."""
     if not options:
         return config
     hints = typing.get_type_hints(type(config))

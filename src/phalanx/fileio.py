@@ -1,7 +1,5 @@
-"""Files written atomically: readers see the old file or the new one, never a mix.
-
-Every file phalanx writes for later reading (checkpoints, run records, plans, bench results,
-record stores) goes through here."""
+"""Files written atomically (readers see the old file or the new one, never a mix): every file
+phalanx writes for later reading goes through here."""
 
 from __future__ import annotations
 
@@ -19,9 +17,8 @@ FILE_MODE = 0o666 & ~_UMASK
 
 
 def cache_dir() -> Path:
-    """Where phalanx keeps what it measured or built for a machine (calibrations, the host
-    cache's build): ``$PHALANX_CACHE_DIR``, else ``$XDG_CACHE_HOME/phalanx``, else
-    ``~/.cache/phalanx``."""
+    """Where phalanx keeps what it measured or built for a machine: ``$PHALANX_CACHE_DIR``,
+    else ``$XDG_CACHE_HOME/phalanx``, else ``~/.cache/phalanx``."""
     if os.environ.get(CACHE_ENV):
         return Path(os.environ[CACHE_ENV])
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
@@ -29,10 +26,8 @@ def cache_dir() -> Path:
 
 
 def atomic_write_bytes(path: Path, data: bytes, midway: Callable[[], object] | None = None) -> None:
-    """Write ``data`` to ``path`` so that readers see the old file or the new one, never a mix:
-    a temporary file in the same directory, fsynced, renamed into place, then the directory
-    fsynced so that the rename itself survives a power cut. ``midway`` runs when half the
-    bytes are written (the fault suite kills the process there)."""
+    """A fsynced temporary file renamed into place, then the directory fsynced (the rename
+    survives a power cut); ``midway`` runs half-way (the fault suite kills there)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:

@@ -13,13 +13,8 @@ import torch
 
 @dataclass
 class StepStats:
-    """Timings (seconds) and bytes of the last ``Engine.step``.
-
-    ``exchange_s`` is the exposed exchange: time spent waiting for gradients after backward
-    returned, i.e. the part of communication not hidden behind backward.
-    ``input_wait_s`` and ``input_buffers_ready`` come from the input pipeline (the trainer
-    sets them after the step): the input wait and the buffer occupancy.
-    """
+    """Timings (seconds) and bytes of the last ``Engine.step``; ``exchange_s``: the exposed
+    exchange (waiting after backward); ``input_*``: set by the trainer from the pipeline."""
 
     loss: float = float("nan")  # mean loss over all ranks (this rank's: Engine.step's return)
     forward_s: float = 0.0

@@ -1,15 +1,5 @@
-"""The document's training flow (F15) on a WorkerPool, with the phalanx Engine in every worker.
-
-    with px.WorkerPool(2) as pool:
-        sgd = functools.partial(torch.optim.SGD, lr=0.1)
-        trainer = PoolTrainer(pool, make_model, optimizer=sgd)
-        trainer.scatter(x_train, y_train)         # one block per worker
-        losses = trainer.train(steps=200)         # per-step mean loss over all workers
-        print(trainer.evaluate(x_val, y_val))     # {"loss", "accuracy", "perplexity"}
-        state = trainer.state_dict()              # rank 0's model (all replicas are equal)
-
-``train_on_pool`` does all of it in one call and returns the losses and the final state.
-"""
+"""The document's training flow (F15) on a WorkerPool, the phalanx Engine in every worker
+(docs/pool.md); ``train_on_pool`` does it in one call."""
 
 from __future__ import annotations
 
@@ -169,11 +159,11 @@ def _drop(name: str) -> None:
 
 # -- the controller side ------------------------------------------------------------------------
 class PoolTrainer:
-    """Synchronous data-parallel training driven from the controller (F15): every worker
-    builds the model with the same seed in an Engine (Phase 1), gets one contiguous block of
-    the data (Phase 2, ``scatter``) and trains on it (Phase 3, ``train``: one pool call for all
-    steps); the controller averages the per-step losses (Phase 4: equal batches, so the mean of
-    means is the global mean)."""
+    """Synchronous data-parallel training driven from the controller (F15).
+    Phase 1: every worker builds the model with the same seed in an Engine.
+    Phase 2 (``scatter``): one contiguous block of the data each.
+    Phase 3 (``train``): one pool call for all steps.
+    Phase 4: the mean of the per-step losses (equal batches: the global mean)."""
 
     _count = 0
 

@@ -1,14 +1,7 @@
-"""Mixed precision: autocast for forward, and for fp16 a dynamic loss scale (GradScaler's rule)
-whose overflow check is the exchange's agreed non-finite verdict.
-
-``fp32``: no autocast. ``bf16``: ``torch.autocast`` to bfloat16 (CPU and CUDA); its range is
-fp32's, so no scaling. ``fp16``: autocast to float16 with the loss multiplied by ``scale``
-before backward; after the exchange the Engine unscales the mean gradient (folded into the
-clipping factor) or, when any rank's gradients overflowed (the same verdict on every rank,
-phalanx.exchange.base), skips the step and halves the scale; after ``growth_interval`` good
-steps in a row the scale doubles. This is torch.amp.GradScaler's policy, kept here because the
-inf check must be the one all ranks agreed on, and the gradients to unscale live in the
-exchange's buckets or at their owners rather than in ``param.grad``.
+"""Mixed precision: autocast for forward (bf16: no scaling, fp32's range); for fp16
+torch.amp.GradScaler's dynamic loss scale (an overflow skips the step and halves it;
+``growth_interval`` good steps double it), kept here because its inf check must be the verdict
+all ranks agreed on and the gradients to unscale live in the exchange's buckets or at owners.
 """
 
 from __future__ import annotations

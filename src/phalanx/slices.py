@@ -1,8 +1,5 @@
-"""Pieces of a tensor that several ranks each hold parts of (sharded optimizer state), as
-checkpoints store them: ``Slices`` and the boxes a flat range of a tensor covers; ``LazySlices``,
-whose pieces are read when written.
-
-Below both ``phalanx.checkpoint`` and its DCP planners (``phalanx._dcp``), which import it."""
+"""Pieces of a tensor that several ranks hold parts of (sharded optimizer state), as checkpoints
+store them; below both ``phalanx.checkpoint`` and ``phalanx._dcp``."""
 
 from __future__ import annotations
 
@@ -40,12 +37,8 @@ def _boxes(shape: Sequence[int], lo: int, hi: int) -> list[tuple[tuple[int, ...]
 
 
 class Slices:
-    """This rank's pieces of a tensor that several ranks hold parts of (a parameter's optimizer
-    state split between owners), for DCP: each piece is a box (offsets, sizes) of the full
-    tensor, so the checkpoint holds the full tensor's shape and any box of it can be read back
-    (on another world size too). Built from flat ranges of the row-major tensor, which
-    ``_boxes`` cuts into at most 2 * ndim - 1 boxes each. Save with ``SavePlanner``, load with
-    ``LoadPlanner``."""
+    """This rank's pieces of a tensor as boxes (offsets, sizes) of the full one, so any box can be
+    read back on another world size; a flat range is at most 2 * ndim - 1 boxes."""
 
     def __init__(
         self,
@@ -93,10 +86,8 @@ class Slices:
 
 
 class LazySlices(Slices):
-    """Slices whose pieces are read only when the checkpoint writer asks for each:
-    ``load(flat start, numel)`` returns that 1-D range of the tensor. State kept out of memory
-    (the optimizer mirror's tier) is so written one piece at a time; the boxes hold meta
-    tensors of their sizes (no memory). ``materialized()`` reads every piece (async saves)."""
+    """Slices whose pieces ``load(flat start, numel)`` reads as the writer asks (a tier's state,
+    one piece at a time; meta tensors until then); ``materialized()`` reads all."""
 
     def __init__(
         self,
