@@ -1,7 +1,4 @@
-"""``allreduce``: each bucket is summed over ranks as soon as backward fills it (F14): the
-backend's allreduce, or with ``compress`` point-to-point messages (exchange/ring.py) on the
-communication thread, the last bucket on the main thread (docs/exchange.md).
-"""
+"""``allreduce``: each bucket summed over ranks as soon as backward fills it (F14)."""
 
 from __future__ import annotations
 

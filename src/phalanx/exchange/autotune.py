@@ -1,7 +1,6 @@
-"""The second half of ``bucket_mb = "auto"``: the cost model proposes, measurement decides
-(on CPU ranks overlapped communication is not free; docs/exchange.md, "Then measure").
-  Phase 1: visit the candidates round-robin, ``visits`` times: rebuild, one untimed step, time.
-  Phase 2: the slowest rank's median step time per candidate decides, identically everywhere.
+"""The second half of ``bucket_mb = "auto"``: the model proposes, measurement decides.
+Phase 1: visit the candidates round-robin, ``visits`` times: rebuild, one untimed step, time.
+Phase 2: the slowest rank's median step time per candidate decides, identically everywhere.
 """
 
 from __future__ import annotations

@@ -119,8 +119,7 @@ def stamp_done(bucket: Bucket, handle: Any) -> Any:
 
 
 def holds_nonfinite(tensors: list[torch.Tensor]) -> bool:
-    """Whether any element of ``tensors`` is inf/NaN, from one fp32 sum per tensor (35x faster
-    than ``isfinite(t).all()``); a sum overflowing fp32 counts too, as its update would."""
+    """Whether ``tensors`` hold inf/NaN (or overflow fp32), from one fp32 sum per tensor."""
     if not tensors:
         return False
     sums = torch.stack([t.sum(dtype=torch.float32) for t in tensors])
@@ -142,9 +141,8 @@ class StrategyParts:
 
 
 class Strategy(ABC):
-    """Base class of exchange strategies (phases: the module docstring), built again for each
-    bucket layout. Its surface is two protocols, ``GradientExchange`` and
-    ``OptimizerSharding``; this base implements the replicated optimizer."""
+    """Base class of exchange strategies (phases: the module docstring), built again per bucket
+    layout; this base implements the replicated optimizer."""
 
     # parameters update while gradients arrive: a bad loss is agreed before the exchange, and
     # nothing can rescale the gradient first (no clipping, no fp16 unscaling)
@@ -212,8 +210,7 @@ class Strategy(ABC):
 
     @classmethod
     def sums_whole_buckets(cls, config: Any, codec: Codec) -> bool:
-        """Whether each bucket's ``flat`` arrives as its exact sum on every rank, tail included
-        (then the global loss rides in the last bucket's ``riders``)."""
+        """Whether buckets arrive summed exactly, tail included (the loss rides in ``riders``)."""
         del config, codec
         return False
 
@@ -226,13 +223,8 @@ class Strategy(ABC):
     def inspect_gradients(
         self, want_norm: bool, riders: torch.Tensor | None = None
     ) -> tuple[bool, float | None]:
-        """After ``finish()``: (whether the exchanged gradients hold inf/NaN, their global L2
-        norm if ``want_norm``), the same on every rank. Here every rank holds the whole mean
-        gradient, and a rank whose loss was bad wrote NaN into its usage flags
-        (``buckets.poison``), so local checks agree with no extra message.
-
-        ``riders`` (1-D float64, on the device; only where ``verdict_all_reduces``): values
-        summed over the data group in the same all-reduce, in place."""
+        """After ``finish()``: (inf/NaN anywhere, the global norm if ``want_norm``), alike on every
+        rank (here local: a bad loss poisoned the flags); ``riders``: summed in the verdict."""
         assert riders is None, "riders go only to a strategy whose verdict all-reduces"
         bad = holds_nonfinite([b.flat for b in self.buckets])
         if not want_norm:
@@ -271,8 +263,7 @@ class Strategy(ABC):
 
     @classmethod
     def compile_model(cls, config: Any, module: torch.nn.Module) -> list[torch.nn.Module]:
-        """``[train] compile`` as this strategy's hooks allow, before ``register_module``;
-        returns the modules compiled (default: each layer's forward, phalanx.compile)."""
+        """``[train] compile`` as the strategy's hooks allow; returns the modules compiled."""
         del config
         return compile_layers(module)
 
@@ -362,9 +353,8 @@ class Strategy(ABC):
 
     # -- checkpoints (torch.distributed.checkpoint): each rank its own part -----------------------
     def optimizer_shards(self, optimizer: Optimizer, params: Params) -> tuple[ShardState, Groups]:
-        """This rank's part of the optimizer state, gathering nothing: ``({index in params:
-        {key: value}}, groups)``; a per-element value is a list of ``(flat start, 1-D tensor)``
-        pieces; ``groups``: hyperparameters, ``"params"`` as indices in ``params``."""
+        """This rank's part of the state, gathering nothing: ``({index: {key: value or (flat start,
+        1-D tensor) pieces}}, groups)``, ``groups``' ``params`` as indices in ``params``."""
         index = {id(p): i for i, p in enumerate(params)}
         state: ShardState = {}
         for p, entry in optimizer.state.items():
@@ -516,8 +506,7 @@ STRATEGIES: Registry[Strategy] = Registry("exchange strategy")
 
 @dataclass(frozen=True)
 class StrategyFactory:
-    """Builds a registered strategy: ``factory(ctx, buckets, parts)``, and answers for its class
-    before any instance exists."""
+    """Builds a registered strategy and answers for its class before any instance exists."""
 
     name: str
     cls: type[Strategy]

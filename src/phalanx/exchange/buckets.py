@@ -20,8 +20,8 @@ FIRST_BUCKET_BYTES = 1 << 20  # a small first bucket starts communication early,
 
 @dataclass
 class Bucket:
-    """One fusion buffer ``flat`` (1-D, its parameters' dtype and device): ``grads`` (``views``
-    shaped as the parameters), then ``flags`` (1 per parameter this rank produced a gradient)."""
+    """One fusion buffer ``flat`` (1-D, its parameters' dtype and device): ``grads``, then
+    ``flags``."""
 
     index: int
     params: list[torch.nn.Parameter]
@@ -48,8 +48,7 @@ class Bucket:
 def plan_buckets(
     params: Sequence[torch.Tensor], bucket_bytes: int, first_bucket_bytes: int
 ) -> list[list[int]]:
-    """Indices of ``params`` (in backward order) in buckets of about ``bucket_bytes``, one dtype
-    and device each, the first capped at ``first_bucket_bytes``."""
+    """Indices of ``params`` in buckets of about ``bucket_bytes`` (the first capped)."""
     groups: list[list[int]] = []
     size = 0
     cap = min(first_bucket_bytes, bucket_bytes)
@@ -198,8 +197,7 @@ class GradientBuckets:
                 self._launch_ready()
 
     def written(self, params: list[torch.nn.Parameter]) -> None:
-        """Phase 2 for gradients written past autograd (a zero-bubble pipeline's weight pass):
-        the hook's work for each of ``params`` whose hook has not fired since ``arm``."""
+        """Phase 2 for gradients written past autograd (zero-bubble pipelines' weight pass)."""
         fired = set(self.ready_order)
         for p in params:
             entry = self._bucket_of.get(id(p))

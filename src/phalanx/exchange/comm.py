@@ -1,6 +1,4 @@
-"""A background communication thread with its own process group: chains of point-to-point
-messages progress while backward runs, never interleaving with the main thread's collectives.
-"""
+"""A background communication thread with its own process group (docs/exchange.md)."""
 
 from __future__ import annotations
 
@@ -16,8 +14,7 @@ import torch.distributed as dist
 
 
 class CommThread:
-    """Runs submitted jobs in order on a daemon thread (on CUDA, a side stream that waits for
-    the compute stream's work submitted before)."""
+    """Runs submitted jobs in order on a daemon thread (CUDA: a side stream that waits)."""
 
     def __init__(
         self,
@@ -71,16 +68,14 @@ class CommThread:
 
 
 def global_rank(group: Any, rank: int) -> int:
-    """The world rank of ``rank`` within ``group``: point-to-point calls take world ranks
-    (``group_src``/``group_dst`` arrived in torch 2.6, after phalanx's floor)."""
+    """The world rank of ``rank`` within ``group`` (p2p takes world ranks before torch 2.6)."""
     if group is None or group is dist.group.WORLD:
         return rank
     return dist.get_global_rank(group, rank)
 
 
 def mirror_group(group: Any = None) -> Any:
-    """A new process group with ``group``'s members in order, created by its members only
-    (pipeline stages' data groups are created independently)."""
+    """A new process group of ``group``'s members in order, created by its members only."""
     ranks = None if group is None else dist.get_process_group_ranks(group)
     if ranks is None or len(ranks) == dist.get_world_size():
         return dist.new_group(backend=dist.get_backend())

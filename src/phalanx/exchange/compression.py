@@ -1,6 +1,4 @@
-"""Scaled low-precision gradients on the wire (F13): a power-of-two scale per message, cast to
-fp16 or bf16, summed in fp32 at the receiver (docs/exchange.md, "Compression").
-"""
+"""Scaled low-precision gradients on the wire (F13; docs/exchange.md, "Compression")."""
 
 from __future__ import annotations
 
@@ -108,16 +106,14 @@ class Codec:
         return message.nbytes
 
     def recv_message(self, t: torch.Tensor, src: int, group: Any) -> torch.Tensor:
-        """Receive the message of a tensor like ``t``, undecoded: into ``t`` itself without a
-        codec, else into this thread's scratch (valid until its next receive)."""
+        """Receive ``t``'s message undecoded (into ``t`` without a codec, else thread scratch)."""
         message = t if self.wire_dtype is None else self.scratch_message(t)
         dist.recv(message, global_rank(group, src), group=group)
         return message
 
 
 class ScaledCodec(Codec):
-    """Power-of-two scaling + cast to ``wire_dtype``. Message (uint8, 1-D): the payload padded
-    to 4 bytes, then the scale as one float32."""
+    """Power-of-two scaling + cast; message: payload padded to 4 bytes, then the float32 scale."""
 
     wire_dtype: torch.dtype = torch.float16
     target: float = torch.finfo(torch.float16).max / 2  # largest magnitude after scaling

@@ -90,9 +90,8 @@ def wire_scale(dtype: str | None) -> float:
 
 
 class FullyShardedSchedule(MessageSchedule):
-    """Per unit (one per layer): ring all-gather before forward (and backward, with
-    ``reshard_after_forward``), ring reduce-scatter after backward; all-gathers move
-    ``param_dtype``, reduce-scatters ``reduce_dtype`` (else ``param_dtype``, as torch's)."""
+    """Per unit: ring all-gathers (``param_dtype``) before forward and backward, a ring
+    reduce-scatter (``reduce_dtype``) after backward."""
 
     config: FsdpConfig
     unit_label = "per layer"
@@ -101,8 +100,7 @@ class FullyShardedSchedule(MessageSchedule):
         return self.unit_phases(world).reduce  # a unit's gradients (sim.py runs unit_phases)
 
     def unit_phases(self, world: int, reduce_scatter_all_reduces: bool = False) -> UnitPhases:
-        """``reduce_scatter_all_reduces``: the backend (Gloo) reduce-scatters by all-reducing
-        and keeping a slice (1 MB on 2 ranks: 1.72 ms vs all-reduce 1.34 ms): twice the bytes."""
+        """``reduce_scatter_all_reduces``: Gloo all-reduces and slices (twice a ring's bytes)."""
         c = self.config
         if world < 2:
             return UnitPhases([], [], [], c.prefetch)
@@ -197,8 +195,7 @@ class FullyShardedStrategy(Strategy):
     def inspect_gradients(
         self, want_norm: bool, riders: torch.Tensor | None = None
     ) -> tuple[bool, float | None]:
-        """One all-reduce of the verdicts, the norm's squares and ``riders``; one pass over the
-        rows (foreach norms, whose float64 squares' sum is finite exactly when every element is)."""
+        """One all-reduce of verdicts, norm squares and ``riders``; one foreach pass over rows."""
         grads = [_local(p.grad) for p in self.params if p.grad is not None]
         norms = [n.double() for n in torch._foreach_norm(grads)] if grads else []
         squares = (
@@ -230,8 +227,7 @@ class FullyShardedStrategy(Strategy):
 
     # -- the model's parameters ------------------------------------------------------------------
     def adopt_optimizer(self, optimizer: Optimizer, params: Params) -> Optimizer:
-        """The user's optimizer pointed at the sharded parameters; state it already holds is cut
-        to this rank's rows, and its own ``state_dict()`` / ``load_state_dict()`` refused."""
+        """The user's optimizer on the shards, its state cut to rows, its ``state_dict`` refused."""
         del params
         for group in optimizer.param_groups:
             group["params"] = [self.renamed.get(id(p), p) for p in group["params"]]
@@ -248,8 +244,7 @@ class FullyShardedStrategy(Strategy):
         return module
 
     def full_state_dict(self, module: nn.Module) -> dict[str, Any]:
-        """``module.state_dict()`` as one process holds it, gathered tensor by tensor onto the
-        CPU (a collective), so the whole model never has to fit the device."""
+        """``module.state_dict()`` whole, gathered onto the CPU tensor by tensor (a collective)."""
         with self.shard_reads.allowed():
             sharded = module.state_dict(keep_vars=True)
         whole: dict[int, Any] = {}
@@ -332,9 +327,8 @@ def _mesh(ctx: Context) -> Any:
 def _shard(
     module: nn.Module, entries: list[nn.Module], mesh: Any, config: FsdpConfig
 ) -> tuple[list[Any], list[Any]]:
-    """``fully_shard`` on each unit (bottom-up), then on the modules the step calls (the model,
-    or a pipeline's stages); prefetch between units. A small model (``whole_model_mb``) has no
-    units, its frozen parameters replicated. Returns (roots, units in forward order)."""
+    """``fully_shard`` on each unit, then on what the step calls; prefetch between units.
+    Returns (roots, units in forward order)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     policy = MixedPrecisionPolicy(
@@ -370,8 +364,7 @@ def _shard(
 
 
 def _units(module: nn.Module, names: list[str]) -> list[nn.Module]:
-    """The units in forward order: the named classes' outermost modules, or the top-level
-    children holding parameters; a unit sharing a parameter (tied weights) is left to the root."""
+    """The units in forward order (a unit sharing a parameter is left to the root)."""
     if names:
         picked = [m for m in module.modules() if m is not module and type(m).__name__ in names]
         if not picked:
@@ -401,8 +394,7 @@ def _bytes(module: nn.Module) -> int:
 
 
 def _volume(module: nn.Module, regather: bool, ctx: Context) -> int:
-    """Bytes a rank sends per step (and receives): ring all-gathers of its rows (two per unit
-    with ``regather``) and a ring reduce-scatter of its trainable rows."""
+    """Bytes a rank sends (and receives) per step: ring all-gathers and a reduce-scatter."""
     sharded = [p for p in module.parameters() if hasattr(p, "to_local")]
     rows = sum(_local(p).numel() * p.element_size() for p in sharded)
     grads = sum(_local(p).numel() * p.element_size() for p in sharded if p.requires_grad)
@@ -410,8 +402,7 @@ def _volume(module: nn.Module, regather: bool, ctx: Context) -> int:
 
 
 def _gloo_collectives(modules: list[Any]) -> list[_Buffers]:
-    """Each FSDP module's all-gather and reduce-scatter on Gloo as point-to-point rings (3x
-    faster than Gloo's, docs/exchange.md); one instance of each serves every module."""
+    """fully_shard's collectives on Gloo as point-to-point rings (3x faster, docs/exchange.md)."""
     gather, scatter = _RingAllGather(), _RingReduceScatter()
     for m in modules:
         if hasattr(m, "set_custom_reduce_scatter"):
@@ -428,9 +419,8 @@ _USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)  # tensors using a st
 
 
 class _Buffers:
-    """``allocate`` of fully_shard's buffers: a host buffer above ``POOLED_BYTES`` comes from a
-    pool, handed out again once only the pool uses its memory (gradients view the outputs);
-    at most ``POOLED`` idle buffers are kept, least recently used going first."""
+    """``allocate`` of fully_shard's buffers: host buffers above ``POOLED_BYTES`` are pooled,
+    reused once only the pool holds them (at most ``POOLED`` idle, least recent first)."""
 
     POOLED = 4
 
@@ -452,8 +442,7 @@ class _Buffers:
 
 
 class _RingReduceScatter(_Buffers):
-    """fully_shard's ReduceScatter: the input's p parts summed over the ring; the last step
-    adds straight into the output (``AVG``: divided there), sparing a pass."""
+    """fully_shard's ReduceScatter over the ring, the last step adding into the output."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -563,8 +552,7 @@ def _sharded_value(value: list[tuple[int, Any]], p: torch.Tensor) -> Any:
 
 # -- reads of the whole model -------------------------------------------------------------------
 class _ShardReads:
-    """A ``state_dict()`` pre-hook refusing the user's call (it would hold DTensors of this
-    rank's rows, which load into no plain model); phalanx's own reads go through."""
+    """Refuses the user's ``state_dict()`` (DTensor rows load into no plain model)."""
 
     def __init__(self, model: nn.Module) -> None:
         self.depth = 0  # > 0 inside ``allowed``

@@ -49,8 +49,7 @@ def ring_bandwidth_factor(world_size: int) -> float:
 
 @dataclass(frozen=True)
 class LinkModel:
-    """Fitted latency and bandwidth of one process group, with the sweep (rank 0's samples per
-    size) and the probes (``measure_message_s``, ``comm.measure_handoff_s``; empty: not run)."""
+    """Fitted latency and bandwidth of one process group, with its sweep and probes."""
 
     alpha_s: float
     beta_bytes_per_s: float
@@ -105,9 +104,8 @@ class LinkModel:
 
     @classmethod
     def median_of(cls, links: list[LinkModel]) -> LinkModel:
-        """One model from several calibrations: the median alpha and beta, and each probe's
-        samples from the round whose statistic is the (lower) median, so one round's burst of
-        slow wake-ups does not set the whole model."""
+        """One model from several calibrations: median alpha and beta, and each probe's samples
+        from its (lower) median round, so one round's slow wake-ups do not set the model."""
         assert links, "median_of: no calibrations"
 
         def middle(samples: str, statistic: str) -> tuple[float, ...]:
@@ -170,8 +168,7 @@ class LinkModel:
 
 # -- the fit ----------------------------------------------------------------------------------
 def fit_line(sizes: Sequence[float], seconds: Sequence[float]) -> tuple[float, float]:
-    """(A, B) of T(n) = A + B n by least squares on relative residuals, which weigh every size
-    alike; a negative term (noise) is refitted as 0."""
+    """(A, B) of T(n) = A + B n, least squares on relative residuals (every size alike)."""
     if len(sizes) != len(seconds) or len(set(sizes)) < 2:
         raise ValueError("fit_line: needs at least two distinct sizes, one time per size")
     scale = max(sizes)  # sizes in units of the largest keep the normal equations well scaled
@@ -210,8 +207,7 @@ def calibrate(
     sizes: Sequence[int] = DEFAULT_SIZES,
     repeats: int = DEFAULT_REPEATS,
 ) -> LinkModel:
-    """Measure ``group``'s allreduce over ``sizes`` (bytes, float32 on ``device``) and fit
-    alpha and beta (collective, the same model on every rank)."""
+    """Measure ``group``'s allreduce over ``sizes`` and fit alpha and beta (collective)."""
     sizes = tuple(int(n) for n in sizes)
     if len(set(sizes)) < 2 or min(sizes) < 4:
         raise ValueError(f"calibrate: sizes needs two distinct sizes >= 4 bytes, got {sizes}")

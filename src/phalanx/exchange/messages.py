@@ -73,9 +73,8 @@ class Message(NamedTuple):
 
 @dataclass(frozen=True, eq=False)
 class RoundTable:
-    """The messages of one phase in program order; round r is ``starts[r]:starts[r+1]``;
-    ``fraction``: share of the bucket's bytes; ``summed``: phalanx's receiver adds it (not the
-    backend's allreduce, whose adds the calibration includes); equal ``key``s, equal tables."""
+    """One phase's messages in program order (round r: ``starts[r]:starts[r+1]``); ``summed``:
+    phalanx's receiver adds it; equal ``key``s, equal tables."""
 
     key: tuple
     src: np.ndarray
@@ -106,8 +105,7 @@ class RoundTable:
 
 
 class Builder:
-    """Collects rounds of (src, dst, fraction, kind) into a RoundTable (``summed`` default:
-    ``kind == GRAD``)."""
+    """Collects rounds of (src, dst, fraction, kind) into a RoundTable."""
 
     def __init__(self) -> None:
         self.chunks: list[np.ndarray] = []  # (5, m) blocks of src, dst, fraction, kind, summed
@@ -155,8 +153,7 @@ class Builder:
 
 @dataclass(frozen=True)
 class Phase:
-    """One step of a bucket's exchange: messages (``table``) or, when ``table`` is None, an
-    owner's optimizer update of ``update_fraction`` of the bucket."""
+    """One step of a bucket's exchange: messages, or (``table`` None) an owner's update."""
 
     name: str
     table: RoundTable | None = None
@@ -167,9 +164,8 @@ class Phase:
 
 @dataclass(frozen=True)
 class UnitPhases:
-    """What a per-unit sharding strategy (``fsdp``) communicates around each unit's compute
-    (sim.py): ``gather`` before forward, ``regather`` before backward (empty: kept), each
-    ``prefetch`` units ahead; ``reduce`` after backward. Sizes: float32 bytes x ``scale``."""
+    """What ``fsdp`` communicates around each unit (sim.py): ``gather``, ``regather`` (empty:
+    kept) and ``reduce``, ``prefetch`` units ahead; sizes: float32 bytes x ``scale``."""
 
     gather: list[Phase]
     regather: list[Phase]
@@ -185,9 +181,8 @@ class UnitPhases:
 def ring_rounds(
     world: int, reduce: bool = True, gather: bool = True, grad: bool = True, backend: bool = False
 ) -> RoundTable:
-    """Ring reduce-scatter then all-gather, p-1 steps each of 1/p to rank+1 (F14). ``grad``
-    False: the all-gather carries parameters (else the owners' encoded chunks, FORWARD);
-    ``backend``: the backend's allreduce (not ``summed``), else phalanx's ring."""
+    """Ring reduce-scatter then all-gather (F14); ``grad`` False: parameters; ``backend``: the
+    backend's allreduce (not ``summed``)."""
     b = Builder()
     ranks = np.arange(world)
     if reduce:
@@ -200,8 +195,7 @@ def ring_rounds(
 
 @functools.lru_cache(maxsize=64)
 def cyclic_rounds(world: int, send_back: bool) -> RoundTable:
-    """``reduce_cycles`` (or ``broadcast_cycles`` with ``send_back``) as arrays, built without
-    one object per transfer (a unit test compares them)."""
+    """``reduce_cycles`` (send-back: ``broadcast_cycles``) as arrays (a test compares them)."""
     b = Builder()
     parts = np.arange(num_partitions(world))
     for k in range(world - 1):
@@ -274,8 +268,7 @@ class MessageSchedule(ABC):
         return None
 
     def on_thread(self, codec: WireCodec, last: bool) -> bool:
-        """Whether a bucket's exchange and send-back run on the communication thread (each
-        hand-over costs the cluster's ``handoff_s``)."""
+        """Whether a bucket's exchange runs on the comm thread (a hand-over costs ``handoff_s``)."""
         del codec, last
         return True
 
@@ -286,9 +279,8 @@ class MessageSchedule(ABC):
 # -- compression on the wire ---------------------------------------------------------------------
 @dataclass(frozen=True)
 class WireCodec:
-    """What a codec does to a message of each kind: wire bytes per byte, bytes per message,
-    coding work in ``codec_s_per_byte`` units (1: encode and decode; 0.5: decode only);
-    ``separate_add``: an add costs ``ClusterConfig.add_s_per_byte`` on top (no codec)."""
+    """A codec's wire bytes per byte and per message, and coding work (``codec_s_per_byte``s)
+    by kind; ``separate_add``: adds cost ``ClusterConfig.add_s_per_byte`` on top."""
 
     name: str
     ratio: tuple[float, float, float] = (1.0, 1.0, 1.0)  # by kind: GRAD, FORWARD, PARAM

@@ -1,5 +1,4 @@
-"""What strategies that update parameter shards at their owners share (``partitioned``, ``ps``):
-forward pre-hooks wait only for their own buckets' send-back (docs/exchange.md)."""
+"""What owner-update strategies (``partitioned``, ``ps``) share (docs/exchange.md)."""
 
 from __future__ import annotations
 
@@ -18,8 +17,7 @@ from phalanx.runtime.context import Context
 
 
 class OwnerUpdateStrategy(Strategy):
-    """Base of owner-update strategies: subclasses build ``self.sharded``; each bucket's
-    send-back (a Work or a Future) goes into ``self._pending_params[bucket index]``."""
+    """Base of owner-update strategies: subclasses build ``self.sharded``."""
 
     optimizer_follows_layout = True  # the optimizer steps this layout's shard Parameters
     sharded: ShardedParameters  # set by the subclass's constructor
@@ -72,8 +70,7 @@ class OwnerUpdateStrategy(Strategy):
 
     # -- the optimizer across bucket rebuilds ---------------------------------------------------
     def carry_optimizer_state(self, optimizer: Optimizer, params: list) -> Any:
-        """This rank's shards' state (views); the spent gradient buffers are freed and the
-        heap trimmed now, so the new layout's buffers never sit beside them."""
+        """This rank's shards' state; the spent gradient buffers freed and the heap trimmed now."""
         self.sync()
         carried = self.sharded.carry(optimizer, params)
         _free_gradients(self.sharded.buckets)

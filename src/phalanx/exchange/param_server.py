@@ -57,8 +57,7 @@ class ParamServerConfig:
 
 
 def star_turn(server: int, worker: int, num_servers: int) -> int:
-    """The turn of worker ``worker`` and the ``server``-th server in a star push or pull: turn t
-    pairs worker w with server (w + t) mod k, so a turn's messages use distinct ports."""
+    """Worker w meets server (w + t) mod k in turn t: distinct ports per turn."""
     return (server - worker) % num_servers
 
 
@@ -72,8 +71,7 @@ def roles(config: ParamServerConfig, world_size: int) -> tuple[list[int], list[i
 def ps_rounds(
     world: int, owners: tuple[int, ...], workers: tuple[int, ...], reduce: str, pull: bool
 ) -> RoundTable:
-    """The push (or pull) of one bucket: star: one round in ``star_turn`` order; tree: partition
-    by partition, up (or down) a binary tree rooted at the owner."""
+    """The push (or pull) of one bucket: star in ``star_turn`` order, or tree per partition."""
     b = Builder()
     share = 1.0 / len(owners)
     if reduce == "tree":
@@ -236,8 +234,7 @@ class ParameterServer(OwnerUpdateStrategy):
         self.thread_spans.append(span)
 
     def _agree_usage(self, bucket: Bucket) -> list[bool]:
-        """Per parameter of ``bucket``, whether any rank used it: one all-reduce of the flags
-        (beside each push instead: 52 vs 49 ms a step, 16-bucket MLP, 2 processes)."""
+        """Whether any rank used each parameter: one all-reduce of the flags (cheaper here)."""
         flags = self._host(bucket.flags).to(torch.float64, copy=True)
         dist.all_reduce(flags, group=self.comm_thread().group)
         return used_flags(flags)
@@ -251,8 +248,7 @@ class ParameterServer(OwnerUpdateStrategy):
         return [owner] + [w for w in range(self.num_workers) if w != owner]
 
     def _push_star(self, b: int, grads: torch.Tensor) -> dict[int, torch.Tensor]:
-        """Every worker's partitions of ``grads`` (1-D, host) to their servers at once, summed
-        there in worker order; returns {partition: sum} of those this rank owns."""
+        """Push ``grads``' partitions to their servers at once; returns {partition: sum} here."""
         rank, group, codec = self.ctx.rank, self.comm_thread().group, self.codec
         owners, ranges = self._owners(), self.ranges[b]
         trainer = rank < self.num_workers
@@ -403,8 +399,7 @@ class ParameterServer(OwnerUpdateStrategy):
         self._pushed = []
 
     def update(self, optimizer: Optimizer) -> None:
-        """Wait until the servers stepped every bucket (a scheduler stepped next cannot change
-        an update in flight); pulls finish in the background."""
+        """Wait until the servers stepped every bucket (pulls finish in the background)."""
         del optimizer
         _wait_events(self._updated)
         self._updated = []

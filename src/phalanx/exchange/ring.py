@@ -48,8 +48,7 @@ class RingLink:
         recv_slot: str,
         outgoing: list[torch.Tensor] | None = None,
     ) -> list[torch.Tensor]:
-        """Send ``flat[send]`` (or ready ``outgoing`` messages), receive ``flat[recv]``'s pieces
-        into arena ``recv_slot`` and ``combine`` them in; returns the received messages."""
+        """Send ``flat[send]`` (or ``outgoing``), ``combine`` the received pieces; returns them."""
         codec, p = self.codec, self.world_size
         nxt, prev = (self.rank + 1) % p, (self.rank - 1) % p
         send_pieces, recv_pieces = pieces(*send), pieces(*recv)
@@ -81,8 +80,7 @@ class RingLink:
 def ring_reduce_scatter(
     flat: torch.Tensor, chunks: list[Range], rank: int, p: int, group: Any, codec: Codec
 ) -> tuple[int, int]:
-    """Sum ``flat`` (1-D) so chunk ``rank`` is complete here; returns (sent, received) bytes.
-    Step s = 0..p-2: send chunk (r-s-1) mod p, receive chunk (r-s-2) mod p and add it."""
+    """Sum ``flat`` so chunk ``rank`` is complete here (step s: send r-s-1, add r-s-2)."""
     link = RingLink(rank, p, group, codec)
     for s in range(p - 1):
         link.step(

@@ -1,6 +1,5 @@
 """Owner-side updates over flat parameter shards (F4, F5, F19), shared by ``partitioned`` and
-``ps``: each bucket's parameters become views of a flat buffer, and an owner's optimizer steps
-``Parameter`` views of its ranges, cut at parameters and groups (docs/exchange.md).
+``ps`` (docs/exchange.md, "Strategies").
 """
 
 from __future__ import annotations
@@ -35,8 +34,7 @@ def bounds(length: int, num_parts: int) -> list[tuple[int, int]]:
 
 @dataclass
 class Shard:
-    """One owned range of one bucket within one parameter (``slot`` in the bucket) and
-    optimizer group; ``param`` views the parameter buffer (1-D, the bucket's dtype and device)."""
+    """One owned range within one parameter (``slot``) of one bucket; ``param`` views it (1-D)."""
 
     bucket: int
     start: int
@@ -55,8 +53,7 @@ Piece = tuple[int, int, int]  # (lo, hi, rank): a rank's flat range [lo, hi) of 
 
 @dataclass
 class Carried:
-    """One rank's shards' state across a bucket rebuild: ``held_state`` (views), every rank's
-    ranges (``piece_owners``) and the groups' hyperparameters (a scheduler may change them)."""
+    """One rank's shards' state, every rank's ranges and the hyperparameters, across a rebuild."""
 
     state: ShardState
     owners: dict[int, list[Piece]]
@@ -64,8 +61,7 @@ class Carried:
 
 
 class _Moves:
-    """Copies of state pieces between ranks, all posted at once in one order on every rank;
-    tensors travel on ``device`` (the group's)."""
+    """Copies of state pieces between ranks, posted at once in one order on every rank."""
 
     def __init__(self, group: Any, device: torch.device | None) -> None:
         self.group, self.device = group, device
@@ -183,8 +179,7 @@ class ShardedParameters:
     def attach_grads(
         self, grads_of: dict[int, torch.Tensor], offset_of: dict[int, int], used: list[list[bool]]
     ) -> None:
-        """Point each shard's ``.grad`` at ``grads_of[b]`` (from flat index ``offset_of[b]``);
-        None where no rank used the parameter (``used[b][slot]``), so the optimizer skips it."""
+        """Point each shard's ``.grad`` at ``grads_of[b]`` (None where no rank used it)."""
         for shard in self.shards:
             if not used[shard.bucket][shard.slot]:
                 shard.param.grad = None
@@ -244,8 +239,7 @@ class ShardedParameters:
         return ranges
 
     def held_state(self, optimizer: Optimizer, params: Params) -> ShardState:
-        """This rank's shards' state per parameter index, per-element values as ``(flat
-        start, 1-D view)`` pieces (no copy, no message)."""
+        """This rank's shards' state per parameter index, as ``(flat start, 1-D view)`` pieces."""
         out: ShardState = {}
         for shard, i, lo, hi, offset in self._overlaps(params):
             for key, value in optimizer.state.get(shard.param, {}).items():
@@ -258,10 +252,7 @@ class ShardedParameters:
         return out
 
     def local_state(self, optimizer: Optimizer, params: Params, group: Any) -> ShardState:
-        """``held_state`` covering every parameter some rank keeps state for: the ranks agree
-        (one small message) on each parameter's per-element keys, so a shard without state
-        (a ps partition whose updates were all skipped) contributes zeros; a parameter no rank
-        ever stepped has no entry, as in one process."""
+        """``held_state``, with zeros for keys other ranks hold (one small message)."""
         out = self.held_state(optimizer, params)
         kinds = _agree(_kinds(out), group)
         for _, i, lo, hi, _ in self._overlaps(params):
@@ -291,9 +282,8 @@ class ShardedParameters:
     def load_carried(
         self, optimizer: Optimizer, params: Params, carried: Carried, group: Any
     ) -> None:
-        """Load another layout's ``carry`` into this layout's shards (collective): a range whose
-        owner changed travels point to point, straight into the new state, so the transient
-        is at most the old state (gathering it all on every rank cost several times that)."""
+        """Load another layout's ``carry`` (collective), changed owners' ranges point to point:
+        the transient is at most the old state (gathering it all cost several times that)."""
         kinds = _agree(_kinds(carried.state), group)
         fresh, targets = self._fresh_state(params, kinds, carried.state)
         moves = _Moves(group, self.buckets[0].flat.device if self.buckets else None)
@@ -319,8 +309,7 @@ class ShardedParameters:
     def _fresh_state(
         self, params: Params, kinds: ShardState, held: dict
     ) -> tuple[ShardState, dict[int, list[tuple[int, dict[str, Any]]]]]:
-        """State to fill for this rank's shards: ``({id(shard param): entry}, {parameter index:
-        [(flat start, entry)]})``; a value held for exactly the same range is taken over."""
+        """State to fill for this rank's shards: by id(shard param), and by parameter index."""
         position = {id(p): i for i, p in enumerate(params)}
         fresh: ShardState = {}
         targets: dict[int, list[tuple[int, dict[str, Any]]]] = {}

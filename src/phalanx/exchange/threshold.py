@@ -37,8 +37,7 @@ TIE_ABSOLUTE_S = 1e-6
 # -- the backward profile ---------------------------------------------------------------------
 @dataclass(frozen=True)
 class BackwardProfile:
-    """When each gradient became ready during backward (seconds since it began, ascending),
-    its bytes and parameter index; ``backward_s`` is E_b, ``num_layers`` L (gradients)."""
+    """When each gradient became ready in backward (ascending), its bytes and parameter."""
 
     ready_s: tuple[float, ...]
     nbytes: tuple[int, ...]
@@ -93,8 +92,7 @@ class BackwardProfile:
         return cls(ready_s=tuple(ready), nbytes=tuple(sizes), backward_s=max(clock, ready[-1]))
 
     def layer_costs(self, forward_s: float = 0.0) -> list[LayerCost]:
-        """One ``LayerCost`` per gradient (backward since the previous one), then a tail
-        without gradients; ``forward_s`` (not measured) split as the backward times."""
+        """One ``LayerCost`` per gradient, then a tail; ``forward_s`` split as backward's."""
         layers, previous = [], 0.0
         backward_total = max(self.backward_s, 1e-12)
         for index, ready, nbytes in zip(_indices(self), self.ready_s, self.nbytes):
@@ -138,8 +136,7 @@ class BackwardProfile:
 
 
 class BackwardRecorder:
-    """Records the backward profile of the first steps: ``start()``, ``record`` from the hook
-    (a no-op when not started), ``stop()``; the first ``skip_steps`` are not the steady state."""
+    """Records the first steps' backward profile (``start``, ``record`` from the hook, ``stop``)."""
 
     def __init__(
         self,
@@ -293,8 +290,7 @@ def choose_bucket_bytes(
     first_bucket_bytes: int | None = FIRST_BUCKET_BYTES,
     reference_bytes: int = REFERENCE_BYTES,
 ) -> Choice:
-    """The candidate threshold with the smallest predicted exposed exchange, deterministic
-    (``layers`` in backward order; ``first_bucket_bytes`` None: no cap)."""
+    """The candidate threshold with the least predicted exposed exchange (deterministic)."""
     if world_size < 1:
         raise ValueError(f"choose_bucket_bytes: world_size must be >= 1, got {world_size}")
     profile = BackwardProfile.from_layers(layers)
@@ -346,8 +342,7 @@ def predict_exposed(
     first_bucket_bytes: int | None = FIRST_BUCKET_BYTES,
     grads: list[torch.Tensor] | None = None,
 ) -> float:
-    """Predicted seconds the exchange runs past backward with threshold ``bucket_bytes``
-    (``grads``: ``_stand_ins(profile)``, reused across candidates)."""
+    """Predicted seconds the exchange runs past backward with threshold ``bucket_bytes``."""
     grads = _stand_ins(profile) if grads is None else grads
     first = bucket_bytes if first_bucket_bytes is None else first_bucket_bytes
     groups = plan_buckets(grads, bucket_bytes, first)
@@ -367,8 +362,7 @@ def uniform_exposed(
     beta_bytes_per_s: float,
     world_size: int,
 ) -> float:
-    """The closed form of ``predict_exposed`` for gradients produced at an even pace (no cap):
-    max(c(b), n c(b) - (1 - 1/n) E_b) with n = G/b, c(b) = alpha f(P) + b g(P) / beta."""
+    """The closed form of ``predict_exposed`` for evenly produced gradients (docs/exchange.md)."""
     cost = alpha_s * ring_latency_factor(world_size) + (
         bucket_bytes * ring_bandwidth_factor(world_size) / beta_bytes_per_s
     )

@@ -83,8 +83,7 @@ def tree_up(ranks: list[int], share: float, b: Builder) -> None:
 def tree_down(
     ranks: list[int], share: float, kind: int, b: Builder, passed_on: int | None = None
 ) -> None:
-    """Back down the same tree, farthest child first. ``kind``: the first round's messages;
-    ``passed_on`` (default ``kind``): the later rounds', already in wire form."""
+    """Back down the tree, farthest child first; ``passed_on``: later rounds' kind."""
     n = len(ranks)
     depth = math.ceil(math.log2(n)) if n > 1 else 0
     for t in range(depth):
