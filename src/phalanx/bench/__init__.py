@@ -34,7 +34,7 @@ class Config(Protocol):
 C = TypeVar("C", bound=Config)
 # The modules that register a target each; imported by ``load()``, not by this package, so
 # that importing one bench (phalanx.planner.calibrate imports bench.link) loads only that one.
-MODULES = ("compile", "data", "exchange", "fsdp", "link", "memory_layers", "optimizer",
+MODULES = ("compile", "data", "exchange", "fsdp", "gpu", "link", "memory_layers", "optimizer",
            "pipeline", "planner", "port", "rnn", "strategy_memory", "train_memory")  # fmt: skip
 
 

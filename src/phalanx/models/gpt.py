@@ -76,3 +76,36 @@ class TransformerBlock(nn.Module):
         )
         x = x + self.resid_dropout(self.proj(attended.transpose(1, 2).reshape(b, t, c)))
         return x + self.resid_dropout(self.mlp(self.norm2(x)))
+
+
+# GPT-2 small (124 M parameters with the head tied to the token embedding): ``GPT(**GPT2_SMALL)``
+GPT2_SMALL = {"vocab_size": 50257, "dim": 768, "num_layers": 12, "num_heads": 12,
+              "max_seq_len": 1024}  # fmt: skip
+
+
+class GPT(nn.Module):
+    """A whole GPT that computes its own loss, as training scripts write it: the layer types
+    above (embedding, ``num_layers`` blocks), a final LayerNorm and a bias-free head whose
+    weight is the token embedding's (tied, as GPT-2). ``forward(ids)`` returns the logits
+    (B, T, vocab); ``forward(ids, targets)`` returns ``(logits, mean cross-entropy loss)``."""
+
+    def __init__(
+        self, vocab_size: int, dim: int, num_layers: int, num_heads: int, max_seq_len: int
+    ) -> None:
+        super().__init__()
+        self.embedding = GPTEmbedding(vocab_size, dim, max_seq_len)
+        self.blocks = nn.ModuleList(TransformerBlock(dim, num_heads) for _ in range(num_layers))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab_size, bias=False)
+        self.head.weight = self.embedding.token.weight
+
+    def forward(
+        self, ids: torch.Tensor, targets: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        x = self.embedding(ids)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.norm(x))
+        if targets is None:
+            return logits
+        return logits, F.cross_entropy(logits.flatten(0, 1), targets.reshape(-1))
