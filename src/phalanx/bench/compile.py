@@ -130,11 +130,6 @@ def check(result: dict[str, Any]) -> None:
         raise ConfigError(f"bench compile: a run failed: {failed[0]}")
 
 
-common.register(
-    "compile",
-    "[train] compile off vs on: phalanx train processes of the GPT config",
-    CompileBenchConfig,
-    run_benchmark,
-    check,
-    format_report,
-)
+common.register("compile",
+                "[train] compile off vs on: phalanx train processes of the GPT config",
+                CompileBenchConfig, run_benchmark, check, format_report)  # fmt: skip

@@ -63,17 +63,8 @@ class DataBenchConfig:
     seed: int = option(0, "data seed")
 
     def validate(self) -> None:
-        common.at_least(
-            self,
-            1,
-            "workers",
-            "batch_size",
-            "rounds",
-            "batches",
-            "train_rounds",
-            "train_steps",
-            "train_batch_size",
-        )
+        common.at_least(self, 1, "workers", "batch_size", "rounds", "batches")
+        common.at_least(self, 1, "train_rounds", "train_steps", "train_batch_size")
         if not 0 < self.crop <= self.image_size:
             raise ConfigError(f"--crop: must be in [1, --image-size={self.image_size}]")
         common.known("--contenders", self.contenders, THROUGHPUT)
@@ -432,11 +423,5 @@ def check(result: dict[str, Any]) -> None:
             raise ConfigError(f"bench data: {name} delivered no samples")
 
 
-common.register(
-    "data",
-    "input Pipeline vs torch DataLoader",
-    DataBenchConfig,
-    run_benchmark,
-    check,
-    format_report,
-)
+common.register("data", "input Pipeline vs torch DataLoader", DataBenchConfig,
+                run_benchmark, check, format_report)  # fmt: skip

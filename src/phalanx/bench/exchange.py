@@ -484,14 +484,6 @@ def _positive(text: str) -> bool:
         return False
 
 
-common.register(
-    "exchange",
-    "phalanx Engine vs torch DDP",
-    BenchConfig,
-    run_benchmark,
-    check,
-    format_table,
-    skip=("contenders",),
-    flags=add_flags,
-    from_flags=contenders_from_flags,
-)
+common.register("exchange", "phalanx Engine vs torch DDP", BenchConfig, run_benchmark,
+                check, format_table, skip=("contenders",), flags=add_flags,
+                from_flags=contenders_from_flags)  # fmt: skip

@@ -221,11 +221,5 @@ def format_table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-common.register(
-    "fsdp",
-    "fsdp vs torch's FSDP2 loop vs partitioned vs allreduce",
-    FsdpBenchConfig,
-    run_benchmark,
-    check,
-    format_table,
-)
+common.register("fsdp", "fsdp vs torch's FSDP2 loop vs partitioned vs allreduce",
+                FsdpBenchConfig, run_benchmark, check, format_table)  # fmt: skip

@@ -230,14 +230,6 @@ def models_from_flags(args: argparse.Namespace) -> dict[str, Any]:
     return {"models": tuple(m.strip() for m in models if m.strip())}
 
 
-common.register(
-    "link",
-    "link latency/bandwidth and threshold",
-    LinkBenchConfig,
-    run_benchmark,
-    check,
-    format_report,
-    skip=("sizes", "models"),
-    flags=add_flags,
-    from_flags=models_from_flags,
-)
+common.register("link", "link latency/bandwidth and threshold", LinkBenchConfig,
+                run_benchmark, check, format_report, skip=("sizes", "models"),
+                flags=add_flags, from_flags=models_from_flags)  # fmt: skip

@@ -660,14 +660,8 @@ def budgets_from_flags(args: argparse.Namespace) -> dict[str, Any]:
     return {"budgets": parse_budgets(args.budgets)}
 
 
-common.register(
-    "memory-layers",
-    "in-process: offload/recompute plan vs checkpoint, save_on_cpu",
-    MemoryBenchConfig,
-    run_benchmark,
-    check,
-    format_report,
-    skip=("budgets", "fresh_processes"),
-    flags=add_flags,
-    from_flags=budgets_from_flags,
-)
+common.register("memory-layers",
+                "in-process: offload/recompute plan vs checkpoint, save_on_cpu",
+                MemoryBenchConfig, run_benchmark, check, format_report,
+                skip=("budgets", "fresh_processes"), flags=add_flags,
+                from_flags=budgets_from_flags)  # fmt: skip

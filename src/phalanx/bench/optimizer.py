@@ -269,11 +269,5 @@ def check(result: dict[str, Any]) -> None:
             )
 
 
-common.register(
-    "optimizer",
-    "optimizer state in memory vs in the spill file",
-    OptimizerBenchConfig,
-    run_benchmark,
-    check,
-    format_report,
-)
+common.register("optimizer", "optimizer state in memory vs in the spill file",
+                OptimizerBenchConfig, run_benchmark, check, format_report)  # fmt: skip

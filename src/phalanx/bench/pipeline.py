@@ -350,11 +350,5 @@ def check(result: dict[str, Any]) -> None:
             raise ConfigError("bench pipeline: a zero step time was measured")
 
 
-common.register(
-    "pipeline",
-    "pipeline schedules vs torch.distributed.pipelining",
-    PipelineBenchConfig,
-    run_benchmark,
-    check,
-    format_report,
-)
+common.register("pipeline", "pipeline schedules vs torch.distributed.pipelining",
+                PipelineBenchConfig, run_benchmark, check, format_report)  # fmt: skip

@@ -454,11 +454,5 @@ def check(result: dict[str, Any]) -> None:
         raise ConfigError("bench planner: a zero step time was measured or predicted")
 
 
-common.register(
-    "planner",
-    "the planner's predicted step time vs measured here",
-    PlannerBenchConfig,
-    run_benchmark,
-    check,
-    format_report,
-)
+common.register("planner", "the planner's predicted step time vs measured here",
+                PlannerBenchConfig, run_benchmark, check, format_report)  # fmt: skip

@@ -252,11 +252,5 @@ def check(result: dict[str, Any]) -> None:
             raise WorkerError(0, f"{name}: non-finite or zero tokens/s")
 
 
-common.register(
-    "rnn",
-    "LSTM tokens/s: DDP, Engine, WorkerPool",
-    RnnBenchConfig,
-    run_benchmark,
-    check,
-    format_table,
-)
+common.register("rnn", "LSTM tokens/s: DDP, Engine, WorkerPool", RnnBenchConfig,
+                run_benchmark, check, format_table)  # fmt: skip

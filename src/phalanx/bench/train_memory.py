@@ -270,11 +270,6 @@ def format_report(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-common.register(
-    "memory",
-    "phalanx train processes: budgets vs none and full recomputation",
-    TrainMemoryBenchConfig,
-    run_benchmark,
-    check,
-    format_report,
-)
+common.register("memory",
+                "phalanx train processes: budgets vs none and full recomputation",
+                TrainMemoryBenchConfig, run_benchmark, check, format_report)  # fmt: skip

@@ -214,11 +214,9 @@ class ClusterConfig:
         return factor
 
     def collective_call_s_at(self, world: int) -> float:
-        """A fully_shard collective's cost to its rank's compute thread at ``world`` ranks, per
-        ring step (world - 1 of them): ``collective_call_s``, the call's wall time beyond its
-        transfer; on a node with more CPU ranks than cores ``collective_call_cpu_s``, the
-        call's CPU work only: while a rank waits in the call another rank computes on its
-        core (the cores are never idle), so only the work the call makes takes turns."""
+        """A fully_shard collective's cost to its rank's compute thread per ring step at
+        ``world`` ranks: ``collective_call_s``; with more CPU ranks than cores, its CPU work
+        only (``collective_call_cpu_s``: a rank waiting in the call is another's turn)."""
         cores, ranks = self.host_cores_per_node, min(world, self.devices_per_node)
         if world < 2:
             return 0.0
@@ -233,13 +231,9 @@ class ClusterConfig:
         return replace(self, devices_per_node=world)
 
     def comm_rate_beside_compute(self, world: int) -> float:
-        """How fast communication runs while the compute stream is busy, as a fraction of its
-        calibrated speed: 1 for devices; for CPU ranks, the cores a rank has to itself shared
-        by its compute and its communication thread: cores / (2 x ranks), at most 1. Ranks
-        beyond the cores take turns: the link's own model already shares the cores among
-        every rank's messages (``shared_intra``), so only the rank's two threads split its
-        turn (1/2). The cores' work is conserved: compute beside communication loses the
-        rest, (1 - this rate) of the overlap."""
+        """Communication's speed while the compute stream is busy, a fraction of its calibrated
+        speed: 1 for devices; CPU ranks: cores / (2 x ranks), ranks counted up to the cores
+        (docs/planner.md, "CPU ranks"). Compute beside it loses (1 - this rate) of the overlap."""
         if self.host_cores_per_node <= 0:
             return 1.0
         ranks = min(world, self.devices_per_node, self.host_cores_per_node)
@@ -299,16 +293,12 @@ def from_link(
     add_s_per_byte: float | None = None,
     host_cores: int | None = None,
 ) -> ClusterConfig:
-    """The one-node cluster that a ``phalanx bench link`` calibration measured (with the
-    codec's and the add's seconds per byte, measured apart: ``measure_codec_s_per_byte``,
-    ``measure_add_s_per_byte``).
+    """The one-node cluster that a ``phalanx bench link`` calibration measured.
 
-    ``link``: a ``phalanx.exchange.link.LinkModel``, or the path of its ``link.json`` (or of
-    the directory holding it). ``devices_per_node`` defaults to the calibrated world size. The
-    link fitted a ring allreduce, whose alpha and beta are per message and direction: exactly
-    the intra-node link of this model. ``host_cores``: the cores the calibrated processes
-    shared (a Gloo calibration: CPU ranks; ``host_cores_per_node``). A term given as None, or
-    a probe the link lacks, is 0 and named in the cluster's ``assumed`` (never a silent 0)."""
+    ``link``: a ``LinkModel``, or the path of its ``link.json`` (or of its directory); its ring
+    fit's alpha and beta are this model's intra-node link. ``host_cores``: the cores the
+    calibrated processes shared (CPU ranks). A term given as None, or a probe the link lacks,
+    is 0 and named in the cluster's ``assumed`` (never a silent 0)."""
 
     if not isinstance(link, LinkModel):
         try:
@@ -383,10 +373,8 @@ def _median_s_per_byte(work: Any, nbytes: int, repeats: int, device: Any) -> flo
 def measure_codec_s_per_byte(
     name: str = "fp16", nbytes: int = 8 * 2**20, repeats: int = 7, device: str = "cpu"
 ) -> float:
-    """Seconds per uncompressed gradient byte to encode a message with phalanx's codec and
-    decode-add it at the receiver (exchange/compression.py), on this process: the
-    ``codec_s_per_byte`` of a cluster file. Median of ``repeats`` after one warm-up; about
-    0.1 s for the default 8 MiB on a CPU core."""
+    """A cluster file's ``codec_s_per_byte``: encode + decode-add seconds per uncompressed
+    gradient byte on this process (median of ``repeats`` after one warm-up)."""
     import torch
 
     codec = make_codec(name)
@@ -402,11 +390,8 @@ def measure_codec_s_per_byte(
 def measure_add_s_per_byte(
     nbytes: int = 25 * 2**20, repeats: int = 7, device: str = "cpu"
 ) -> float:
-    """Seconds per byte to add one float32 gradient message into another (``t += message``,
-    as phalanx's point-to-point reductions do without a codec), on this process: the
-    ``add_s_per_byte`` of a cluster file. Median of ``repeats`` after one warm-up, at the
-    default bucket's 25 MiB (per byte, an add of buffers past the caches costs ~2x one that
-    fits them)."""
+    """A cluster file's ``add_s_per_byte``: seconds per byte of ``t += message`` on float32 on
+    this process, at the default bucket's 25 MiB (past the caches an add costs ~2x per byte)."""
     import torch
 
     total = torch.zeros(nbytes // 4, device=device)

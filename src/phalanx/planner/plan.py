@@ -199,11 +199,9 @@ def recommendation(
 
 
 def above_linear(row: PlanRow, profile: StepProfile | None = None) -> str:
-    """Why a row's efficiency is over 100% ('' when it is not): speed-up is against one device
-    running the plain step (forward, backward, then the optimizer over every parameter), which
-    a strategy can beat by updating fewer parameters per rank or by updating while backward
-    runs, or, in ``profile``, by its own Engine's one-process step having measured faster than
-    the config's. Anything else over 100% is a bug of the model, and says so."""
+    """Why a row's efficiency is over 100% ('' when it is not): fewer parameters updated per
+    rank, updates during backward, or its own Engine's one-process step measured faster than
+    the config's; anything else is a bug of the model, and says so."""
     if round(row.efficiency * 100) <= 100:
         return ""
     schedule = make_schedule(row.setup.strategy, row.setup.options)

@@ -777,11 +777,8 @@ class _Timeline:
         prefetch: int,
         optimizer_fraction: float,
     ) -> None:
-        """One step of a strategy that shards parameters per unit (``Schedule.unit_phases``;
-        ``self.buckets`` are the units): forward gathers each unit before its compute,
-        backward gathers it again (``regather``) and reduce-scatters its gradients after it;
-        the step waits for the last reduce-scatter, then the optimizer runs on this rank's
-        share. Phases are (phase, seconds) per unit."""
+        """One step of a per-unit strategy (``self.buckets`` are the units; docs/planner.md,
+        "Fully sharded"). Phases are (phase, seconds) per unit."""
         layers = self.profile.layers
         start = self.now
         self.step_starts.append(start)
@@ -893,13 +890,9 @@ def predict_step(
     codec_s_per_byte: float = 0.0,
     add_s_per_byte: float = 0.0,
 ) -> StepResult:
-    """Predict one step of a run on ``world_size`` ranks of one node from what the run measured:
-    its ``BackwardProfile`` (exchange/threshold.py: gradient-ready times, bytes, E_b) and its
-    ``LinkModel`` (exchange/link.py, or the path of a link.json), plus the forward, optimizer
-    and input times of one step and the batch size per rank. ``bucket_bytes``: the threshold
-    the run used (after ``auto`` settled: ``engine`` logs it). ``codec_s_per_byte``: encode +
-    decode seconds per uncompressed gradient byte (only with ``compress``); ``add_s_per_byte``:
-    seconds per byte of adding an uncompressed message (point-to-point reductions)."""
+    """Predict one step of a run on ``world_size`` ranks of one node from what it measured: its
+    ``BackwardProfile``, its ``LinkModel`` (or a link.json's path), forward, optimizer and input
+    seconds. ``bucket_bytes``: the threshold the run used (after ``auto`` settled)."""
 
     cluster = from_link(
         link,

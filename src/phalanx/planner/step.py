@@ -112,10 +112,8 @@ class StepProfile:
 
     @classmethod
     def from_memory_profile(cls, profile: Any, source: str = "phalanx profile") -> StepProfile:
-        """From ``phalanx profile``'s MemoryProfile (memory/profile.py, the one per-layer
-        profiler): its ``layer_costs`` reversed, the loss's backward first (no gradients), each
-        layer's gradients as one tensor ready when its backward ends. The loss's forward joins
-        the last layer's."""
+        """From ``phalanx profile``'s MemoryProfile: its ``layer_costs`` reversed, each layer's
+        gradients one tensor; the loss's backward first, its forward joins the last layer's."""
         layers = [
             LayerCost(
                 name="loss", forward_s=profile.loss_forward_s, backward_s=profile.loss_backward_s
@@ -134,11 +132,9 @@ class StepProfile:
         )
 
     def calibrated(self, phases: dict[str, float]) -> StepProfile:
-        """This profile with its totals set to the run's own Engine's (``build.engine_phases``,
-        world 1): each layer's forward and backward scaled by one factor per pass (the split
-        between layers kept), the optimizer's seconds per byte, and ``engine_s`` the loop's
-        time outside forward, backward, optimizer and input (its bookkeeping; at world 1 the
-        exchange is none)."""
+        """This profile with its totals set to the run's own Engine's at world 1: forward and
+        backward scaled per pass (the split between layers kept), the optimizer's seconds per
+        byte, ``engine_s`` the loop's time outside its phases."""
         forward = phases["forward"] / self.forward_s if self.forward_s > 0 else 1.0
         backward = phases["backward"] / self.backward_s if self.backward_s > 0 else 1.0
         layers = [
@@ -327,12 +323,9 @@ def measure_step_profile(
     device: str = "auto",
     strategies: tuple[str, ...] | list[str] = (),
 ) -> StepProfile:
-    """Measure a run config's step on this process with ``phalanx profile``'s per-layer profiler
-    (build.profile_run: warm-up, then medians; ``steps`` None: until they are stable), its
-    totals then set to what the run's own Engine takes per step at world 1 (``calibrated``:
-    the hooks, checks and bookkeeping of the step ``phalanx train`` runs). A pipeline-parallel
-    config keeps the per-layer totals (its Engine needs every stage's process).
-    ``strategies``: also measure each one's Engine at world 1 (``for_strategy``)."""
+    """A run config's step on this process: the per-layer profile (``steps`` None: until
+    stable), its totals set to the run's own Engine's at world 1 (a pipeline config keeps the
+    per-layer totals). ``strategies``: also each one's Engine at world 1 (``for_strategy``)."""
     from phalanx.build import engine_phases, profile_run
 
     profile = StepProfile.from_memory_profile(profile_run(config, steps=steps, device=device))
