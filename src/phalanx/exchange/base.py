@@ -184,7 +184,6 @@ class Strategy(ABC):
             self.comm = CommThread(self.ctx.device, self.ctx.group)
         return self.comm
 
-    # -- layout -------------------------------------------------------------------------------
     @classmethod
     def bucket_alignment(cls, config: Any, world_size: int, backend: str, codec: Codec) -> int:
         """Each bucket's flat length is padded to a multiple of this (e.g. p for scatters)."""
@@ -219,7 +218,6 @@ class Strategy(ABC):
         """Whether this rank runs forward and backward (False on dedicated servers)."""
         return True
 
-    # -- the non-finite guard (the Engine skips a step whose loss or gradients hold inf/NaN) --
     def inspect_gradients(
         self, want_norm: bool, riders: torch.Tensor | None = None
     ) -> tuple[bool, float | None]:
@@ -339,7 +337,6 @@ class Strategy(ABC):
         """Wait for any background work (e.g. parameters still arriving)."""
         return None
 
-    # -- state --------------------------------------------------------------------------------
     def optimizer_state_dict(self, optimizer: Optimizer, params: Params) -> dict[str, Any]:
         """Per-parameter optimizer state over ``params`` (collective where sharded)."""
         del params
@@ -351,7 +348,6 @@ class Strategy(ABC):
         del params
         optimizer.load_state_dict(state)
 
-    # -- checkpoints (torch.distributed.checkpoint): each rank its own part -----------------------
     def optimizer_shards(self, optimizer: Optimizer, params: Params) -> tuple[ShardState, Groups]:
         """This rank's part of the state, gathering nothing: ``({index: {key: value or (flat start,
         1-D tensor) pieces}}, groups)``, ``groups``' ``params`` as indices in ``params``."""

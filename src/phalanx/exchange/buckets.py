@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -37,7 +37,6 @@ class Bucket:
     ready_time: float = 0.0  # perf_counter when its last gradient arrived this step
     done_time: float = 0.0  # perf_counter when its exchange completed (stamped by strategies)
     pending_grads_at_launch: int = 0  # parameters of the model still waiting for backward
-    extra: dict = field(default_factory=dict)  # strategy-owned per-bucket state
     riders: torch.Tensor | None = None  # the last bucket's slots after flags (the global loss)
 
     @property
@@ -103,7 +102,6 @@ class GradientBuckets:
         self.build(list(reversed(range(len(self.params)))))
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
 
-    # -- layout -------------------------------------------------------------------------------
     def build(self, order: list[int]) -> None:
         """(Re)build buckets with parameters in ``order`` (indices into self.params)."""
         assert sorted(order) == list(range(len(self.params))), "order must be a permutation"
@@ -147,7 +145,6 @@ class GradientBuckets:
         """The current layout's parameter order (indices into ``params``)."""
         return [self._bucket_of[id(p)][2] for bucket in self.buckets for p in bucket.params]
 
-    # -- per step -----------------------------------------------------------------------------
     def zero(self) -> None:
         """Phase 1: clear usage flags and set ``grad = None`` (not zeroed: docs/exchange.md)."""
         for bucket in self.buckets:

@@ -82,6 +82,13 @@ def mirror_group(group: Any = None) -> Any:
     return dist.new_group(ranks=ranks, backend=dist.get_backend(), use_local_synchronization=True)
 
 
+def wait_all(works: list[Any]) -> None:
+    """Wait for backend Works (None only on a rank outside the group)."""
+    for work in works:
+        assert work is not None
+        work.wait()
+
+
 def wait(handle: Any) -> None:
     """Wait for a backend Work or a CommThread Future (its exception is re-raised here)."""
     if isinstance(handle, Future):

@@ -91,7 +91,6 @@ class Codec:
         """Where to encode before a blocking send: the "send" arena (None: no codec)."""
         return None if self.wire_dtype is None else self.scratch_message(like, "send")
 
-    # -- point-to-point helpers used by the strategies ----------------------------------------
     def send(self, t: torch.Tensor, dst: int, group: Any) -> int:
         """Send ``t``'s message; returns the bytes put on the wire."""
         message = self.encode(t, out=self.send_buffer(t))

@@ -24,10 +24,10 @@ from phalanx.errors import CheckpointError, ConfigError
 from phalanx.exchange.base import STRATEGIES, Strategy, StrategyParts
 from phalanx.exchange.base import local_tensor as _local
 from phalanx.exchange.buckets import Bucket
-from phalanx.exchange.comm import global_rank
+from phalanx.exchange.comm import global_rank, wait_all
 from phalanx.exchange.compression import Codec
 from phalanx.exchange.messages import MessageSchedule, Phase, UnitPhases, ring_rounds
-from phalanx.exchange.ring import RingLink, pieces
+from phalanx.exchange.ring import pieces, ring_reduce_scatter
 from phalanx.exchange.sharding import Optimizer, Params
 from phalanx.fields import option, require
 from phalanx.optim import state as optimizer_state
@@ -172,7 +172,6 @@ class FullyShardedStrategy(Strategy):
         self.shard_reads = _ShardReads(module)  # the user's state_dict() calls refused
         self._volume = _volume(module, config.reshard_after_forward and bool(self.units), ctx)
 
-    # -- the step -----------------------------------------------------------------------------
     def gradient_scale(self) -> float:
         return 1.0  # fully_shard's reduce-scatter averages over the data ranks itself
 
@@ -225,7 +224,6 @@ class FullyShardedStrategy(Strategy):
     def update(self, optimizer: Optimizer) -> None:
         optimizer.step()  # parameters no rank used kept grad = None: the optimizer skips them
 
-    # -- the model's parameters ------------------------------------------------------------------
     def adopt_optimizer(self, optimizer: Optimizer, params: Params) -> Optimizer:
         """The user's optimizer on the shards, its state cut to rows, its ``state_dict`` refused."""
         del params
@@ -260,7 +258,6 @@ class FullyShardedStrategy(Strategy):
     def forward_module(self, module: nn.Module) -> nn.Module:
         return module  # forward through the shards: each unit gathered as it runs
 
-    # -- state ------------------------------------------------------------------------------------
     def state_pieces(self, value: torch.Tensor, p: torch.Tensor) -> list[tuple[int, Any]]:
         """This rank's rows of a per-element state value (a DTensor like ``p``)."""
         return [(_flat_start(p), _local(value).detach().reshape(-1))]
@@ -317,7 +314,6 @@ class FullyShardedStrategy(Strategy):
         super().close()
 
 
-# -- sharding -------------------------------------------------------------------------------------
 def _mesh(ctx: Context) -> Any:
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -470,12 +466,7 @@ class _RingReduceScatter(_Buffers):
                 out.div_(p)
 
         chunks = [(i * n, (i + 1) * n) for i in range(p)]
-        link = RingLink(rank, p, group, self.codec)
-        for s in range(p - 1):  # send part rank - s - 1, receive and add part rank - s - 2
-            send, recv = chunks[(rank - s - 1) % p], chunks[(rank - s - 2) % p]
-            link.step(
-                input_tensor, send, recv, self.codec.decode_add if s < p - 2 else into_output, "a"
-            )
+        ring_reduce_scatter(input_tensor, chunks, rank, p, group, self.codec, into_output)
 
 
 class _RingAllGather(_Buffers):
@@ -499,9 +490,7 @@ class _RingAllGather(_Buffers):
                      for a, b in pieces(recv * n, (recv + 1) * n)]  # fmt: skip
             works += [dist.isend(output_tensor[a:b], nxt, group=group)
                       for a, b in pieces(send * n, (send + 1) * n)]  # fmt: skip
-            for work in works:
-                assert work is not None  # None only on a rank outside the group
-                work.wait()
+            wait_all(works)
 
 
 def _contains(outer: nn.Module, inner: nn.Module) -> bool:
@@ -520,7 +509,6 @@ def _shares_parameters(unit: nn.Module, model: nn.Module) -> bool:
     )
 
 
-# -- shards -------------------------------------------------------------------------------------
 def _flat_start(p: torch.Tensor) -> int:
     """The flat index of this rank's first element of ``p`` (torch.chunk's rows of dim 0)."""
     mesh = getattr(p, "device_mesh", None)
@@ -550,7 +538,6 @@ def _sharded_value(value: list[tuple[int, Any]], p: torch.Tensor) -> Any:
     )
 
 
-# -- reads of the whole model -------------------------------------------------------------------
 class _ShardReads:
     """Refuses the user's ``state_dict()`` (DTensor rows load into no plain model)."""
 

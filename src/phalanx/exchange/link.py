@@ -166,7 +166,6 @@ class LinkModel:
         return cls.from_dict(data)
 
 
-# -- the fit ----------------------------------------------------------------------------------
 def fit_line(sizes: Sequence[float], seconds: Sequence[float]) -> tuple[float, float]:
     """(A, B) of T(n) = A + B n, least squares on relative residuals (every size alike)."""
     if len(sizes) != len(seconds) or len(set(sizes)) < 2:
@@ -200,7 +199,6 @@ def model_from_fit(
     return LinkModel(alpha_s=alpha, beta_bytes_per_s=beta, world_size=world_size, **sweep)
 
 
-# -- the measurement --------------------------------------------------------------------------
 def calibrate(
     group: dist.ProcessGroup | None = None,
     device: torch.device | str = "cpu",

@@ -56,7 +56,6 @@ def broadcast_cycles(world_size: int) -> list[list[Transfer]]:
     return _cycles(world_size, 0)
 
 
-# -- the messages of a strategy, as the planner simulates them -------------------------------------
 GRAD, FORWARD, PARAM = 0, 1, 2  # message kinds (indices into WireCodec's tables)
 KIND_NAMES = ("grad", "forward", "param")
 STEP, FORWARD_PASS = "step", "forward"  # what waits for a phase
@@ -276,7 +275,6 @@ class MessageSchedule(ABC):
         return type(self).__name__
 
 
-# -- compression on the wire ---------------------------------------------------------------------
 @dataclass(frozen=True)
 class WireCodec:
     """A codec's wire bytes per byte and per message, and coding work (``codec_s_per_byte``s)

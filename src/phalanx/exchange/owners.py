@@ -28,7 +28,6 @@ class OwnerUpdateStrategy(Strategy):
         self._pending_params: dict[int, Any] = {}
         self._hooks: list = []
 
-    # -- parameters arriving while the next forward runs --------------------------------------
     def register_module(self, module: torch.nn.Module) -> None:
         """Each submodule holding parameters waits before its forward for its subtree's."""
         bucket_of = {id(p): b.index for b in self.sharded.buckets for p in b.params}
@@ -68,7 +67,6 @@ class OwnerUpdateStrategy(Strategy):
         for b in list(self._pending_params):
             self._wait_params(b)
 
-    # -- the optimizer across bucket rebuilds ---------------------------------------------------
     def carry_optimizer_state(self, optimizer: Optimizer, params: list) -> Any:
         """This rank's shards' state; the spent gradient buffers freed and the heap trimmed now."""
         self.sync()
@@ -96,7 +94,6 @@ class OwnerUpdateStrategy(Strategy):
             group["params"] = shards
         optimizer.state.clear()
 
-    # -- accounting and state -----------------------------------------------------------------
     def optimizer_state_dict(self, optimizer: Optimizer, params: list) -> dict:
         self.sync()
         return self.sharded.canonical_state(optimizer, params, self.ctx.group)

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from phalanx.errors import ConfigError
 from phalanx.exchange.base import STRATEGIES, StrategyParts, holds_nonfinite, stamp_done
 from phalanx.exchange.buckets import Bucket
-from phalanx.exchange.comm import global_rank
+from phalanx.exchange.comm import global_rank, wait_all
 from phalanx.exchange.messages import (
     FORWARD_PASS,
     GRAD,
@@ -141,10 +141,7 @@ class ParameterServer(OwnerUpdateStrategy):
         self.optimizer: Optimizer | None = None  # the user's, pointed at the shards
         self._pushed: list[tuple[threading.Event, Any]] = []
         self._updated: list[tuple[threading.Event, Any]] = []
-        # partition updates the servers skipped (inf/NaN), over the run
-        self.num_nonfinite_partitions = getattr(parts.previous, "num_nonfinite_partitions", 0)
 
-    # -- roles --------------------------------------------------------------------------------
     @classmethod
     def check_world(cls, config: ParamServerConfig, world_size: int) -> None:
         if config.servers >= world_size:
@@ -179,7 +176,6 @@ class ParameterServer(OwnerUpdateStrategy):
         super().rebind_optimizer(optimizer, params, carried)
         self.optimizer = optimizer
 
-    # -- the non-finite guard ------------------------------------------------------------------
     def inspect_gradients(
         self, want_norm: bool, riders: torch.Tensor | None = None
     ) -> tuple[bool, float | None]:
@@ -188,7 +184,6 @@ class ParameterServer(OwnerUpdateStrategy):
         assert riders is None, "no all-reduce here to ride in"
         return False, None
 
-    # -- the per-bucket job -------------------------------------------------------------------
     def launch(self, bucket: Bucket) -> None:
         self._wait_params(bucket.index)
         pushed, updated = threading.Event(), threading.Event()
@@ -275,9 +270,7 @@ class ParameterServer(OwnerUpdateStrategy):
             incoming[m] = list(zip(sources, views))
             for src, view in incoming[m]:
                 works.append(dist.irecv(view, global_rank(group, src), group=group))
-        for work in works:
-            assert work is not None  # None only on a rank outside the group
-            work.wait()
+        wait_all(works)
         summed, received = {}, 0
         for m, messages_in in incoming.items():
             lo, hi = ranges[m]
@@ -317,7 +310,6 @@ class ParameterServer(OwnerUpdateStrategy):
                 "is skipped (a finite loss with inf/NaN gradients; other partitions may have "
                 "been updated)", self.ctx.rank if self.ctx else -1, bucket.index, m,
             )  # fmt: skip
-            self.num_nonfinite_partitions += 1
             return
         started = time.perf_counter()
         mine = [s for s in self._shards_of.get((bucket.index, m), []) if used[s.slot]]
@@ -347,9 +339,7 @@ class ParameterServer(OwnerUpdateStrategy):
                 piece = self._host(flat[lo:hi])
                 works.append(dist.irecv(piece, global_rank(group, owner), group=group))
                 arrivals.append((piece, lo, hi))
-        for work in works:
-            assert work is not None  # None only on a rank outside the group
-            work.wait()
+        wait_all(works)
         for piece, lo, hi in arrivals:
             if piece.data_ptr() != flat[lo:hi].data_ptr():  # a device bucket: copy it in
                 flat[lo:hi].copy_(piece)
@@ -392,7 +382,6 @@ class ParameterServer(OwnerUpdateStrategy):
             sent += (hi - lo) * itemsize * len(children)
         return sent, received
 
-    # -- the Engine's phases ------------------------------------------------------------------
     def finish(self) -> None:
         """Wait until every bucket was pushed (the gradient buffers are free again)."""
         _wait_events(self._pushed)

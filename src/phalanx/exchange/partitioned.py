@@ -224,14 +224,12 @@ class Partitioned(OwnerUpdateStrategy):
             self._flag_base.append(self._flag_base[-1] + len(bucket.params))
         self._used: list[list[bool]] | None = None  # this step's, per bucket and parameter
 
-    # -- layout -------------------------------------------------------------------------------
     @classmethod
     def bucket_alignment(cls, config: Any, world_size: int, backend: str, codec: Codec) -> int:
         config = config or PartitionedConfig()
         plan_class = _schedule_class(config, backend, codec.wire_dtype is not None)
         return world_size if plan_class is CollectiveSchedule else 1
 
-    # -- phases 2 and 4: reduce ---------------------------------------------------------------
     def launch(self, bucket: Bucket) -> None:
         comm = self.comm_thread()
         self._wait_params(bucket.index)  # its parameters must have arrived before they change
@@ -319,7 +317,6 @@ class Partitioned(OwnerUpdateStrategy):
             out.append(buffer[shard.start - offset : shard.end - offset])
         return out
 
-    # -- phase 5: update and send back --------------------------------------------------------
     def update(self, optimizer: Optimizer) -> None:
         if self._used is None:  # no verdict this step (the Engine has no guard): agree here
             usage = self._owned_usage()

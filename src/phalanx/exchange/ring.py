@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from phalanx.exchange.comm import global_rank
+from phalanx.exchange.comm import global_rank, wait_all
 from phalanx.exchange.compression import Codec
 from phalanx.exchange.sharding import bounds
 
@@ -69,23 +69,27 @@ class RingLink:
             assert work is not None  # None only on a rank outside the group
             work.wait()
             combine(message, flat[a:b])
-        for work in sends:
-            assert work is not None
-            work.wait()
+        wait_all(sends)
         self.sent += sum(m.nbytes for m in outgoing)
         self.received += sum(m.nbytes for m in incoming)
         return incoming
 
 
 def ring_reduce_scatter(
-    flat: torch.Tensor, chunks: list[Range], rank: int, p: int, group: Any, codec: Codec
+    flat: torch.Tensor,
+    chunks: list[Range],
+    rank: int,
+    p: int,
+    group: Any,
+    codec: Codec,
+    last: Combine | None = None,
 ) -> tuple[int, int]:
-    """Sum ``flat`` so chunk ``rank`` is complete here (step s: send r-s-1, add r-s-2)."""
+    """Sum ``flat`` so chunk ``rank`` is complete here (step s: send r-s-1, add r-s-2; the
+    last step combines by ``last`` where given)."""
     link = RingLink(rank, p, group, codec)
     for s in range(p - 1):
-        link.step(
-            flat, chunks[(rank - s - 1) % p], chunks[(rank - s - 2) % p], codec.decode_add, "a"
-        )
+        combine = last if last is not None and s == p - 2 else codec.decode_add
+        link.step(flat, chunks[(rank - s - 1) % p], chunks[(rank - s - 2) % p], combine, "a")
     return link.sent, link.received
 
 

@@ -188,7 +188,6 @@ class ShardedParameters:
             lo = shard.start - offset_of[shard.bucket]
             shard.param.grad = source[lo : lo + shard.end - shard.start]
 
-    # -- canonical optimizer state ------------------------------------------------------------
     def canonical_state(self, optimizer: Optimizer, params: Params, group: Any) -> dict[str, Any]:
         """Every owner's shard state as per-parameter state by index in ``params`` (collective)."""
         local = {}
@@ -223,7 +222,6 @@ class ShardedParameters:
         groups = merged_groups(optimizer, canonical["param_groups"])
         load_into(optimizer, {"state": shard_state, "param_groups": groups})
 
-    # -- this rank's part, for checkpoints that every rank writes ------------------------------
     def _overlaps(self, params: Params) -> Any:
         """(shard, parameter index, start and end within it, its offset in the bucket)."""
         index = {id(p): i for i, p in enumerate(params)}

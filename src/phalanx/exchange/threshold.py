@@ -34,7 +34,6 @@ TIE_RELATIVE = 0.01  # predictions this close are not told apart (the inputs are
 TIE_ABSOLUTE_S = 1e-6
 
 
-# -- the backward profile ---------------------------------------------------------------------
 @dataclass(frozen=True)
 class BackwardProfile:
     """When each gradient became ready in backward (ascending), its bytes and parameter."""
@@ -237,7 +236,6 @@ def _indices(profile: BackwardProfile) -> Sequence[int]:
     return profile.param_indices or range(profile.num_layers)
 
 
-# -- the threshold ----------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Choice:
     """The chosen fusion threshold, the prediction for every candidate and the inputs."""
@@ -389,7 +387,6 @@ def uniform_optimum(
     return total_bytes * min(1.0, fraction)
 
 
-# -- formatting -------------------------------------------------------------------------------
 def format_bytes(n: float) -> str:
     """'3.1 MiB', '48 KiB', '512 B'."""
     if n >= 2**20:

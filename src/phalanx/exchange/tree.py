@@ -68,7 +68,6 @@ def tree_allreduce(
     return sent, received
 
 
-# -- the messages, for the planner -----------------------------------------------------------------
 def tree_up(ranks: list[int], share: float, b: Builder) -> None:
     """Rounds of ``tree_allreduce``'s Phase 1 over positions in ``ranks``, to ranks[0]."""
     depth = math.ceil(math.log2(len(ranks))) if len(ranks) > 1 else 0
