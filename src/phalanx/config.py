@@ -19,12 +19,12 @@ from phalanx.errors import ConfigError
 from phalanx.exchange.base import ExchangeConfig
 from phalanx.fields import ConfigValueError, from_dict, join_key, option, require
 from phalanx.memory.manager import MemoryConfig
+from phalanx.metrics import LogConfig
 from phalanx.models.config import ModelConfig, build_model
 from phalanx.optim.factory import OptimizerConfig
 from phalanx.optim.lr_schedule import SchedulerConfig
 from phalanx.parallel.layout import ParallelConfig, check_stage_count, stages_from_layers
 from phalanx.runtime.context import RuntimeConfig
-from phalanx.viz import LogConfig
 
 if sys.version_info >= (3, 11):
     import tomllib

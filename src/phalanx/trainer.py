@@ -30,13 +30,12 @@ from phalanx.errors import PhalanxError
 from phalanx.fileio import atomic_write_text
 from phalanx.losses import loss_fn  # noqa: F401 (its home was here)
 from phalanx.memory import measure
-from phalanx.metrics import JsonlWriter, Progress
+from phalanx.metrics import JsonlWriter, MetricsWriter, Progress
 from phalanx.models.modes import evaluating
 from phalanx.optim.lr_schedule import build_scheduler
 from phalanx.optional import optional
 from phalanx.planner.prediction import prediction_summary
 from phalanx.runtime.context import Context, init
-from phalanx.viz import MetricsWriter
 
 if TYPE_CHECKING:
     from phalanx.config import RunConfig

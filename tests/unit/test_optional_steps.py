@@ -195,7 +195,7 @@ def test_the_host_cache_that_cannot_be_built_is_one_warning(
 def test_tensorboard_that_cannot_write_leaves_metrics_jsonl(
     caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys
 ) -> None:
-    from phalanx import viz
+    from phalanx import metrics as viz
 
     class Broken:
         def add_scalar(self, *args: Any) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from phalanx.errors import DataError
-from phalanx.viz import MetricsWriter, plot_runs
+from phalanx.metrics import MetricsWriter, plot_runs
 
 
 def _scalars(directory: Path) -> dict[str, list[tuple[int, float]]]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from phalanx.viz import plot_runs
+from phalanx.metrics import plot_runs
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:

@@ -19,7 +19,7 @@ from phalanx.costs import LayerCost
 from phalanx.errors import ConfigError, DataError, PhalanxError
 from phalanx.fileio import atomic_write_text
 from phalanx.memory import measure
-from phalanx.viz import HINT
+from phalanx.metrics import HINT
 
 FORMAT_VERSION = 1
 MIB = float(1 << 20)
