@@ -9,13 +9,15 @@ its bench config validated in this process, so a typo fails that part at once in
 wasting the GPU window. The report is rewritten (atomically) after every part, so a run killed
 from outside still leaves what finished; SIGTERM stops the running part and writes it.
 
-  1. the tests marked ``cuda`` (pinned host tiers, side-stream copies, the host optimizer
-     mirror, fsdp on NCCL, compile on a GPU, ...);
-  2. ``bench gpu``: GPT-2 small against the plain PyTorch loop, DDP, FSDP2 and phalanx's
-     ``allreduce`` and ``fsdp``, eager and compiled (its JSON next to the report);
-  3. ``bench memory-layers --device cuda`` and 4. ``bench optimizer --device cuda``: the memory
-     manager and the host optimizer on a GPU; 5. ``bench data``: pinned copies on a side stream;
-  6. ``bench exchange`` and 7. ``bench fsdp`` with NCCL at world 1; 8. ``bench compile``.
+  1. ``tests``: the tests marked ``cuda`` (pinned host tiers, side-stream copies, the host
+     optimizer mirror, fsdp on NCCL, compile on a GPU, ...), only the files that mark one;
+  2. ``gpu``: ``bench gpu``, GPT-2 small against the plain PyTorch loop, DDP, FSDP2 and
+     phalanx's ``allreduce`` and ``fsdp``, eager and compiled (its JSON next to the report);
+  3. ``memory-layers`` and 4. ``optimizer``: the memory manager and the host optimizer on a
+     GPU; 5. ``data``: pinned copies on a side stream; 6. ``exchange`` and 7. ``fsdp`` with
+     NCCL at world 1; 8. ``compile``: ``[train] compile`` in ``phalanx train`` processes.
+Limits (``PARTS``): 150 + 270 s for the first two, so both fit with a minute to spare; the
+rest run while what is left allows.
 
 ``--device cpu`` runs the same parts at tiny sizes with CUDA hidden (the unit tier's smoke test
 of this tool: tests/unit/test_cuda_tool.py). Every child finds phalanx through PYTHONPATH (this
@@ -65,7 +67,7 @@ class Part:
 # The parts, most important first: key (--only; a bench's target) -> its title and its limits
 # in seconds on a GPU and with --device cpu.
 PARTS = {
-    "tests": ("tests marked cuda", 120, 40),
+    "tests": ("tests marked cuda", 150, 40),
     "gpu": ("bench gpu (GPT-2 small vs plain PyTorch)", 270, 120),
     "memory-layers": ("bench memory-layers (memory manager)", 90, 60),
     "optimizer": ("bench optimizer (host optimizer)", 90, 60),
@@ -90,7 +92,7 @@ FLAGS = {
     "compile": ("--nproc 1 --sets parallel.pipeline=1 --rounds 1 --steps 20",
                 "--steps 4 --warmup 1"),
 }  # fmt: skip
-PYTEST = "-m pytest -q -rs -m cuda -p no:cacheprovider --continue-on-collection-errors"
+PYTEST = "-m pytest -v -rs -m cuda -p no:cacheprovider --continue-on-collection-errors"
 
 
 def parts(device: str, gpu_json: Path) -> list[Part]:
@@ -112,7 +114,7 @@ def parts(device: str, gpu_json: Path) -> list[Part]:
             ]
         if key == "gpu":  # its figures, next to the report
             argv += ["--json", str(gpu_json)]
-        tail = 40 if key == "gpu" else TAIL_LINES  # bench gpu's table and targets
+        tail = {"gpu": 40, "tests": 30}.get(key, TAIL_LINES)  # bench gpu's table, each test
         found.append(Part(key, name, argv, cpu_limit if cpu else gpu_limit, tail))
     return found
 
