@@ -14,7 +14,8 @@ rotates each round), ``steps`` steps each, timed between barriers (the slowest r
 Then one rank alone: ``plain`` (the one-process loop) against ``engine`` (the Engine in a
 world of one), alternating the same way in shorter rounds (``single_rounds`` of
 ``single_steps``). Reported: medians over rounds and the median of the
-per-round ratios (to ``ddp``; to ``plain``).
+per-round ratios (to ``ddp``; to ``plain``), and the speed target of ``partitioned`` (its step
+time within 3% of DDP's: PASS, or MISS by how much and why; issue 46).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import dataclasses
 import statistics
 import time
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -34,6 +35,7 @@ from phalanx import bench as common
 from phalanx.fields import option
 
 MULTI = ("ddp", "allreduce", "partitioned")
+SPEED_LIMIT = 1.03  # the target: partitioned's step time at most 3% above DDP's (issue 46)
 SINGLE = ("plain", "engine")
 
 
@@ -214,7 +216,37 @@ def format_table(result: dict[str, Any]) -> str:
         ratio = next((f"{v:.3f}x {k[3:]}" for k, v in row.items() if k.startswith("vs_")), "")
         iqr = "{:.3f}-{:.3f}".format(*row["ratio_iqr"]) if "ratio_iqr" in row else ""
         lines.append(f"{kind:<12} {procs:>9} {row['tokens_per_s']:>10.0f} {ratio:>16} {iqr:>13}")
+    rows = result["rows"]
+    if "partitioned" in rows and "ddp" in rows:
+        step = common.median_ratio(rows["partitioned"]["seconds"], rows["ddp"]["seconds"])
+        lines.append(f"target, partitioned, speed: {speed_target(step).text} (its memory "
+                     "target: phalanx bench strategy-memory)")  # fmt: skip
     return "\n".join(lines)
+
+
+class Verdict(NamedTuple):
+    """A target's PASS or MISS, the numbers it was decided on, and the report's line."""
+
+    passed: bool
+    measured: float
+    limit: float
+    text: str
+
+
+def speed_target(step_ratio: float, cyclic: bool = True, limit: float = SPEED_LIMIT) -> Verdict:
+    """PASS where ``partitioned``'s step time is at most ``limit`` x DDP's (a median of the
+    per-round ratios); a MISS says by how much, and why (``cyclic``: the default schedule)."""
+    shown = f"step time {step_ratio:.3f}x DDP's (limit {limit:.2f}x)"
+    if step_ratio <= limit:
+        return Verdict(True, step_ratio, limit, f"PASS: {shown}")
+    why = (
+        "two synchronisations a step (the reduce to the owners, then the send-back the next "
+        "forward waits for) against DDP's one all-reduce: on a short step their latency shows"
+    )
+    if cyclic:
+        why += "; and floor(p/2) owners step the optimizer while the other ranks wait"
+    miss = f"MISS by {100 * (step_ratio - limit):.1f}% of DDP's step time"
+    return Verdict(False, step_ratio, limit, f"{miss}: {shown}; why: {why}")
 
 
 common.register(
