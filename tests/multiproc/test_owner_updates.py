@@ -12,6 +12,7 @@ resident set): one parameter buffer, one gradient buffer, their own shards' stat
 from __future__ import annotations
 
 import functools
+import gc
 
 import pytest
 import torch
@@ -172,6 +173,9 @@ def _memory(ctx: px.Context, name: str, options: dict) -> dict[str, float]:
     engine = px.Engine(model, nn.functional.mse_loss, optimizer, context=ctx,
                        exchange=strategy_factory(name, options), bucket_mb=0.3)  # fmt: skip
     x, y = torch.randn(4, 256), torch.randn(4, 256)
+    # the previous case's Engine freed now, not inside this one's first step (its frees would
+    # lower the peak measured there)
+    gc.collect()
     peaks = []
     for _ in range(3):
         with AllocatorPeak() as peak:
@@ -194,13 +198,15 @@ def test_owner_strategies_hold_one_parameter_buffer_and_one_gradient_buffer() ->
     gradients, its buckets and the optimizer state (4P with momentum). ``partitioned`` and
     ``ps`` hold one parameter buffer, one gradient buffer, their own shards' state and one
     message scratch of at most a bucket; the first step (update, then the bucket rebuild)
-    grows by at most the new layout's two buffers and the state its update creates. Counted
+    grows by at most the new layout's two buffers, the state its update creates and that
+    scratch. Counted
     from allocations and live tensors, not the resident set: the same every run. Before,
     the rebuild gathered the whole state on every rank beside both layouts' buffers (7P on
     the owner at world 2) and ps kept its summed gradients between steps."""
     for rank, result in enumerate(run_ranks(_memory_all, 2, timeout=120)):
         for key, m in result.items():
             where = f"rank {rank} {key}: {m}"
-            assert m["rebuild"] <= 2 * m["buckets"] + m["state"] + 0.02, where
+            # the new layout's two buffers, the state, one scratch of at most a bucket
+            assert m["rebuild"] <= 2 * m["buckets"] + m["state"] + m["largest"] + 0.02, where
             assert m["later"] <= 0.5, where  # a step after the rebuild allocates no buffer
             assert m["held"] <= 2 * m["buckets"] + m["state"] + m["largest"] + 0.02, where

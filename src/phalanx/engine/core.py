@@ -280,8 +280,8 @@ class Engine:
         timer.mark("optimizer")
         self.trace.span("optimizer", "update" if not skip else "skipped", updating)
         self.guard.count(skip, self.trainable, self.num_steps + 1, self.ctx.is_main)
-        parts = (self.strategy, self.buckets, self.guard, self.pipeline)
-        self.stats = _stats(timer.read(), launched_in_backward, *parts)
+        # (no local may hold the strategy past here: a rebuild at the hooks' end frees it)
+        self.stats = _stats(timer.read(), launched_in_backward, self)
         self.stats.loss = self.global_loss.finish(exchanged=not skipped_before_exchange)
         self.stats.stop_requested = self.global_loss.stop_votes > 0
         end = StepEnd(self.num_steps + 1, not skip, self.num_updates, self.stats)
@@ -508,11 +508,9 @@ class Engine:
         self.close()
 
 
-def _stats(
-    phases: dict[str, float], launched: int, strategy: Strategy, buckets: GradientBuckets,
-    guard: NonfiniteGuard, pipeline: PipelineParallel | None,
-) -> StepStats:  # fmt: skip
+def _stats(phases: dict[str, float], launched: int, engine: Engine) -> StepStats:
     """The step's StepStats from its phase times and its components' counters."""
+    strategy, pipeline = engine.strategy, engine.pipeline
     return StepStats(
         forward_s=phases.get("forward", 0.0),
         backward_s=phases.get("backward", 0.0),
@@ -521,11 +519,11 @@ def _stats(
         step_s=sum(phases.values()),
         bytes_sent=strategy.bytes_sent,
         bytes_received=strategy.bytes_received,
-        num_buckets=len(buckets.buckets),
+        num_buckets=len(engine.buckets.buckets),
         buckets_launched_in_backward=launched,
         nonfinite_messages=strategy.codec.num_nonfinite,
-        nonfinite_skipped=guard.consecutive_nonfinite > 0,
-        grad_norm=guard.grad_norm,
+        nonfinite_skipped=engine.guard.consecutive_nonfinite > 0,
+        grad_norm=engine.guard.grad_norm,
         transfer_bytes=0 if pipeline is None else pipeline.transfer_bytes(),
     )
 
