@@ -7,7 +7,7 @@ STAMP := $(VENV)/.phalanx-installed
 # pytest workers of make test (the machine CI runs on has 2 cores)
 JOBS ?= 2
 
-.PHONY: demo test test-fast test-integration test-cuda lint format bench drill drill-exit clean install
+.PHONY: demo test test-fast test-integration test-torch test-cuda lint format bench drill drill-exit clean install
 
 install: $(STAMP)
 
@@ -33,6 +33,14 @@ test-fast: $(STAMP)
 
 test-integration: $(STAMP)
 	$(BIN)/python -m pytest -q -m integration tests/integration
+
+# The unit and integration tiers under another supported torch, in a venv of its own:
+# make test-torch TORCH_ALT=torch==2.14.1 (the whole suite: make test VENV=... TORCH=...)
+TORCH_ALT ?= torch==2.11.0
+ALT_VENV ?= .venv-$(subst ==,-,$(TORCH_ALT))
+test-torch:
+	$(MAKE) install VENV=$(ALT_VENV) TORCH="$(TORCH_ALT)"
+	$(ALT_VENV)/bin/python -m pytest -q -n $(JOBS) --dist worksteal -m "unit or integration" tests
 
 # On a machine with a GPU, in an environment that has torch (no venv is made: GPU machines often
 # cannot download): the CUDA-only tests and the benchmarks' GPU parts, report in cuda-report.md.
