@@ -62,8 +62,10 @@ bench: $(STAMP)
 drill: $(STAMP)
 	$(BIN)/python tools/fault_drill.py --repeats 3
 
+# clean exits over many short jobs: make drill-exit EXIT_JOBS=200
+EXIT_JOBS ?= 50
 drill-exit: $(STAMP)
-	$(BIN)/python tools/exit_drill.py --jobs 50 --concurrent 2
+	$(BIN)/python tools/exit_drill.py --jobs $(EXIT_JOBS) --concurrent 2
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache .mypy_cache
