@@ -161,7 +161,7 @@ def _measure(
     theirs = [t / cfg.steps for t in theirs]
     local = sum(p.numel() * p.element_size() for p in pipeline.local.parameters())
     total = sum(p.numel() * p.element_size() for layer in layers for p in layer.parameters())
-    shares = [None] * ctx.world_size
+    shares: list[float | None] = [None] * ctx.world_size
     dist.all_gather_object(shares, local / total, group=ctx.group)
     transfer = _transfer_time(ctx, pipeline, m)
     pass_ms = _pass_means(ctx, passes)

@@ -163,6 +163,7 @@ def start_broadcast_together(
         packed[offset : offset + size] = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
         offset += room
     work = dist.broadcast(packed, src=dist.get_global_rank(group, 0), group=group, async_op=True)
+    assert work is not None  # async_op=True (torch 2.14's stubs allow None)
 
     def finish() -> None:
         work.wait()

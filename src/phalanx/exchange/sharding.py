@@ -421,7 +421,7 @@ def _slice_of(pieces: list[tuple[int, torch.Tensor]], lo: int, hi: int) -> Any:
 def _owns_storage(t: torch.Tensor, device: torch.device) -> bool:
     """Whether ``t`` is on ``device`` and the whole of its storage (keeps nothing else alive)."""
     whole = t.storage_offset() == 0 and t.nbytes == t.untyped_storage().nbytes()
-    return whole and t.device == device
+    return bool(whole and t.device == device)
 
 
 def _kinds(held: ShardState) -> ShardState:
