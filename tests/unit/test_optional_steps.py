@@ -173,9 +173,11 @@ def test_auto_threshold_without_a_link_keeps_the_default_buckets(
 def test_the_host_cache_that_cannot_be_built_is_one_warning(
     caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch, capsys
 ) -> None:
-    import torch.utils.cpp_extension as cpp_extension
-
     from phalanx.memory import host_cache
+    from phalanx.optional import torch_quiet
+
+    with torch_quiet():  # as host_cache imports it: a CUDA build without a GPU logs a line
+        import torch.utils.cpp_extension as cpp_extension
 
     no_ninja = fails(RuntimeError("Ninja is required to load C++ extensions"))
     monkeypatch.setattr(cpp_extension, "verify_ninja_availability", no_ninja)
