@@ -158,9 +158,11 @@ def _save(
 ) -> Path:
     distributed, group, rank = _distributed(group)
     tmp = directory / f".{_step_name(step)}.tmp"
-    if rank == 0:  # a crashed save of this step; every rank writes after DCP's first collective
+    if rank == 0:  # a crashed save of this step
         directory.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
+    if distributed:  # DCP's writers create tmp before its first collective: after rank 0's rmtree
+        dist.barrier(group=group)
     writer = _d().Writer(tmp, step)
     _write(states, writer, distributed, group)
     files = {name: _digest(tmp / name) for name in writer.written}  # each rank its own files
