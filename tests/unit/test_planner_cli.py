@@ -40,7 +40,13 @@ def test_plan_with_profile_writes_json_plot_and_traces(tmp_path, capsys, step_js
     argv += ["--json", str(out_json), "--trace", str(traces), "--plot", str(png)]
     code, out, err = run(argv, capsys)
     assert code == 0, err
-    assert "best per N:" in out and "<- best" in out
+    assert "best per N (at most 100% efficient):" in out and "<- best" in out
+    # by default one row per (N, strategy): its best threshold and compression
+    table = _rows(out, "1") + _rows(out, "2")
+    assert len(table) == len({(cells[0], cells[1]) for cells in table}) >= 10, out
+    # each reason for an efficiency over 100% is said once
+    notes = [line for line in out.splitlines() if line.startswith("over 100%:")]
+    assert len(notes) == len({line.rsplit(": ", 1)[-1] for line in notes}), notes
     plan = json.loads(out_json.read_text())
     assert plan["devices"] == [1, 2]
     strategies = {r["strategy"] for r in plan["rows"]}
@@ -59,14 +65,35 @@ def test_plan_with_profile_writes_json_plot_and_traces(tmp_path, capsys, step_js
     assert "not planned: fsdp / fp16" in out
     one = [r for r in plan["rows"] if r["devices"] == 1]
     assert all(r["speedup"] == pytest.approx(1.0) for r in one if r["strategy"] != "ps")
-    best = plan["best"]["2"]
+    best = plan["best"]["2"]  # the fastest at most 100% efficient: never an above-linear row
+    assert "above_linear" not in best
     assert best["samples_per_s"] == max(
-        r["samples_per_s"] for r in plan["rows"] if r["devices"] == 2
+        r["samples_per_s"] for r in plan["rows"] if r["devices"] == 2 and "above_linear" not in r
     )
     assert 1.0 < best["speedup"] <= 2.0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     events = read_trace(traces / "plan-n2.json")
     assert {e["lane"] for e in events} >= {"compute", "exchange"}
+
+
+def test_all_lists_every_combination_but_not_the_ones_that_cannot_differ(capsys, step_json):
+    argv = ["plan", CONFIG, "--cluster", CLUSTER, "--profile", step_json, "--devices", "1,2"]
+    code, short, err = run(argv, capsys)
+    assert code == 0, err
+    code, every, err = run([*argv, "--all"], capsys)
+    assert code == 0, err
+    assert len(_rows(every, "2")) > len(_rows(short, "2"))  # thresholds x compression at N = 2
+    for n in ("1", "2"):  # no strategy's row repeats another's prediction
+        seen = [(c[1], c[4], c[5]) for c in _rows(every, n) if c[4] != "skipped"]
+        assert len(seen) == len(set(seen)), _rows(every, n)
+    assert len(_rows(every, "1")) == 5  # at N = 1 threshold and compression cannot differ
+
+
+def _rows(out: str, n: str) -> list[list[str]]:
+    """The cells of the per-N table's rows at N = ``n`` (not the summary's, whose setup
+    column reads "strategy / threshold / compress")."""
+    cells = [line.split() for line in out.splitlines()]
+    return [c for c in cells if len(c) > 4 and c[0] == n and c[2] != "/"]
 
 
 def test_bad_cluster_file_is_one_line_exit_2(tmp_path, capsys, step_json):

@@ -45,9 +45,9 @@ def auto_plan(config: Any, world_size: int, run_dir: Path) -> list[str]:
 def _choose(config: Any, world_size: int, run_dir: Path) -> list[str]:
     strategies = [s for s in _strategies(None, config.exchange) if _runnable(config, s[0])]
     plan = _plan(config, world_size, strategies)
-    best = plan.best(world_size)
+    best = plan.best(world_size, choice=True)
     if best is None or best.result is None:
-        raise ConfigError("the planner skipped every setup")
+        raise ConfigError("the planner has no setup within 100% efficiency (or skipped every one)")
     sets = recommended_sets(best)
     _record(run_dir, best, plan.profile.spread, sets)
     print(

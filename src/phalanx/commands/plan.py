@@ -83,6 +83,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "steps' times are stable, as phalanx profile)",
     )
     p.add_argument("--device", default="auto", help="where to measure: auto, cpu or cuda[:N]")
+    p.add_argument(
+        "--all", action="store_true", help="every threshold and compression (default: each "
+        "strategy's best)",
+    )  # fmt: skip
     p.add_argument("--json", metavar="FILE", help="write every number here")
     p.add_argument("--plot", metavar="PNG", help="speed-up against N (viz extra)")
     p.add_argument("--trace", metavar="DIR", help="a Chrome trace per N of the best setup")
@@ -136,7 +140,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if not args.cluster:  # this host: its compute slow-down moves with its load, probe it now
         cluster = slowdown_now(cluster)
     plan = make_plan(profile, cluster, devices, strategies, thresholds, compressions)
-    print(format_plan(plan))
+    print(format_plan(plan, every=args.all))
     print(recommendation(plan, max(devices), args.config, args.set))
     if args.json:
         atomic_write_text(Path(args.json), json.dumps(plan.to_dict(), indent=1) + "\n")

@@ -103,13 +103,20 @@ class Plan:
     def single_device_s(self) -> float:
         return self.profile.scaled(self.cluster.compute_speed).compute_s
 
-    def best(self, devices: int) -> PlanRow | None:
-        """The row with the most samples/s at ``devices`` (None if every setup was skipped)."""
+    def best(self, devices: int, *, choice: bool = False) -> PlanRow | None:
+        """The row with the most samples/s at ``devices`` (None if every setup was skipped);
+        ``choice``: among the rows at most 100% efficient (above that the model predicts what
+        the one-device step cannot show, so such a row is never recommended)."""
         done = [r for r in self.rows if r.devices == devices and r.result is not None]
+        if choice:
+            done = [r for r in done if not r.above_linear]
         return max(done, key=lambda r: r.result.samples_per_s) if done else None  # type: ignore[union-attr]
 
     def to_dict(self) -> dict[str, Any]:
-        best = {str(n): (b.to_dict() if (b := self.best(n)) else None) for n in self.devices}
+        best = {
+            str(n): (b.to_dict() if (b := self.best(n, choice=True)) else None)
+            for n in self.devices
+        }
         return {
             "cluster": self.cluster.to_dict(),
             "profile": {
@@ -186,7 +193,7 @@ def recommendation(
     """One line: the fastest setup at ``devices`` and the command that runs it, ready to paste
     (``config``: the run config's path; ``sets``: the plan's own ``--set`` overrides, which
     the recommended ones follow)."""
-    best = plan.best(devices)
+    best = plan.best(devices, choice=True)
     if best is None or best.result is None:
         return f"recommendation at {devices}: none (every setup was skipped)"
     given = "".join(f" --set {shlex.quote(item)}" for item in sets)
@@ -321,8 +328,9 @@ def _parse_mib(text: str) -> int:
 
 
 # -- output -----------------------------------------------------------------------------------
-def format_plan(plan: Plan) -> str:
-    """The table per N (every setup, the best marked) and a summary of the best per N."""
+def format_plan(plan: Plan, every: bool = False) -> str:
+    """The table per N (one row per strategy, or ``every`` combination; the best within 100%
+    marked), each note once, and a summary of the best per N."""
     p, c = plan.profile, plan.cluster
     lines = [
         f"phalanx plan | cluster {c.name} ({c.devices_per_node} devices/node, intra "
@@ -337,69 +345,21 @@ def format_plan(plan: Plan) -> str:
     lines += [f"assumed (not measured): {term}" for term in c.assumed]
     lines += _spread_lines(p)
     lines += [f"not planned: {why}" for why in plan.not_applicable]
-    header = (
-        "N",
-        "strategy",
-        "threshold",
-        "compress",
-        "step ms",
-        "exposed ms",
-        "samples/s",
-        "speed-up",
-        "eff",
-        "",
-    )
+    header = ("N", "strategy", "threshold", "compress", "step ms", "exposed ms", "samples/s",
+              "speed-up", "eff", "")  # fmt: skip
     for n in plan.devices:
-        rows = [header]
-        best = plan.best(n)
-        for row in (r for r in plan.rows if r.devices == n):
-            s = row.setup
-            name = s.strategy + (f"({_options(s.options)})" if s.options else "")
-            if row.result is None:
-                rows.append(
-                    (
-                        str(n),
-                        name,
-                        s.threshold_label,
-                        s.compress,
-                        "skipped",
-                        "",
-                        "",
-                        "",
-                        "",
-                        row.skipped,
-                    )
-                )
-                continue
-            r = row.result
-            rows.append(
-                (
-                    str(n),
-                    name,
-                    s.threshold_label,
-                    s.compress,
-                    f"{r.step_s * 1e3:.1f}",
-                    f"{r.exposed_s * 1e3:.1f}",
-                    f"{r.samples_per_s:.1f}",
-                    f"{row.speedup:.2f}x",
-                    f"{row.efficiency:.0%}",
-                    "<- best" if row is best else "",
-                )
-            )
+        best = plan.best(n, choice=True)
+        rows = [header] + [_cells(row, row is best) for row in _shown(plan, n, every)]
         lines.append("")
         lines += _table(rows)
-        lines += [
-            f"  over 100%: {row.setup.label()} at {n} ({row.efficiency:.0%}): {row.above_linear}"
-            for row in plan.rows
-            if row.devices == n and row.above_linear
-        ]
+    lines += _notes(plan)
     lines.append("")
-    lines.append("best per N:")
+    lines.append("best per N (at most 100% efficient):")
     summary = [("N", "setup", "samples/s", "speed-up", "efficiency")]
     for n in plan.devices:
-        best = plan.best(n)
+        best = plan.best(n, choice=True)
         if best is None:
-            summary.append((str(n), "every setup skipped", "", "", ""))
+            summary.append((str(n), "none within 100% (see the notes)", "", "", ""))
             continue
         summary.append(
             (
@@ -412,6 +372,65 @@ def format_plan(plan: Plan) -> str:
         )
     lines += _table(summary)
     return "\n".join(lines)
+
+
+def _shown(plan: Plan, n: int, every: bool) -> list[PlanRow]:
+    """The rows of N's table: by default one per strategy (its fastest threshold and
+    compression, within 100% where one is); ``every``: each combination, but a row that
+    predicts exactly what an earlier one of its strategy does (compression and threshold
+    cannot matter at N = 1) is not repeated."""
+    groups: dict[str, list[PlanRow]] = {}
+    for row in (r for r in plan.rows if r.devices == n):
+        groups.setdefault(_name(row.setup), []).append(row)
+    shown = []
+    for rows in groups.values():
+        done = [r for r in rows if r.result is not None]
+        if not done:
+            shown.append(rows[0])  # skipped: one row says why
+            continue
+        if not every:
+            within = [r for r in done if not r.above_linear] or done
+            shown.append(max(within, key=lambda r: r.result.samples_per_s))  # type: ignore[union-attr]
+            continue
+        seen: set[tuple[float, float]] = set()
+        for row in rows:
+            key = (0.0, 0.0) if row.result is None else (row.result.step_s, row.result.exposed_s)
+            if row.result is None or key not in seen:
+                shown.append(row)
+            seen.add(key)
+    return shown
+
+
+def _name(setup: ExchangeSetup) -> str:
+    return setup.strategy + (f"({_options(setup.options)})" if setup.options else "")
+
+
+def _cells(row: PlanRow, best: bool) -> tuple[str, ...]:
+    s = row.setup
+    first = (str(row.devices), _name(s), s.threshold_label, s.compress)
+    if row.result is None:
+        return (*first, "skipped", "", "", "", "", row.skipped)
+    r = row.result
+    mark = "<- best" if best else "over 100%: see the notes" if row.above_linear else ""
+    times = (f"{r.step_s * 1e3:.1f}", f"{r.exposed_s * 1e3:.1f}", f"{r.samples_per_s:.1f}")
+    return (*first, *times, f"{row.speedup:.2f}x", f"{row.efficiency:.0%}", mark)
+
+
+def _notes(plan: Plan) -> list[str]:
+    """Each reason an efficiency is over 100% once, with the rows it explains."""
+    by_reason: dict[str, list[PlanRow]] = {}
+    for row in plan.rows:
+        if row.above_linear:
+            by_reason.setdefault(row.above_linear, []).append(row)
+    lines = []
+    for reason, rows in by_reason.items():
+        first = rows[0]
+        more = f", and {len(rows) - 1} more row(s)" if len(rows) > 1 else ""
+        lines.append(
+            f"over 100%: {first.setup.label()} at {first.devices} ({first.efficiency:.0%})"
+            f"{more}: {reason}"
+        )
+    return [""] + lines if lines else []
 
 
 def _spread_lines(profile: StepProfile) -> list[str]:
